@@ -1,0 +1,204 @@
+"""Typed messages of the pipeline, grouped by the stage that receives them.
+
+All structs are `array_like` msgspec structs: the field order *is* the wire format. Append new
+fields at the end with a default, never reorder, and pin each message with a round-trip test
+(tests/test_bus_messages.py). `gc=False` because these are plain data with no cycles.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
+    pass
+
+
+class FinishReason(enum.IntEnum):
+    NONE = 0  # still running
+    STOP = 1  # eos, a stop token or a stop string
+    LENGTH = 2  # max_tokens or the context window
+    ABORT = 3  # the client went away or asked to cancel
+    ERROR = 4  # a stage failed; `error` says why
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a stage refused or failed a request; the api maps these to HTTP statuses."""
+
+    INVALID_REQUEST = 1  # -> 400
+    CONTEXT_LENGTH_EXCEEDED = 2  # -> 400
+    OVERLOADED = 3  # -> 503
+    INTERNAL = 4  # -> 500
+
+
+class SamplingParams(_Msg):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 16
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
+
+
+class ChatMessage(_Msg):
+    role: str
+    content: str
+
+
+# ---------------------------------------------------------------- api -> tokenizer
+
+
+class GenerateRequest(_Msg):
+    """A request the api accepted; either `messages` (chat) or `prompt` is set."""
+
+    request_id: str
+    reply_subject: str  # where the detokenizer sends text deltas (the owning api copy)
+    model: str
+    params: SamplingParams
+    messages: list[ChatMessage] = []
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    add_generation_prompt: bool = True
+
+
+class Admission(_Msg):
+    """Reply to GenerateRequest / SubmitRequest: accepted (error_code 0) or refused."""
+
+    num_prompt_tokens: int = 0
+    error_code: int = 0
+    error_message: str = ""
+    error_param: str | None = None
+
+
+# ---------------------------------------------------------------- tokenizer -> scheduler
+
+
+class SubmitRequest(_Msg):
+    request_id: str
+    reply_subject: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class AbortRequest(_Msg):
+    request_id: str
+
+
+# ---------------------------------------------------------------- scheduler <-> executor
+
+
+class ExecutorInfoRequest(_Msg):
+    pass
+
+
+class ExecutorInfo(_Msg):
+    """What the executor owns: the physical KV cache geometry and the model limits."""
+
+    model_name: str
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    eos_token_ids: list[int]
+    vocab_size: int
+
+
+class NewRequestData(_Msg):
+    """Sent once, in the first step that schedules a request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class ScheduledRequest(_Msg):
+    """One request's share of a step: compute `num_tokens` tokens from `start`.
+
+    The executor keeps each request's tokens (prompt + what it sampled) and its block table, so
+    the plan only carries deltas: blocks appended to the table since the last step. A prefill
+    chunk has num_tokens > 1; a decode has num_tokens == 1 and feeds the last sampled token.
+    `sample` is false for a prefill chunk that does not reach the end of the known tokens.
+    """
+
+    request_id: str
+    start: int
+    num_tokens: int
+    new_block_ids: list[int] = []
+    sample: bool = True
+
+
+class StepPlan(_Msg):
+    step_id: int
+    new_requests: list[NewRequestData] = []
+    scheduled: list[ScheduledRequest] = []
+    # Requests the executor forgets (finished or aborted) before running this step.
+    finished_request_ids: list[str] = []
+    # Requests whose blocks were taken back: the executor clears their block tables and keeps
+    # their tokens, so a later ScheduledRequest recomputes them from start 0.
+    preempted_request_ids: list[str] = []
+
+
+class StepResult(_Msg):
+    step_id: int
+    # Parallel to the plan's scheduled requests that had sample=True, in the same order.
+    sampled_token_ids: list[int] = []
+    forward_seconds: float = 0.0
+    batch_size: int = 0
+    num_tokens: int = 0
+    error: str = ""
+
+
+# ---------------------------------------------------------------- scheduler -> detokenizer
+
+
+class RequestTokens(_Msg):
+    request_id: str
+    reply_subject: str
+    new_token_ids: list[int]
+    finish_reason: int = FinishReason.NONE
+    num_prompt_tokens: int = 0
+    # Sent with the first tokens of a request so the detokenizer can set up its state.
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
+    error: str = ""
+    step_id: int = 0
+
+
+class TokenBatch(_Msg):
+    """All token updates of one engine step (one message per step, not per token)."""
+
+    engine_id: str
+    items: list[RequestTokens]
+
+
+# ---------------------------------------------------------------- detokenizer -> api
+
+
+class TextDelta(_Msg):
+    request_id: str
+    text: str
+    num_new_tokens: int = 0
+    finish_reason: int = FinishReason.NONE
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str = ""
+    step_id: int = 0
+
+
+class DeltaBatch(_Msg):
+    items: list[TextDelta]
+
+
+class Ping(_Msg):
+    pass
+
+
+class Pong(_Msg):
+    service: str
+    instance_id: str
+    ready: bool = True

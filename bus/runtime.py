@@ -1,0 +1,119 @@
+"""The service runtime: one NATS connection, typed handlers, readiness, graceful drain.
+
+A service builds a `ServiceRuntime`, registers handlers, marks itself ready and awaits
+`run_until_stopped()`. SIGTERM/SIGINT set a stop event; the runtime then drains its
+subscriptions (in-flight handlers finish) and closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
+
+from bus import subjects
+from bus.codec import decode, encode
+from bus.messages import Ping, Pong
+from bus.tracing import extract_context, inject_headers
+
+T = TypeVar("T", bound=msgspec.Struct)
+R = TypeVar("R", bound=msgspec.Struct)
+
+log = structlog.get_logger()
+
+
+def new_instance_id() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+class ServiceRuntime:
+    """Owns the NATS connection of one service instance."""
+
+    def __init__(self, service: str, nats_url: str, instance_id: str | None = None) -> None:
+        self.service = service
+        self.nats_url = nats_url
+        self.instance_id = instance_id or new_instance_id()
+        self.nc: Client | None = None
+        self.ready = False
+        self.stop_event = asyncio.Event()
+        self._subscriptions: list[Any] = []
+
+    async def connect(self) -> None:
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats error", error=str(exc))
+
+        self.nc = await nats.connect(
+            self.nats_url, name=f"llmbus-{self.service}-{self.instance_id}",
+            error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        await self.on_request(subjects.ping(self.service), Ping, self._pong)
+
+    async def _pong(self, _: Ping, __: Msg) -> Pong:
+        return Pong(service=self.service, instance_id=self.instance_id, ready=self.ready)
+
+    async def on_message(self, subject: str, message_type: type[T],
+                         handler: Callable[[T, Msg], Awaitable[None]],
+                         queue: str = "") -> None:
+        """Call `handler(decoded, raw)` for each message; the trace context is made current."""
+
+        async def callback(msg: Msg) -> None:
+            token = otel_context.attach(extract_context(msg.headers))
+            try:
+                await handler(decode(msg.data, message_type), msg)
+            except Exception:
+                log.exception("handler failed", subject=msg.subject)
+            finally:
+                otel_context.detach(token)
+
+        assert self.nc is not None
+        self._subscriptions.append(await self.nc.subscribe(subject, queue=queue, cb=callback))
+
+    async def on_request(self, subject: str, message_type: type[T],
+                         handler: Callable[[T, Msg], Awaitable[msgspec.Struct]],
+                         queue: str = "") -> None:
+        """Like on_message, but the handler's return value is sent back as the reply."""
+
+        async def reply(request: T, msg: Msg) -> None:
+            response = await handler(request, msg)
+            await msg.respond(encode(response))
+
+        await self.on_message(subject, message_type, reply, queue=queue)
+
+    async def publish(self, subject: str, message: msgspec.Struct) -> None:
+        assert self.nc is not None
+        await self.nc.publish(subject, encode(message), headers=inject_headers())
+
+    async def request(self, subject: str, message: msgspec.Struct, reply_type: type[R],
+                      timeout: float) -> R:
+        """Request/reply; raises nats.errors.NoRespondersError / TimeoutError."""
+        assert self.nc is not None
+        msg = await self.nc.request(subject, encode(message), timeout=timeout,
+                                    headers=inject_headers())
+        return decode(msg.data, reply_type)
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_event.set)
+
+    async def run_until_stopped(self) -> None:
+        self.install_signal_handlers()
+        await self.stop_event.wait()
+        log.info("stopping")
+
+    async def close(self) -> None:
+        """Drain subscriptions (in-flight handlers finish), then close the connection."""
+        self.ready = False
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), timeout=5.0)
+            except Exception:  # a dead server must not turn shutdown into a hang
+                await self.nc.close()

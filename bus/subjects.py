@@ -1,0 +1,54 @@
+"""Every NATS subject the pipeline uses, in one place.
+
+Subjects carry a version (`v1`) so that a changed wire format can run beside the old one during
+a rolling upgrade. Subjects with a `{...}` part are addressed to one instance (an engine, an api
+copy); the rest are shared by every copy of a stage through a queue group.
+"""
+
+from __future__ import annotations
+
+PREFIX = "llmbus.v1"
+
+# api -> tokenizer (request/reply, queue group "tokenizer"): admit a request.
+TOKENIZER_GENERATE = f"{PREFIX}.tokenizer.generate"
+# api -> tokenizer (request/reply): count/encode text without generating.
+TOKENIZER_ENCODE = f"{PREFIX}.tokenizer.encode"
+
+
+def scheduler_submit(engine_id: str) -> str:
+    """tokenizer -> scheduler (request/reply): enqueue a tokenized request on one engine."""
+    return f"{PREFIX}.engine.{engine_id}.submit"
+
+
+# anyone -> every scheduler (publish): abort a request wherever it is.
+SCHEDULER_ABORT = f"{PREFIX}.engine.abort"
+
+
+def executor_info(engine_id: str) -> str:
+    """scheduler -> executor (request/reply): model and KV-cache geometry of one engine."""
+    return f"{PREFIX}.engine.{engine_id}.executor.info"
+
+
+def executor_step(engine_id: str) -> str:
+    """scheduler -> executor (request/reply): run one batched forward step."""
+    return f"{PREFIX}.engine.{engine_id}.executor.step"
+
+
+# scheduler -> detokenizer (publish): new tokens of one step. The detokenizer keeps per-request
+# decode state, so it is not a plain queue group: see services/detokenizer/service.py.
+DETOKENIZER_TOKENS = f"{PREFIX}.detokenizer.tokens"
+
+
+def api_deltas(api_id: str) -> str:
+    """detokenizer -> the api copy that owns the requests (publish): text deltas."""
+    return f"{PREFIX}.api.{api_id}.deltas"
+
+
+def ping(service: str) -> str:
+    """launcher/health -> any copy of a service (request/reply): readiness probe."""
+    return f"{PREFIX}.ping.{service}"
+
+
+# The queue group of a stateless stage is simply the stage name.
+def queue_group(service: str) -> str:
+    return service

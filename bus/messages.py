@@ -37,7 +37,7 @@ class SamplingParams(_Msg):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0 = until the context window is full
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
@@ -192,6 +192,32 @@ class TextDelta(_Msg):
 
 class DeltaBatch(_Msg):
     items: list[TextDelta]
+
+
+class ModelInfoRequest(_Msg):
+    pass
+
+
+class ModelInfo(_Msg):
+    model_name: str
+    max_model_len: int
+    engine_id: str
+
+
+class EngineStatsRequest(_Msg):
+    pass
+
+
+class EngineStats(_Msg):
+    engine_id: str
+    num_steps: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    max_batch_size: int  # the most requests one step has carried
+    num_preemptions: int
+    num_finished: int
 
 
 class Ping(_Msg):

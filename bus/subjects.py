@@ -15,9 +15,19 @@ TOKENIZER_GENERATE = f"{PREFIX}.tokenizer.generate"
 TOKENIZER_ENCODE = f"{PREFIX}.tokenizer.encode"
 
 
-def scheduler_submit(engine_id: str) -> str:
-    """tokenizer -> scheduler (request/reply): enqueue a tokenized request on one engine."""
-    return f"{PREFIX}.engine.{engine_id}.submit"
+# tokenizer -> a scheduler (request/reply, queue group "scheduler"): enqueue a tokenized request.
+# With several engines the queue group spreads requests; cache-aware routing replaces it later.
+ENGINE_SUBMIT = f"{PREFIX}.engine.submit"
+
+# api -> any scheduler (request/reply, queue group "scheduler"): the served model and its limits.
+ENGINE_MODEL = f"{PREFIX}.engine.model"
+
+
+def engine_stats(engine_id: str) -> str:
+    """anyone -> one scheduler (request/reply): counters of its engine."""
+    return f"{PREFIX}.engine.{engine_id}.stats"
+
+
 
 
 # anyone -> every scheduler (publish): abort a request wherever it is.

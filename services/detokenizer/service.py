@@ -1,0 +1,106 @@
+"""The detokenizer's bus adapter: token ids in, text deltas out, one message per api per step.
+
+Per-request decode state lives here (the incremental window and held-back stop-string text),
+so this stage is not a plain queue group: with a queue group, two steps of one request could be
+decoded by different copies. For now one copy receives every TokenBatch; sticky routing of
+requests to copies is the replicas issue's work.
+
+When a stop string ends a request, the scheduler is told at once (an abort) so its KV blocks
+are freed; tokens of that request still in flight are dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import structlog
+from nats.aio.msg import Msg
+
+from bus import subjects
+from bus.messages import AbortRequest, DeltaBatch, FinishReason, TextDelta, TokenBatch
+from bus.runtime import ServiceRuntime
+from services.detokenizer.incremental import IncrementalDetokenizer
+from services.model_files import resolve_model
+from services.tokenizer.gguf_tokenizer import GGUFTokenizer
+
+log = structlog.get_logger()
+
+# Requests ended by a stop string are remembered until the scheduler confirms their end.
+_MAX_STOPPED_REMEMBERED = 10_000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="path of a GGUF model (default: the pulled default model)")
+
+
+class Detokenization:
+    """All in-flight requests' decode states; pure (no bus), driven by TokenBatches."""
+
+    def __init__(self, tokenizer: GGUFTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, IncrementalDetokenizer] = {}
+        self.stopped: dict[str, None] = {}  # insertion-ordered set
+
+    def process(self, batch: TokenBatch) -> tuple[dict[str, list[TextDelta]], list[str]]:
+        """Deltas grouped by api reply subject, and requests a stop string just ended."""
+        out: dict[str, list[TextDelta]] = defaultdict(list)
+        newly_stopped: list[str] = []
+        for item in batch.items:
+            if item.request_id in self.stopped:
+                if item.finish_reason != FinishReason.NONE:
+                    del self.stopped[item.request_id]
+                continue
+            state = self.states.get(item.request_id)
+            if state is None:
+                state = IncrementalDetokenizer(
+                    self.tokenizer.decode, stop=item.stop,
+                    include_stop_str_in_output=item.include_stop_str_in_output)
+                self.states[item.request_id] = state
+            delta = state.step(item.new_token_ids)
+            text, reason = delta.text, FinishReason(item.finish_reason)
+            if delta.stopped:
+                reason = FinishReason.STOP
+                if item.finish_reason == FinishReason.NONE:
+                    newly_stopped.append(item.request_id)
+                    self._remember_stopped(item.request_id)
+            elif reason != FinishReason.NONE:
+                flushed = state.finish()
+                text += flushed.text
+                if flushed.stopped:
+                    reason = FinishReason.STOP
+            if reason != FinishReason.NONE:
+                del self.states[item.request_id]
+            out[item.reply_subject].append(TextDelta(
+                request_id=item.request_id, text=text, num_new_tokens=len(item.new_token_ids),
+                finish_reason=reason, num_prompt_tokens=item.num_prompt_tokens,
+                num_output_tokens=state.num_tokens, error=item.error, step_id=item.step_id))
+        return out, newly_stopped
+
+    def _remember_stopped(self, request_id: str) -> None:
+        self.stopped[request_id] = None
+        while len(self.stopped) > _MAX_STOPPED_REMEMBERED:
+            del self.stopped[next(iter(self.stopped))]
+
+
+async def main(args: argparse.Namespace) -> None:
+    runtime = ServiceRuntime("detokenizer", args.nats_url, args.instance_id)
+    await runtime.connect()
+    runtime.install_signal_handlers()
+    detokenization = Detokenization(GGUFTokenizer.from_gguf(resolve_model(args.model)))
+
+    async def on_tokens(batch: TokenBatch, _: Msg) -> None:
+        by_api, newly_stopped = detokenization.process(batch)
+        for request_id in newly_stopped:
+            await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id))
+        for reply_subject, deltas in by_api.items():
+            await runtime.publish(reply_subject, DeltaBatch(items=deltas))
+
+    await runtime.on_message(subjects.DETOKENIZER_TOKENS, TokenBatch, on_tokens)
+    runtime.ready = True
+    log.info("detokenizer ready")
+    try:
+        await runtime.stop_event.wait()
+    finally:
+        await runtime.close()

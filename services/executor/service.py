@@ -1,0 +1,77 @@
+"""The executor's bus adapter: answers the scheduler's step plans with sampled tokens.
+
+The forward runs in a worker thread so that the event loop keeps answering pings while the
+model computes. Steps of one engine arrive one at a time (the scheduler waits for each reply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+import structlog
+from nats.aio.msg import Msg
+
+from bus import subjects
+from bus.messages import ExecutorInfo, ExecutorInfoRequest, StepPlan, StepResult
+from bus.runtime import ServiceRuntime
+from services.model_files import model_name_for, resolve_model
+
+log = structlog.get_logger()
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine-id", default="engine0",
+                        help="name of the engine this executor serves (default: engine0)")
+    parser.add_argument("--model", default=None,
+                        help="path of a GGUF model (default: the pulled default model)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="compute dtype of weights and KV cache (default: float32)")
+    parser.add_argument("--device", choices=("cpu",), default="cpu",
+                        help="where the model runs (default: cpu)")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="tokens per KV-cache block (default: 16)")
+    parser.add_argument("--kv-cache-memory", type=float, default=None,
+                        help="KV-cache budget in GiB (default: min(2 GiB, 25%% of free RAM))")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="exact number of KV blocks (overrides --kv-cache-memory)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context window (default: the model's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: all cores)")
+
+
+async def main(args: argparse.Namespace) -> None:
+    import torch  # only the executor pays for importing torch
+
+    from services.executor.runner import ModelRunner
+
+    runtime = ServiceRuntime("executor", args.nats_url, args.instance_id)
+    await runtime.connect()
+    runtime.install_signal_handlers()
+    path = resolve_model(args.model)
+    log.info("loading model", path=str(path), dtype=args.dtype)
+    kv_bytes = int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None
+    runner = await asyncio.to_thread(
+        ModelRunner, path, model_name=model_name_for(path), dtype=getattr(torch, args.dtype),
+        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_bytes=kv_bytes,
+        max_model_len=args.max_model_len, num_threads=args.threads or os.cpu_count())
+    info = runner.info()
+    log.info("model loaded", num_blocks=info.num_blocks, max_model_len=info.max_model_len)
+
+    async def on_info(_: ExecutorInfoRequest, __: Msg) -> ExecutorInfo:
+        return info
+
+    async def on_step(plan: StepPlan, _: Msg) -> StepResult:
+        return await asyncio.to_thread(runner.step, plan)
+
+    await runtime.on_request(subjects.executor_info(args.engine_id), ExecutorInfoRequest, on_info)
+    await runtime.on_request(subjects.executor_step(args.engine_id), StepPlan, on_step)
+    runtime.ready = True
+    try:
+        await runtime.stop_event.wait()
+    finally:
+        await runtime.close()

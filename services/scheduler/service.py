@@ -1,0 +1,174 @@
+"""The scheduler's bus adapter: the only file of this stage that touches NATS.
+
+One engine = one scheduler + its executor. The engine loop plans a step, sends it to the
+executor (request/reply), applies the result and publishes one TokenBatch per step. When the
+executor does not answer, every request it held ends with an explicit error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+
+from bus import subjects
+from bus.messages import (
+    AbortRequest,
+    Admission,
+    EngineStats,
+    EngineStatsRequest,
+    ErrorCode,
+    ExecutorInfo,
+    ExecutorInfoRequest,
+    ModelInfo,
+    ModelInfoRequest,
+    RequestTokens,
+    StepResult,
+    SubmitRequest,
+    TokenBatch,
+)
+from bus.runtime import ServiceRuntime
+from services.scheduler.scheduler import AdmissionError, Scheduler, SchedulerConfig
+
+log = structlog.get_logger()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine-id", default="engine0",
+                        help="name of the engine (scheduler + executor pair) (default: engine0)")
+    parser.add_argument("--max-num-seqs", type=int, default=64,
+                        help="most requests in one step (default: 64)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="token budget of one step; longer prompts are prefilled in chunks "
+                             "(default: 512)")
+    parser.add_argument("--step-timeout", type=float, default=60.0,
+                        help="seconds to wait for the executor's answer to one step before "
+                             "failing its requests (default: 60)")
+
+
+class SchedulerService:
+    def __init__(self, runtime: ServiceRuntime, args: argparse.Namespace) -> None:
+        self.runtime = runtime
+        self.args = args
+        self.engine_id: str = args.engine_id
+        self.scheduler: Scheduler | None = None
+        self.info: ExecutorInfo | None = None
+        self.wakeup = asyncio.Event()
+
+    async def start(self) -> None:
+        self.info = await self._wait_for_executor()
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=self.info.num_blocks, block_size=self.info.block_size,
+            max_model_len=self.info.max_model_len, eos_token_ids=tuple(self.info.eos_token_ids),
+            max_num_seqs=self.args.max_num_seqs,
+            max_num_batched_tokens=self.args.max_num_batched_tokens))
+        runtime = self.runtime
+        await runtime.on_request(subjects.ENGINE_SUBMIT, SubmitRequest, self.on_submit,
+                                 queue=subjects.queue_group("scheduler"))
+        await runtime.on_message(subjects.SCHEDULER_ABORT, AbortRequest, self.on_abort)
+        await runtime.on_request(subjects.ENGINE_MODEL, ModelInfoRequest, self.on_model_info,
+                                 queue=subjects.queue_group("scheduler"))
+        await runtime.on_request(subjects.engine_stats(self.engine_id), EngineStatsRequest,
+                                 self.on_stats)
+        log.info("scheduler ready", engine_id=self.engine_id, num_blocks=self.info.num_blocks,
+                 block_size=self.info.block_size, max_model_len=self.info.max_model_len)
+
+    async def _wait_for_executor(self) -> ExecutorInfo:
+        """The executor may still be loading weights: ask until it answers."""
+        subject = subjects.executor_info(self.engine_id)
+        while not self.runtime.stop_event.is_set():
+            try:
+                return await self.runtime.request(subject, ExecutorInfoRequest(), ExecutorInfo,
+                                                  timeout=2.0)
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                await asyncio.sleep(0.2)
+        raise asyncio.CancelledError
+
+    async def on_submit(self, submit: SubmitRequest, _: Msg) -> Admission:
+        assert self.scheduler is not None
+        try:
+            self.scheduler.add_request(submit.request_id, submit.reply_subject,
+                                       submit.prompt_token_ids, submit.params,
+                                       submit.arrival_time)
+        except AdmissionError as exc:
+            code = (ErrorCode.CONTEXT_LENGTH_EXCEEDED if "context" in str(exc)
+                    else ErrorCode.INVALID_REQUEST)
+            return Admission(error_code=code, error_message=str(exc), error_param=exc.param)
+        self.wakeup.set()
+        return Admission(num_prompt_tokens=len(submit.prompt_token_ids))
+
+    async def on_abort(self, abort: AbortRequest, _: Msg) -> None:
+        assert self.scheduler is not None
+        if self.scheduler.abort_request(abort.request_id):
+            log.info("aborted", request_id=abort.request_id)
+            self.wakeup.set()
+
+    async def on_model_info(self, _: ModelInfoRequest, __: Msg) -> ModelInfo:
+        assert self.info is not None
+        return ModelInfo(model_name=self.info.model_name, max_model_len=self.info.max_model_len,
+                         engine_id=self.engine_id)
+
+    async def on_stats(self, _: EngineStatsRequest, __: Msg) -> EngineStats:
+        s = self.scheduler
+        assert s is not None
+        return EngineStats(
+            engine_id=self.engine_id, num_steps=s.num_steps, num_running=len(s.running),
+            num_waiting=len(s.waiting), num_free_blocks=s.allocator.num_free,
+            num_total_blocks=s.allocator.num_usable, max_batch_size=s.max_batch_size,
+            num_preemptions=s.num_preemptions, num_finished=s.num_finished)
+
+    async def run_engine_loop(self) -> None:
+        """Plan, execute, publish — until stopped. One bus round trip per step."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        step_subject = subjects.executor_step(self.engine_id)
+        while not self.runtime.stop_event.is_set():
+            if not scheduler.has_work:
+                await self._publish(scheduler.take_ended_updates())
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            plan = scheduler.schedule()
+            try:
+                result = await self.runtime.request(step_subject, plan, StepResult,
+                                                    timeout=self.args.step_timeout)
+                if result.error:
+                    raise RuntimeError(result.error)
+            except Exception as exc:  # executor gone, timed out or failed: fail, never hang
+                log.error("step failed", step_id=plan.step_id, error=str(exc))
+                updates = scheduler.take_ended_updates() + scheduler.fail_all(
+                    f"the executor failed: {exc or type(exc).__name__}")
+                await self._publish(updates)
+                continue
+            await self._publish(scheduler.update(plan, result))
+            await asyncio.sleep(0)  # let submits and aborts in between steps
+
+    async def _publish(self, updates: list[RequestTokens]) -> None:
+        if updates:
+            await self.runtime.publish(subjects.DETOKENIZER_TOKENS,
+                                       TokenBatch(engine_id=self.engine_id, items=updates))
+
+
+async def main(args: argparse.Namespace) -> None:
+    runtime = ServiceRuntime("scheduler", args.nats_url, args.instance_id)
+    await runtime.connect()
+    runtime.install_signal_handlers()
+    service = SchedulerService(runtime, args)
+    try:
+        await service.start()
+        runtime.ready = True
+        loop_task = asyncio.create_task(service.run_engine_loop())
+        stop_task = asyncio.create_task(runtime.stop_event.wait())
+        done, _ = await asyncio.wait({loop_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if loop_task in done:
+            loop_task.result()  # surface a crash of the loop
+        loop_task.cancel()
+    except asyncio.CancelledError:
+        pass
+    finally:
+        if service.scheduler is not None:  # in-flight requests end explicitly on shutdown
+            await service._publish(service.scheduler.fail_all("the scheduler is shutting down"))
+        await runtime.close()

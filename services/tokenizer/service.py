@@ -1,0 +1,101 @@
+"""The tokenizer's bus adapter: turn an api request into token ids and admit it into an engine.
+
+Stateless, so every copy joins one queue group. The reply to the api is the engine's own
+admission answer, so a request the engine cannot serve is refused before the client is told
+anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+
+from bus import subjects
+from bus.messages import Admission, ErrorCode, GenerateRequest, SubmitRequest
+from bus.runtime import ServiceRuntime
+from services.model_files import resolve_model
+from services.tokenizer.chat_template import ChatTemplateError, render_chat_template
+from services.tokenizer.gguf_tokenizer import GGUFTokenizer
+
+log = structlog.get_logger()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="path of a GGUF model (default: the pulled default model)")
+
+
+class Tokenization:
+    """Prompt text or messages -> token ids, with the model's own template and vocabulary."""
+
+    def __init__(self, tokenizer: GGUFTokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
+        """Raises ValueError with a client-facing message on bad input."""
+        tok = self.tokenizer
+        if request.prompt_token_ids is not None:
+            bad = [t for t in request.prompt_token_ids if not 0 <= t < tok.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary "
+                                 f"(0..{tok.vocab_size - 1})")
+            return list(request.prompt_token_ids)
+        if request.messages:
+            if not tok.chat_template:
+                raise ValueError("this model has no chat template; use /v1/completions")
+            text = render_chat_template(
+                tok.chat_template, [{"role": m.role, "content": m.content}
+                                    for m in request.messages],
+                add_generation_prompt=request.add_generation_prompt,
+                bos_token=tok.bos_token, eos_token=tok.eos_token)
+            return tok.encode(text)
+        return tok.encode(request.prompt or "", add_special_tokens=True)
+
+
+async def main(args: argparse.Namespace) -> None:
+    runtime = ServiceRuntime("tokenizer", args.nats_url, args.instance_id)
+    await runtime.connect()
+    runtime.install_signal_handlers()
+    tokenization = Tokenization(GGUFTokenizer.from_gguf(resolve_model(args.model)))
+
+    async def on_generate(request: GenerateRequest, _: Msg) -> Admission:
+        try:
+            token_ids = tokenization.prompt_token_ids(request)
+        except (ValueError, ChatTemplateError) as exc:
+            param = "messages" if request.messages else "prompt"
+            return Admission(error_code=ErrorCode.INVALID_REQUEST, error_message=str(exc),
+                             error_param=param)
+        if not token_ids:
+            return Admission(error_code=ErrorCode.INVALID_REQUEST,
+                             error_message="the prompt is empty after tokenization",
+                             error_param="prompt")
+        submit = SubmitRequest(request_id=request.request_id,
+                               reply_subject=request.reply_subject,
+                               prompt_token_ids=token_ids, params=request.params,
+                               arrival_time=time.time())
+        try:
+            admission = await runtime.request(subjects.ENGINE_SUBMIT, submit, Admission,
+                                              timeout=10.0)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+            log.warning("no engine admitted the request", request_id=request.request_id,
+                        error=type(exc).__name__)
+            return Admission(error_code=ErrorCode.OVERLOADED,
+                             error_message="no engine is available; retry shortly")
+        if admission.error_code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and request.messages:
+            admission.error_param = admission.error_param or "messages"
+        elif admission.error_param == "messages" and not request.messages:
+            admission.error_param = "prompt"
+        return admission
+
+    await runtime.on_request(subjects.TOKENIZER_GENERATE, GenerateRequest, on_generate,
+                             queue=subjects.queue_group("tokenizer"))
+    runtime.ready = True
+    log.info("tokenizer ready", vocab_size=tokenization.tokenizer.vocab_size)
+    try:
+        await runtime.stop_event.wait()
+    finally:
+        await runtime.close()

@@ -81,7 +81,8 @@ def decode_body(body: bytes, request_type: type) -> Any:
         return msgspec.json.decode(body, type=request_type)
     except msgspec.ValidationError as exc:
         message = str(exc)
-        match = re.search(r"at `\$\.([A-Za-z_]+)", message)
+        match = (re.search(r"at `\$\.([A-Za-z_]+)", message)
+                 or re.search(r"missing required field `([A-Za-z_]+)`", message))
         raise bad_request(f"invalid request: {message}",
                           param=match.group(1) if match else None) from None
     except msgspec.DecodeError as exc:

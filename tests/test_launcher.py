@@ -1,0 +1,84 @@
+"""`llmbus up` as a user runs it: ready, stopped by SIGTERM, and loud when a service dies."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.cli import build_parser
+from services.launcher import SERVICE_ORDER, free_port
+from tests.conftest import REPO, needs_default_model, start_stack, stop_stack
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains `text` (our children carry the nats URL/port)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+@needs_default_model()
+@pytest.mark.model
+def test_up_serves_and_sigterm_leaves_no_process(tmp_path):
+    stack = start_stack(tmp_path)
+    port = stack.nats_url.rsplit(":", 1)[1]
+    assert len(processes_mentioning(stack.nats_url)) == 5  # one process per service
+    assert processes_mentioning(f"-p {port}")  # the embedded nats-server
+    import httpx
+
+    assert httpx.get(stack.base_url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
+    assert stop_stack(stack) == 0
+    assert processes_mentioning(stack.nats_url) == []
+    assert processes_mentioning(f"-p {port}") == []
+    log = stack.log()
+    for name in SERVICE_ORDER:  # every line is prefixed with its service's name
+        assert re.search(rf"^{name}\s+\| ", log, re.MULTILINE)
+
+
+def test_up_says_which_service_died_and_stops_the_rest(tmp_path):
+    port = free_port()
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--port", str(port),
+         "--model", str(tmp_path / "missing.gguf")],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert re.search(r"service `(executor|tokenizer|detokenizer)` exited with code 1",
+                     result.stderr)
+    assert "model file not found" in result.stderr
+    assert processes_mentioning(f"--port {port}") == []
+
+
+def test_compose_runs_exactly_the_launchers_services():
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"nats", *SERVICE_ORDER}
+    parser = build_parser()
+    for name in SERVICE_ORDER:
+        command = services[name]["command"]
+        assert command[:2] == ["serve", name]
+        args = parser.parse_args(command)  # every option is one the service knows
+        assert args.service == name
+        assert services[name]["environment"]["LLMBUS_NATS_URL"] == "nats://nats:4222"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["up", "--help"], ["model", "pull", "--help"],
+                                  *(["serve", name, "--help"] for name in SERVICE_ORDER)])
+def test_every_command_explains_itself(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 0
+    assert "--" in capsys.readouterr().out

@@ -1,0 +1,125 @@
+"""Load a llama-architecture GGUF into a config and float weights.
+
+Weights keep their GGUF names (`blk.{i}.attn_q.weight`, ...) in HF layout: `[out, in]`, with Q
+and K un-permuted from llama.cpp's interleaved rotary layout to the rotate_half convention, so
+one RoPE implementation matches HF transformers on the same file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+class UnsupportedModelError(ValueError):
+    """The GGUF describes a model this executor cannot run."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    context_length: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    tie_word_embeddings: bool
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp rotary layout (pairs interleaved per head) -> HF layout (halves per head)."""
+    out, inp = w.shape  # w: [out, in]
+    return w.reshape(num_heads, out // num_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _required(reader: Any, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise UnsupportedModelError(f"GGUF lacks required metadata key {key!r}")
+    return value
+
+
+def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> LlamaConfig:
+    """Hyper-parameters from GGUF metadata; `tensor_shapes` are numpy shapes (`[out, in]`)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported model architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
+    if isinstance(_field(reader, "llama.feed_forward_length"), list):
+        raise UnsupportedModelError("per-layer feed_forward_length is not supported")
+    scaling = _field(reader, "llama.rope.scaling.type", "none")
+    if scaling not in ("none", ""):
+        raise UnsupportedModelError(f"RoPE scaling {scaling!r} is not supported")
+    if "rope_freqs.weight" in tensor_shapes:
+        raise UnsupportedModelError("per-frequency RoPE factors (rope_freqs) are not supported")
+    if "token_embd.weight" not in tensor_shapes:
+        raise UnsupportedModelError("GGUF lacks token_embd.weight")
+
+    hidden = int(_required(reader, "llama.embedding_length"))
+    num_heads = int(_required(reader, "llama.attention.head_count"))
+    head_dim = int(_field(reader, "llama.attention.key_length", hidden // num_heads))
+    rope_dim = int(_field(reader, "llama.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise UnsupportedModelError(f"partial rotary ({rope_dim} of {head_dim}) is not supported")
+
+    eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return LlamaConfig(
+        num_layers=int(_required(reader, "llama.block_count")),
+        hidden_size=hidden,
+        intermediate_size=int(_required(reader, "llama.feed_forward_length")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        # The embedding matrix is the truth; token lists are sometimes padded or short.
+        vocab_size=int(tensor_shapes["token_embd.weight"][0]),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        context_length=int(_field(reader, "llama.context_length", 2048)),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+    )
+
+
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32,
+) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Read the config and dequantize every tensor to `dtype` (HF layout, see module doc)."""
+    import gguf  # heavy import, only where a model is loaded
+
+    reader = gguf.GGUFReader(str(path))
+    # Reader shapes are ggml order (innermost first); numpy order is reversed.
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    config = read_config(reader, shapes)
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = np.asarray(array, dtype=np.float32).reshape(shapes[tensor.name])
+        if tensor.name.endswith("attn_q.weight"):
+            array = unpermute_qk(array, config.num_heads)
+        elif tensor.name.endswith("attn_k.weight"):
+            array = unpermute_qk(array, config.num_kv_heads)
+        if not array.flags.writeable:  # F32 tensors are read-only views of the memory map
+            array = array.copy()
+        weights[tensor.name] = torch.from_numpy(array).to(dtype)
+    if config.tie_word_embeddings:
+        weights["output.weight"] = weights["token_embd.weight"]
+    return config, weights

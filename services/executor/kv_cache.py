@@ -1,0 +1,73 @@
+"""The physical paged KV cache: fixed-size blocks that the scheduler's block tables point into.
+
+Block 0 is the null block: the scheduler never hands it out, and padding in block tables points
+at it, so a padded gather always reads valid (zeroed or stale, but finite) memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from services.executor.gguf_loader import LlamaConfig
+
+DEFAULT_BUDGET_CAP_BYTES = 2 << 30
+DEFAULT_BUDGET_FRACTION = 0.25
+NULL_BLOCK_ID = 0
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else free physical pages (no psutil)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_budget_bytes() -> int:
+    return int(min(DEFAULT_BUDGET_CAP_BYTES, DEFAULT_BUDGET_FRACTION * available_memory_bytes()))
+
+
+def bytes_per_block(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of `block_size` tokens across all layers."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_size
+    return per_token * block_size
+
+
+def num_blocks_for_budget(
+    config: LlamaConfig, block_size: int, dtype: torch.dtype, budget_bytes: int,
+) -> int:
+    """How many blocks (the null block included) fit in `budget_bytes`; at least 2."""
+    return max(2, budget_bytes // bytes_per_block(config, block_size, dtype))
+
+
+class KVCache:
+    """K and V for every layer: `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    One tensor per K/V (not per layer) so a whole-cache operation (zeroing, moving, a block copy
+    for copy-on-write) is one call; `layer(i)` returns views.
+    """
+
+    def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        if num_blocks < 2:
+            raise ValueError("the KV cache needs the null block plus at least one block")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # zeros (not empty): padded gathers read the null block, and 0 * NaN would poison them.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # each: [num_blocks, block_size, num_kv_heads, head_dim]
+        return self.k[index], self.v[index]
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()

@@ -1,0 +1,147 @@
+"""The executor's pure core: request state, one batched forward per StepPlan, sampling.
+
+No NATS, no asyncio: the service adapter decodes a StepPlan, calls `ModelRunner.step`, and
+publishes the StepResult. The runner keeps each request's tokens and block table, so plans
+carry only deltas (new requests once, new block ids, token ranges to compute).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bus.messages import ExecutorInfo, SamplingParams, StepPlan, StepResult
+from services.executor.gguf_loader import load_gguf
+from services.executor.kv_cache import (
+    KVCache,
+    default_budget_bytes,
+    num_blocks_for_budget,
+)
+from services.executor.model import LlamaModel, build_attention_metadata
+from services.executor.sampler import SamplingTensors, sample
+
+
+@dataclass
+class _RequestState:
+    token_ids: list[int]  # prompt + sampled tokens
+    params: SamplingParams
+    generator: torch.Generator | None  # only for seeded requests
+    block_table: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Owns the weights, the physical KV cache and every live request's state."""
+
+    def __init__(self, model_path: str | Path, *, model_name: str,
+                 dtype: torch.dtype = torch.float32, block_size: int = 16,
+                 num_blocks: int | None = None, kv_cache_bytes: int | None = None,
+                 max_model_len: int | None = None, num_threads: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.model_name, self.block_size = model_name, block_size
+        self.device = torch.device(device)
+        config, weights = load_gguf(model_path)
+        if max_model_len is not None and max_model_len > config.context_length:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
+                             f"length {config.context_length}")
+        self.config = config
+        if num_blocks is None:
+            budget = kv_cache_bytes if kv_cache_bytes is not None else default_budget_bytes()
+            num_blocks = num_blocks_for_budget(config, block_size, dtype, budget)
+        # One request can never hold more than every block but the null one.
+        self.max_model_len = min(max_model_len or config.context_length,
+                                 (num_blocks - 1) * block_size)
+        self.model = LlamaModel(config, weights, max_positions=self.max_model_len,
+                                dtype=dtype, device=self.device)
+        del weights
+        self.kv_cache = KVCache(config, num_blocks, block_size, dtype, self.device)
+        self.requests: dict[str, _RequestState] = {}
+        self.shared_generator = torch.Generator(device=self.device)
+        self.shared_generator.seed()
+
+    def info(self) -> ExecutorInfo:
+        return ExecutorInfo(
+            model_name=self.model_name, max_model_len=self.max_model_len,
+            num_blocks=self.kv_cache.num_blocks, block_size=self.block_size,
+            eos_token_ids=list(self.config.eos_token_ids), vocab_size=self.config.vocab_size)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Apply the plan's bookkeeping, run one forward, sample. Never raises.
+
+        Mutates request state: forgets finished requests, clears preempted block tables,
+        registers new requests, extends block tables, appends sampled tokens.
+        """
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                sampled = self._step(plan)
+        except Exception as exc:  # the adapter reports it; the executor stays up
+            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+        return StepResult(
+            step_id=plan.step_id, sampled_token_ids=sampled,
+            forward_seconds=time.perf_counter() - started, batch_size=len(plan.scheduled),
+            num_tokens=sum(s.num_tokens for s in plan.scheduled))
+
+    def _step(self, plan: StepPlan) -> list[int]:
+        for request_id in plan.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for request_id in plan.preempted_request_ids:
+            if request_id in self.requests:
+                self.requests[request_id].block_table = []
+        for new in plan.new_requests:
+            generator = None
+            if new.params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(new.params.seed)
+            self.requests[new.request_id] = _RequestState(
+                list(new.prompt_token_ids), new.params, generator)
+        if not plan.scheduled:
+            return []
+
+        input_ids: list[int] = []
+        query_lens, context_lens, block_tables = [], [], []
+        sampling_rows: list[int] = []  # index of each sampling sequence in the batch
+        for index, sched in enumerate(plan.scheduled):
+            state = self.requests.get(sched.request_id)
+            if state is None:
+                raise KeyError(f"unknown request {sched.request_id!r}")
+            state.block_table.extend(sched.new_block_ids)
+            end = sched.start + sched.num_tokens
+            if sched.num_tokens < 1 or sched.start < 0 or end > len(state.token_ids):
+                raise ValueError(f"request {sched.request_id!r}: tokens [{sched.start}, {end}) "
+                                 f"outside its {len(state.token_ids)} known tokens")
+            if sched.sample and end != len(state.token_ids):
+                raise ValueError(f"request {sched.request_id!r}: sampling after token {end} "
+                                 f"of {len(state.token_ids)} would skip known tokens")
+            if end > self.max_model_len:
+                raise ValueError(f"request {sched.request_id!r}: {end} tokens exceed "
+                                 f"max_model_len {self.max_model_len}")
+            if len(state.block_table) * self.block_size < end:
+                raise ValueError(f"request {sched.request_id!r}: {len(state.block_table)} "
+                                 f"blocks cannot hold {end} tokens")
+            input_ids.extend(state.token_ids[sched.start:end])
+            query_lens.append(sched.num_tokens)
+            context_lens.append(end)
+            block_tables.append(state.block_table)
+            if sched.sample:
+                sampling_rows.append(index)
+        meta = build_attention_metadata(query_lens, context_lens, block_tables,
+                                        self.block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
+        rows = torch.tensor(sampling_rows, dtype=torch.int64, device=self.device)  # [S]
+        logits_indices = meta.cu_seqlens_q[1:][rows] - 1  # [S] last token of each sampler
+        logits = self.model.forward(ids, meta.positions, meta, self.kv_cache, logits_indices)
+        if not sampling_rows:
+            return []
+
+        states = [self.requests[plan.scheduled[i].request_id] for i in sampling_rows]
+        tensors = SamplingTensors.from_params([s.params for s in states], self.device)
+        token_ids = sample(logits, tensors, [s.generator for s in states],
+                           self.shared_generator).tolist()
+        for state, token_id in zip(states, token_ids, strict=True):
+            state.token_ids.append(token_id)
+        return token_ids

@@ -1,0 +1,163 @@
+"""Helpers shared by the executor tests: a tiny random llama GGUF, and a stand-in scheduler."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    vocab_size: int = 256
+    context_length: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    # Untied by default: with tied random embeddings each token's own logit dominates, and
+    # greedy decoding just repeats the last token.
+    tied: bool = False
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def permute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """HF layout -> llama.cpp rotary layout, as convert_hf_to_gguf.py writes Q and K."""
+    out = w.shape[0]
+    return w.reshape(num_heads, 2, out // num_heads // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def tiny_weights(spec: TinySpec, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random HF-layout weights under GGUF names; scaled so logits are well spread (no ties)."""
+    rng = np.random.default_rng(seed)
+
+    def linear(out: int, inp: int) -> np.ndarray:
+        return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    d, f, dh = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    weights = {"token_embd.weight": rng.standard_normal((spec.vocab_size, d)).astype(np.float32)}
+    for i in range(spec.num_layers):
+        p = f"blk.{i}."
+        weights |= {
+            p + "attn_norm.weight": norm(d),
+            p + "attn_q.weight": linear(spec.num_heads * dh, d),
+            p + "attn_k.weight": linear(spec.num_kv_heads * dh, d),
+            p + "attn_v.weight": linear(spec.num_kv_heads * dh, d),
+            p + "attn_output.weight": linear(d, spec.num_heads * dh),
+            p + "ffn_norm.weight": norm(d),
+            p + "ffn_gate.weight": linear(f, d),
+            p + "ffn_up.weight": linear(f, d),
+            p + "ffn_down.weight": linear(d, f),
+        }
+    weights["output_norm.weight"] = norm(d)
+    if not spec.tied:
+        weights["output.weight"] = 3.0 * linear(spec.vocab_size, d)  # logits std ~3
+    return weights
+
+
+def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(),
+                     seed: int = 0) -> dict[str, np.ndarray]:
+    """Write an F32 llama GGUF (Q/K permuted like llama.cpp); returns the HF-layout weights."""
+    import gguf
+
+    weights = tiny_weights(spec, seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-random-llama")
+    writer.add_block_count(spec.num_layers)
+    writer.add_context_length(spec.context_length)
+    writer.add_embedding_length(spec.hidden_size)
+    writer.add_feed_forward_length(spec.intermediate_size)
+    writer.add_head_count(spec.num_heads)
+    writer.add_head_count_kv(spec.num_kv_heads)
+    writer.add_rope_freq_base(spec.rope_theta)
+    writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"<t{i}>" for i in range(spec.vocab_size)])
+    writer.add_bos_token_id(spec.bos_token_id)
+    writer.add_eos_token_id(spec.eos_token_id)
+    for name, array in weights.items():
+        if name.endswith("attn_q.weight"):
+            array = permute_qk(array, spec.num_heads)
+        elif name.endswith("attn_k.weight"):
+            array = permute_qk(array, spec.num_kv_heads)
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return weights
+
+
+def generate(runner, prompts: list[list[int]], *, max_tokens: int,
+             params: list[SamplingParams] | None = None, chunk_size: int | None = None,
+             shuffle_blocks: int | None = None, stop_token_ids: tuple[int, ...] = (),
+             request_ids: list[str] | None = None) -> list[list[int]]:
+    """Drive `runner.step` like a scheduler would, until every request has its tokens.
+
+    Requests advance together; prefill goes in chunks of `chunk_size` tokens (all at once when
+    None); blocks come from a free list shuffled with `shuffle_blocks` as seed, so block tables
+    are non-contiguous. Returns the sampled tokens of each request (a stop token included).
+    """
+    block_size = runner.block_size
+    free = list(range(1, runner.kv_cache.num_blocks))
+    if shuffle_blocks is not None:
+        random.Random(shuffle_blocks).shuffle(free)
+    params = params or [GREEDY] * len(prompts)
+    request_ids = request_ids or [f"req-{i}" for i in range(len(prompts))]
+    tokens = [list(p) for p in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    num_computed = [0] * len(prompts)
+    tables: list[list[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    new = [NewRequestData(request_id=request_ids[i], prompt_token_ids=list(prompts[i]),
+                          params=params[i]) for i in active]
+    finished: list[str] = []
+    step_id = 0
+    while active:
+        scheduled = []
+        for i in active:
+            remaining = len(tokens[i]) - num_computed[i]
+            num_tokens = min(remaining, chunk_size or remaining)
+            end = num_computed[i] + num_tokens
+            new_blocks = [free.pop() for _ in range(-(-end // block_size) - len(tables[i]))]
+            tables[i] += new_blocks
+            scheduled.append(ScheduledRequest(
+                request_id=request_ids[i], start=num_computed[i], num_tokens=num_tokens,
+                new_block_ids=new_blocks, sample=end == len(tokens[i])))
+            num_computed[i] = end
+        plan = StepPlan(step_id=step_id, new_requests=new, scheduled=scheduled,
+                        finished_request_ids=finished)
+        result = runner.step(plan)
+        assert result.error == "", result.error
+        step_id, new, finished = step_id + 1, [], []
+        sampled = iter(result.sampled_token_ids)
+        for i, sched in zip(list(active), scheduled, strict=True):
+            if not sched.sample:
+                continue
+            token_id = next(sampled)
+            tokens[i].append(token_id)
+            outputs[i].append(token_id)
+            if len(outputs[i]) >= max_tokens or token_id in stop_token_ids:
+                active.remove(i)
+                finished.append(request_ids[i])
+                free += tables[i]
+    runner.step(StepPlan(step_id=step_id, finished_request_ids=finished))
+    return outputs

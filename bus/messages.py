@@ -84,10 +84,12 @@ class SubmitRequest(_Msg):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0
+    n: int = 1  # completions of this prompt; they share its KV blocks
 
 
 class AbortRequest(_Msg):
     request_id: str
+    index: int | None = None  # one of the n completions; None = all of them
 
 
 # ---------------------------------------------------------------- scheduler <-> executor
@@ -132,6 +134,13 @@ class ScheduledRequest(_Msg):
     sample: bool = True
 
 
+class BlockCopy(_Msg):
+    """Copy-on-write: copy every layer's KV of block `src` into block `dst` before the step."""
+
+    src: int
+    dst: int
+
+
 class StepPlan(_Msg):
     step_id: int
     new_requests: list[NewRequestData] = []
@@ -141,6 +150,7 @@ class StepPlan(_Msg):
     # Requests whose blocks were taken back: the executor clears their block tables and keeps
     # their tokens, so a later ScheduledRequest recomputes them from start 0.
     preempted_request_ids: list[str] = []
+    copy_blocks: list[BlockCopy] = []
 
 
 class StepResult(_Msg):
@@ -151,6 +161,8 @@ class StepResult(_Msg):
     batch_size: int = 0
     num_tokens: int = 0
     error: str = ""
+    # Time the executor sat waiting for this plan since it answered the previous one.
+    idle_seconds: float = 0.0
 
 
 # ---------------------------------------------------------------- scheduler -> detokenizer
@@ -167,6 +179,7 @@ class RequestTokens(_Msg):
     include_stop_str_in_output: bool = False
     error: str = ""
     step_id: int = 0
+    index: int = 0  # which of the request's n completions
 
 
 class TokenBatch(_Msg):
@@ -188,6 +201,7 @@ class TextDelta(_Msg):
     num_output_tokens: int = 0
     error: str = ""
     step_id: int = 0
+    index: int = 0  # which of the request's n completions
 
 
 class DeltaBatch(_Msg):
@@ -218,6 +232,11 @@ class EngineStats(_Msg):
     max_batch_size: int  # the most requests one step has carried
     num_preemptions: int
     num_finished: int
+    num_cached_blocks: int = 0
+    num_prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    num_prefix_hit_tokens: int = 0  # ... of which were found there
+    executor_busy_seconds: float = 0.0
+    executor_idle_seconds: float = 0.0  # waiting for the next plan between steps
 
 
 class Ping(_Msg):

@@ -43,7 +43,7 @@ def test_field_order_is_the_wire_format():
     assert msgspec.msgpack.decode(encode(m.ScheduledRequest("r1", 4, 1))) == [
         "r1", 4, 1, [], True]
     assert msgspec.msgpack.decode(encode(m.Admission(num_prompt_tokens=7))) == [7, 0, "", None]
-    assert encode(m.AbortRequest("r1")).hex() == "91a27231"
+    assert encode(m.AbortRequest("r1")).hex() == "92a27231c0"
 
 
 def test_schema_mismatch_is_rejected():

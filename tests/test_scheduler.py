@@ -12,16 +12,20 @@ EOS = 2
 
 
 def make(num_blocks: int = 9, block_size: int = 4, max_num_batched_tokens: int = 64,
-         max_num_seqs: int = 8, max_model_len: int = 64) -> Scheduler:
+         max_num_seqs: int = 8, max_model_len: int = 64, prefix_caching: bool = False,
+         ) -> Scheduler:
     return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size,
                                      max_model_len=max_model_len, eos_token_ids=(EOS,),
                                      max_num_seqs=max_num_seqs,
-                                     max_num_batched_tokens=max_num_batched_tokens))
+                                     max_num_batched_tokens=max_num_batched_tokens,
+                                     enable_prefix_caching=prefix_caching))
 
 
-def add(s: Scheduler, request_id: str, num_prompt: int, max_tokens: int = 4, **params):
-    return s.add_request(request_id, "api.x", list(range(10, 10 + num_prompt)),
-                         SamplingParams(max_tokens=max_tokens, **params))
+def add(s: Scheduler, request_id: str, num_prompt: int, max_tokens: int = 4, n: int = 1,
+        first_token: int = 10, **params):
+    s.add_request(request_id, "api.x", list(range(first_token, first_token + num_prompt)),
+                  SamplingParams(max_tokens=max_tokens, **params), n=n)
+    return s.requests.get(request_id)
 
 
 def run_step(s: Scheduler, token: int = 7):

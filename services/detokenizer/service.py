@@ -40,46 +40,50 @@ class Detokenization:
 
     def __init__(self, tokenizer: GGUFTokenizer) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, IncrementalDetokenizer] = {}
-        self.stopped: dict[str, None] = {}  # insertion-ordered set
+        # Keyed by (request id, completion index): n > 1 completions decode separately.
+        self.states: dict[tuple[str, int], IncrementalDetokenizer] = {}
+        self.stopped: dict[tuple[str, int], None] = {}  # insertion-ordered set
 
-    def process(self, batch: TokenBatch) -> tuple[dict[str, list[TextDelta]], list[str]]:
-        """Deltas grouped by api reply subject, and requests a stop string just ended."""
+    def process(self, batch: TokenBatch,
+                ) -> tuple[dict[str, list[TextDelta]], list[tuple[str, int]]]:
+        """Deltas grouped by api reply subject, and completions a stop string just ended."""
         out: dict[str, list[TextDelta]] = defaultdict(list)
-        newly_stopped: list[str] = []
+        newly_stopped: list[tuple[str, int]] = []
         for item in batch.items:
-            if item.request_id in self.stopped:
+            key = (item.request_id, item.index)
+            if key in self.stopped:
                 if item.finish_reason != FinishReason.NONE:
-                    del self.stopped[item.request_id]
+                    del self.stopped[key]
                 continue
-            state = self.states.get(item.request_id)
+            state = self.states.get(key)
             if state is None:
                 state = IncrementalDetokenizer(
                     self.tokenizer.decode, stop=item.stop,
                     include_stop_str_in_output=item.include_stop_str_in_output)
-                self.states[item.request_id] = state
+                self.states[key] = state
             delta = state.step(item.new_token_ids)
             text, reason = delta.text, FinishReason(item.finish_reason)
             if delta.stopped:
                 reason = FinishReason.STOP
                 if item.finish_reason == FinishReason.NONE:
-                    newly_stopped.append(item.request_id)
-                    self._remember_stopped(item.request_id)
+                    newly_stopped.append(key)
+                    self._remember_stopped(key)
             elif reason != FinishReason.NONE:
                 flushed = state.finish()
                 text += flushed.text
                 if flushed.stopped:
                     reason = FinishReason.STOP
             if reason != FinishReason.NONE:
-                del self.states[item.request_id]
+                del self.states[key]
             out[item.reply_subject].append(TextDelta(
                 request_id=item.request_id, text=text, num_new_tokens=len(item.new_token_ids),
                 finish_reason=reason, num_prompt_tokens=item.num_prompt_tokens,
-                num_output_tokens=state.num_tokens, error=item.error, step_id=item.step_id))
+                num_output_tokens=state.num_tokens, error=item.error, step_id=item.step_id,
+                index=item.index))
         return out, newly_stopped
 
-    def _remember_stopped(self, request_id: str) -> None:
-        self.stopped[request_id] = None
+    def _remember_stopped(self, key: tuple[str, int]) -> None:
+        self.stopped[key] = None
         while len(self.stopped) > _MAX_STOPPED_REMEMBERED:
             del self.stopped[next(iter(self.stopped))]
 
@@ -92,8 +96,8 @@ async def main(args: argparse.Namespace) -> None:
 
     async def on_tokens(batch: TokenBatch, _: Msg) -> None:
         by_api, newly_stopped = detokenization.process(batch)
-        for request_id in newly_stopped:
-            await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id))
+        for request_id, index in newly_stopped:  # free its KV blocks now
+            await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id, index))
         for reply_subject, deltas in by_api.items():
             await runtime.publish(reply_subject, DeltaBatch(items=deltas))
 

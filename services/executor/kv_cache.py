@@ -71,3 +71,8 @@ class KVCache:
     @property
     def num_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write: block `dst` gets every layer's K and V of block `src`."""
+        self.k[:, dst].copy_(self.k[:, src])
+        self.v[:, dst].copy_(self.v[:, src])

@@ -99,6 +99,8 @@ class ModelRunner:
                 generator.manual_seed(new.params.seed)
             self.requests[new.request_id] = _RequestState(
                 list(new.prompt_token_ids), new.params, generator)
+        for copy in plan.copy_blocks:  # copy-on-write of blocks shared by forked requests
+            self.kv_cache.copy_block(copy.src, copy.dst)
         if not plan.scheduled:
             return []
 

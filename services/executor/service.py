@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import time
 
 import structlog
 from nats.aio.msg import Msg
@@ -65,8 +66,15 @@ async def main(args: argparse.Namespace) -> None:
     async def on_info(_: ExecutorInfoRequest, __: Msg) -> ExecutorInfo:
         return info
 
+    last_reply = time.perf_counter()
+
     async def on_step(plan: StepPlan, _: Msg) -> StepResult:
-        return await asyncio.to_thread(runner.step, plan)
+        nonlocal last_reply
+        idle = time.perf_counter() - last_reply
+        result = await asyncio.to_thread(runner.step, plan)
+        result.idle_seconds = idle
+        last_reply = time.perf_counter()
+        return result
 
     await runtime.on_request(subjects.executor_info(args.engine_id), ExecutorInfoRequest, on_info)
     await runtime.on_request(subjects.executor_step(args.engine_id), StepPlan, on_step)

@@ -1,4 +1,4 @@
-"""The scheduler's view of one request."""
+"""The scheduler's view of one request (or one of the n completions of a request)."""
 
 from __future__ import annotations
 
@@ -16,28 +16,52 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    request_id: str
+    request_id: str  # unique inside the engine; a completion of n > 1 is "<public id>#<index>"
+    public_id: str  # the id the api and detokenizer know
+    index: int  # which of the public request's completions this is
     reply_subject: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int  # resolved: never beyond the context window
+    max_tokens: int  # resolved: never beyond the context window or the cache
     arrival_time: float = 0.0
+    # n > 1: this request only prefills the prompt up to `fork_at` tokens, then forks into
+    # n completions that share those blocks.
+    num_forks: int = 1
     output_token_ids: list[int] = field(default_factory=list)
-    # Tokens whose KV is in the cache. Lags the token count by one while decoding: the newest
-    # sampled token is computed in the next step.
+    # Sampled in a step whose result has not arrived yet (the scheduler plans ahead).
+    num_pending_tokens: int = 0
+    # Tokens whose KV is (or, once the planned steps ran, will be) in the cache.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks of block_table inserted in the prefix tree
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason = FinishReason.NONE
     known_to_executor: bool = False
-    # Output tokens not yet sent to the detokenizer.
-    num_sent_tokens: int = 0
+    num_blocks_sent: int = 0  # leading blocks of block_table the executor already has
+    num_sent_tokens: int = 0  # output tokens already sent to the detokenizer
     num_preemptions: int = 0
 
     @property
-    def num_tokens(self) -> int:
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the executor will hold once every planned step ran."""
+        return self.num_known_tokens + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def is_parent(self) -> bool:
+        return self.num_forks > 1
+
+    @property
+    def target_tokens(self) -> int:
+        """How far computed tokens should catch up: a parent stops before its last token."""
+        return self.num_prompt_tokens - 1 if self.is_parent else self.num_tokens
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

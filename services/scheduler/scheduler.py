@@ -1,15 +1,24 @@
-"""Continuous batching over paged KV blocks: the scheduler's pure core.
+"""Continuous batching over paged KV blocks with a prefix cache: the scheduler's pure core.
 
 There is no prefill phase and no decode phase. Each request has tokens (prompt + sampled
-output) and computed tokens (whose KV is in the cache); every step, the scheduler lets computed
-tokens catch up with tokens under a token budget. Running requests go first, in arrival order,
-so decodes never stall behind a long prompt; then waiting requests are admitted, and a prompt
-longer than the remaining budget is split over several steps (chunked prefill). When a running
-request needs a block and none is free, the newest running request is preempted: its blocks are
-freed and it returns to the front of the waiting queue, to be recomputed later.
+output) and computed tokens (whose KV is in the cache); every step, computed tokens catch up
+with tokens under a token budget. Running requests go first, oldest first, so decodes never
+stall behind a long prompt; then waiting requests are admitted, a long prompt taking several
+steps (chunked prefill). A new request first reuses the longest cached prefix of full blocks.
+When a running request needs a block and none is free or evictable, the newest running
+request is preempted: its blocks are freed and it returns to the front of the queue, to be
+recomputed later (cheaply, thanks to the prefix cache).
 
-No I/O, no clock, no torch: `schedule()` builds a `StepPlan`, `update()` applies the executor's
-`StepResult` and returns the token updates for the detokenizer.
+The scheduler plans ahead: `schedule()` counts every token it asks the executor to sample as
+already there (pending), so step N+1 can be planned and sent while step N runs. `update()`
+fills in the sampled values; a request that turns out to have finished at step N simply drops
+what step N+1 computed for it.
+
+n > 1: one parent request prefills the prompt but its last token, then forks into n
+completions that share the parent's blocks; each copies the shared partial block before it
+writes into it (copy-on-write).
+
+No I/O, no clock, no torch.
 """
 
 from __future__ import annotations
@@ -17,7 +26,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
+
 from bus.messages import (
+    BlockCopy,
     FinishReason,
     NewRequestData,
     RequestTokens,
@@ -27,6 +39,7 @@ from bus.messages import (
     StepResult,
 )
 from services.scheduler.block_allocator import BlockAllocator
+from services.scheduler.prefix_tree import PrefixTree
 from services.scheduler.request import Request, RequestStatus
 
 
@@ -38,97 +51,124 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
 
 
 class AdmissionError(ValueError):
     """A request that can never run here (too long for the context or the whole cache)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, *,
+                 context_length: bool = False) -> None:
         super().__init__(message)
         self.param = param
+        self.context_length = context_length
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.allocator = BlockAllocator(config.num_blocks)
+        self.tree = (PrefixTree(self.allocator, config.block_size)
+                     if config.enable_prefix_caching else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # by engine-internal request_id
+        self.families: dict[str, list[str]] = {}  # public id -> internal ids
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_finished = 0
         self.max_batch_size = 0
-        # Requests that ended outside update() (aborts), reported with the next update.
-        self._ended_updates: list[RequestTokens] = []
-        # Requests the executor must forget, sent with the next plan.
-        self._forget_ids: list[str] = []
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+        self._ended_updates: list[RequestTokens] = []  # aborts, sent with the next update
+        self._forget_ids: list[str] = []  # the executor drops these before the next step
         self._preempted_ids: list[str] = []
-        # How much of each running request's block table the executor already has.
-        self._num_blocks_sent: dict[str, int] = {}
+        self._copies: list[BlockCopy] = []
 
     # ------------------------------------------------------------------ admission
 
     def add_request(self, request_id: str, reply_subject: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float = 0.0) -> Request:
-        """Queue a request, or raise AdmissionError if it can never be served."""
+                    params: SamplingParams, arrival_time: float = 0.0, n: int = 1) -> None:
+        """Queue a request (n completions of it), or raise AdmissionError if it can never run."""
         config = self.config
         num_prompt = len(prompt_token_ids)
-        if request_id in self.requests:
+        if request_id in self.families:
             raise AdmissionError(f"duplicate request id {request_id}")
         if num_prompt == 0:
             raise AdmissionError("the prompt is empty", param="prompt")
+        if not 1 <= n <= config.max_num_seqs:
+            raise AdmissionError(f"n must be between 1 and {config.max_num_seqs}", param="n")
         if num_prompt >= config.max_model_len:
             raise AdmissionError(
                 f"this model's maximum context length is {config.max_model_len} tokens, "
-                f"but the prompt has {num_prompt} tokens", param="messages")
+                f"but the prompt has {num_prompt} tokens", param="messages",
+                context_length=True)
         room = config.max_model_len - num_prompt
         if params.max_tokens > room:
             raise AdmissionError(
                 f"this model's maximum context length is {config.max_model_len} tokens; "
                 f"the prompt has {num_prompt} tokens, so max_tokens can be at most {room} "
-                f"(got {params.max_tokens})", param="max_tokens")
+                f"(got {params.max_tokens})", param="max_tokens", context_length=True)
         max_tokens = params.max_tokens or room
         num_cache_tokens = self.allocator.num_usable * config.block_size
-        if num_prompt + max_tokens > num_cache_tokens:
+        # Completions share the prompt; each needs room for its output and its copy of the
+        # shared partial block.
+        headroom = 0 if n == 1 else config.block_size
+        if num_prompt + n * (max_tokens + headroom) > num_cache_tokens:
             if params.max_tokens:
                 raise AdmissionError(
-                    f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the "
-                    f"KV cache of this server ({num_cache_tokens} tokens)", param="max_tokens")
-            max_tokens = num_cache_tokens - num_prompt
+                    f"prompt ({num_prompt} tokens) + {n} x max_tokens ({max_tokens}) exceeds "
+                    f"the KV cache of this server ({num_cache_tokens} tokens)",
+                    param="max_tokens")
+            max_tokens = (num_cache_tokens - num_prompt) // n - headroom
             if max_tokens < 1:
                 raise AdmissionError(
                     f"the prompt ({num_prompt} tokens) does not fit the KV cache of this "
                     f"server ({num_cache_tokens} tokens)", param="messages")
-        request = Request(request_id, reply_subject, list(prompt_token_ids), params,
-                          max_tokens=max_tokens, arrival_time=arrival_time)
-        self.requests[request_id] = request
-        self.waiting.append(request)
-        return request
 
-    def abort_request(self, request_id: str) -> bool:
-        """End a request wherever it is; its blocks are freed at once."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return False
-        if request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
+        def make(internal_id: str, index: int, num_forks: int = 1) -> Request:
+            return Request(internal_id, request_id, index, reply_subject,
+                           list(prompt_token_ids), _params_for(params, index),
+                           max_tokens=max_tokens, arrival_time=arrival_time,
+                           num_forks=num_forks)
+
+        if n == 1:
+            family = [make(request_id, 0)]
+        elif num_prompt == 1:  # nothing to share: n independent completions
+            family = [make(f"{request_id}#{i}", i) for i in range(n)]
         else:
-            self.running.remove(request)
-        self._finish(request, FinishReason.ABORT)
-        self._ended_updates.append(self._token_update(request))
-        return True
+            family = [make(f"{request_id}#prompt", 0, num_forks=n)]
+        self.families[request_id] = [r.request_id for r in family]
+        for request in family:
+            self.requests[request.request_id] = request
+            self.waiting.append(request)
+
+    def abort_request(self, request_id: str, index: int | None = None) -> bool:
+        """End a request (or one of its completions) wherever it is; blocks are freed now."""
+        ended = False
+        for internal_id in list(self.families.get(request_id, ())):
+            request = self.requests[internal_id]
+            if index is not None and request.index != index and not request.is_parent:
+                continue
+            self._remove(request)
+            self._finish(request, FinishReason.ABORT)
+            self._ended_updates.extend(self._end_updates(request))
+            ended = True
+        return ended
 
     def fail_all(self, error: str) -> list[RequestTokens]:
-        """End every request with an error (the executor is gone); returns their updates."""
+        """End every request with an error (the executor failed); returns their updates.
+
+        The prefix cache is emptied too: blocks planned in the failed step may never have
+        been written.
+        """
         updates = []
         for request in list(self.running) + list(self.waiting):
+            self._remove(request)
             self._finish(request, FinishReason.ERROR)
-            updates.append(self._token_update(request, error=error))
-        self.running.clear()
-        self.waiting.clear()
-        self._forget_ids.clear()
-        self._preempted_ids.clear()
+            updates.extend(self._end_updates(request, error))
+        if self.tree is not None:
+            self.tree.evict(self.tree.num_cached_blocks)
         return updates
 
     @property
@@ -142,16 +182,22 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
 
     def schedule(self) -> StepPlan:
-        """Choose this step's work and reserve its blocks."""
+        """Choose this step's work, reserve its blocks, and advance computed tokens."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
+        for parent in [r for r in self.running if r.is_parent
+                       and r.num_computed_tokens >= r.target_tokens]:
+            self._fork(parent)
 
-        # Running requests first, oldest first; the newest are preempted when blocks run out.
+        # Running requests first, oldest first; the newest give way when blocks run out.
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self._reserve_blocks(request, request.num_computed_tokens + num_new):
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            while not self._reserve_blocks(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is request:
@@ -164,10 +210,15 @@ class Scheduler:
             break  # the request preempted itself; everything after it is gone too
 
         # Then waiting requests, in order, while budget, sequence slots and blocks allow.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve_blocks(request, request.num_computed_tokens + num_new):
+            if self._num_seqs() + request.num_forks > self.config.max_num_seqs:
+                break
+            num_matched = self._match_prefix(request)
+            num_new = self._num_new_tokens(request, budget)
+            if not self._reserve_blocks(request, num_new):
+                self._release_blocks(request)  # give back the matched prefix
+                self.num_prefix_hit_tokens -= num_matched * self.config.block_size
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -176,68 +227,171 @@ class Scheduler:
             budget -= num_new
 
         plan = StepPlan(step_id=self.num_steps, finished_request_ids=self._forget_ids,
-                        preempted_request_ids=self._preempted_ids)
-        self._forget_ids, self._preempted_ids = [], []
+                        preempted_request_ids=self._preempted_ids, copy_blocks=self._copies)
+        self._forget_ids, self._preempted_ids, self._copies = [], [], []
         for request, num_new in scheduled:
-            if not request.known_to_executor:
-                request.known_to_executor = True
-                plan.new_requests.append(NewRequestData(
-                    request.request_id, request.prompt_token_ids, request.params))
-            end = request.num_computed_tokens + num_new
-            num_sent = self._num_blocks_sent.pop(request.request_id, 0)
-            plan.scheduled.append(ScheduledRequest(
-                request_id=request.request_id, start=request.num_computed_tokens,
-                num_tokens=num_new, new_block_ids=request.block_table[num_sent:],
-                sample=end == request.num_tokens))
-            self._num_blocks_sent[request.request_id] = len(request.block_table)
+            plan.scheduled.append(self._plan_item(request, num_new, plan))
         self.num_steps += 1
         self.max_batch_size = max(self.max_batch_size, len(plan.scheduled))
         return plan
 
-    def _reserve_blocks(self, request: Request, num_tokens: int) -> bool:
-        """Grow the block table to hold `num_tokens` tokens, if enough blocks are free."""
-        block_size = self.config.block_size
-        num_needed = -(-num_tokens // block_size) - len(request.block_table)
-        if num_needed <= 0:
-            return True
-        if not self.allocator.can_allocate(num_needed):
+    def unschedule_empty(self, plan: StepPlan) -> None:
+        """Take back a plan with nothing scheduled: its bookkeeping rides the next plan."""
+        assert not plan.scheduled
+        self._forget_ids = plan.finished_request_ids + self._forget_ids
+        self._preempted_ids = plan.preempted_request_ids + self._preempted_ids
+        self._copies = plan.copy_blocks + self._copies
+        self.num_steps -= 1
+
+    def _plan_item(self, request: Request, num_new: int, plan: StepPlan) -> ScheduledRequest:
+        if not request.known_to_executor:
+            request.known_to_executor = True
+            plan.new_requests.append(NewRequestData(
+                request.request_id, request.prompt_token_ids, request.params))
+        start = request.num_computed_tokens
+        end = start + num_new
+        sample = not request.is_parent and end == request.num_tokens
+        item = ScheduledRequest(
+            request_id=request.request_id, start=start, num_tokens=num_new,
+            new_block_ids=request.block_table[request.num_blocks_sent:], sample=sample)
+        request.num_blocks_sent = len(request.block_table)
+        request.num_computed_tokens = end
+        request.num_pending_tokens += sample
+        self._cache_full_blocks(request)
+        return item
+
+    def _num_seqs(self) -> int:
+        return sum(r.num_forks for r in self.running)
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        if len(request.output_token_ids) + request.num_pending_tokens >= request.max_tokens:
+            return 0  # its last token is on the way: it finishes when the result arrives
+        return min(request.target_tokens - request.num_computed_tokens, budget)
+
+    def _match_prefix(self, request: Request) -> int:
+        """Reuse cached full blocks of the request's tokens; returns the number of blocks.
+
+        At least one token is left to compute: the step needs its logits (or, for a parent,
+        its KV must be written by a step before the fork).
+        """
+        if self.tree is None or request.num_computed_tokens:
+            return 0
+        tokens = request.token_ids()
+        self.num_prefix_query_tokens += request.target_tokens
+        block_ids = self.tree.match(tokens, (request.target_tokens - 1) // self.config.block_size)
+        for block_id in block_ids:
+            self.allocator.incref(block_id)
+        request.block_table = block_ids
+        request.num_cached_blocks = len(block_ids)
+        request.num_computed_tokens = len(block_ids) * self.config.block_size
+        self.num_prefix_hit_tokens += request.num_computed_tokens
+        return len(block_ids)
+
+    def _cache_full_blocks(self, request: Request) -> None:
+        """Put the request's newly full blocks whose tokens are known into the prefix tree."""
+        if self.tree is None:
+            return
+        num_full = min(request.num_computed_tokens, request.num_known_tokens) \
+            // self.config.block_size
+        if num_full > request.num_cached_blocks:
+            self.tree.insert(request.token_ids()[:num_full * self.config.block_size],
+                             request.block_table[:num_full])
+            request.num_cached_blocks = num_full
+
+    def _reserve_blocks(self, request: Request, num_new: int) -> bool:
+        """Make the block table hold the tokens up to num_computed + num_new, if blocks allow.
+
+        The first block written may be shared (forked completions): it is copied first.
+        """
+        size = self.config.block_size
+        table = request.block_table
+        first = request.num_computed_tokens // size
+        shared = first < len(table) and self.allocator.ref_counts[table[first]] > 1
+        num_needed = -(-(request.num_computed_tokens + num_new) // size) - len(table) + shared
+        if num_needed > self.allocator.num_free and self.tree is not None:
+            self.tree.evict(num_needed - self.allocator.num_free)
+        if num_needed > self.allocator.num_free:
             return False
-        request.block_table.extend(self.allocator.allocate(num_needed))
+        if shared:
+            assert request.num_blocks_sent <= first, "copy-on-write of a block already sent"
+            [copy] = self.allocator.allocate(1)
+            self._copies.append(BlockCopy(src=table[first], dst=copy))
+            self._release_block_ids([table[first]])
+            table[first] = copy
+            num_needed -= 1
+        if num_needed > 0:
+            table.extend(self.allocator.allocate(num_needed))
         return True
+
+    def _fork(self, parent: Request) -> None:
+        """Replace a prefilled parent by its n completions, sharing its blocks."""
+        position = self.running.index(parent)
+        children = []
+        for i in range(parent.num_forks):
+            child = Request(
+                f"{parent.public_id}#{i}", parent.public_id, i, parent.reply_subject,
+                parent.prompt_token_ids, _params_for(parent.params, i),
+                max_tokens=parent.max_tokens, arrival_time=parent.arrival_time,
+                num_computed_tokens=parent.num_computed_tokens,
+                block_table=list(parent.block_table),
+                num_cached_blocks=parent.num_cached_blocks, status=RequestStatus.RUNNING)
+            for block_id in child.block_table:
+                self.allocator.incref(block_id)
+            children.append(child)
+            self.requests[child.request_id] = child
+        self.running[position:position + 1] = children
+        self._release_blocks(parent)
+        del self.requests[parent.request_id]
+        if parent.known_to_executor:
+            self._forget_ids.append(parent.request_id)
+        self.families[parent.public_id] = [c.request_id for c in children]
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and put it back at the front of the queue."""
         self.running.remove(request)
-        self.allocator.free(request.block_table)
-        request.block_table = []
+        self._release_blocks(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._num_blocks_sent.pop(request.request_id, None)
         if request.known_to_executor:
             self._preempted_ids.append(request.request_id)
         self.waiting.appendleft(request)
 
+    def _release_blocks(self, request: Request) -> None:
+        self._release_block_ids(request.block_table)
+        request.block_table = []
+        request.num_cached_blocks = 0
+        request.num_blocks_sent = 0
+        request.num_computed_tokens = 0
+
+    def _release_block_ids(self, block_ids: list[int]) -> None:
+        if self.tree is not None:
+            self.tree.release(block_ids)
+        else:
+            self.allocator.free(block_ids)
+
     # ------------------------------------------------------------------ results
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestTokens]:
-        """Apply a step's sampled tokens; returns the token updates for the detokenizer."""
+        """Fill in a step's sampled tokens; returns the token updates for the detokenizer."""
         updates = self.take_ended_updates()
         sampled = iter(result.sampled_token_ids)
         for item in plan.scheduled:
-            request = self.requests.get(item.request_id)
-            token_id = next(sampled) if item.sample else None
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
-            request.num_computed_tokens = item.start + item.num_tokens
-            if token_id is None:
+            if not item.sample:
                 continue
+            token_id = next(sampled)
+            request = self.requests.get(item.request_id)
+            if request is None:
+                continue  # it finished or was aborted after this step was planned
+            request.num_pending_tokens -= 1
             request.output_token_ids.append(token_id)
             reason = self._stop_reason(request, token_id)
             if reason is not FinishReason.NONE:
-                self.running.remove(request)
+                self._remove(request)
                 self._finish(request, reason)
+            else:
+                self._cache_full_blocks(request)
             updates.append(self._token_update(request))
         return updates
 
@@ -251,25 +405,66 @@ class Scheduler:
             return FinishReason.LENGTH
         return FinishReason.NONE
 
+    def _remove(self, request: Request) -> None:
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.allocator.free(request.block_table)
-        request.block_table = []
-        self._num_blocks_sent.pop(request.request_id, None)
+        self._release_blocks(request)
         del self.requests[request.request_id]
+        family = self.families[request.public_id]
+        family.remove(request.request_id)
+        if not family:
+            del self.families[request.public_id]
         if request.known_to_executor:
             self._forget_ids.append(request.request_id)
         self.num_finished += 1
 
-    def _token_update(self, request: Request, error: str = "") -> RequestTokens:
+    def _token_update(self, request: Request, error: str = "",
+                      index: int | None = None) -> RequestTokens:
         first = request.num_sent_tokens == 0
         new_token_ids = request.output_token_ids[request.num_sent_tokens:]
         request.num_sent_tokens = len(request.output_token_ids)
         return RequestTokens(
-            request_id=request.request_id, reply_subject=request.reply_subject,
+            request_id=request.public_id, reply_subject=request.reply_subject,
             new_token_ids=new_token_ids, finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             stop=request.params.stop if first else [],
             include_stop_str_in_output=request.params.include_stop_str_in_output,
-            error=error, step_id=self.num_steps)
+            error=error, step_id=self.num_steps,
+            index=request.index if index is None else index)
+
+    def _end_updates(self, request: Request, error: str = "") -> list[RequestTokens]:
+        """The final update(s) of an ended request: a parent ends all n completions."""
+        if not request.is_parent:
+            return [self._token_update(request, error)]
+        return [self._token_update(request, error, index=i) for i in range(request.num_forks)]
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Reference counts equal the owners (requests + tree); no block is lost. For tests."""
+        expected = [0] * self.config.num_blocks
+        for request in self.requests.values():
+            assert len(set(request.block_table)) == len(request.block_table)
+            for block_id in request.block_table:
+                expected[block_id] += 1
+        if self.tree is not None:
+            self.tree.check_integrity()
+            for block_id in self.tree.nodes_by_block:
+                expected[block_id] += 1
+        assert expected == self.allocator.ref_counts, "reference counts do not match owners"
+        num_free = sum(1 for count in expected[1:] if count == 0)
+        assert num_free == self.allocator.num_free, "a free block is lost or listed twice"
+        assert len(self.running) + len(self.waiting) == len(self.requests)
+
+
+def _params_for(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion `index` of a seeded request gets its own seed, so the n texts differ."""
+    if index == 0 or params.seed is None:
+        return params
+    return msgspec.structs.replace(params, seed=params.seed + index)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections import deque
 
 import nats.errors
 import structlog
@@ -26,6 +27,7 @@ from bus.messages import (
     ModelInfo,
     ModelInfoRequest,
     RequestTokens,
+    StepPlan,
     StepResult,
     SubmitRequest,
     TokenBatch,
@@ -44,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
                         help="token budget of one step; longer prompts are prefilled in chunks "
                              "(default: 512)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="do not reuse the KV blocks of earlier requests' shared prefixes")
+    parser.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2),
+                        help="steps in flight at once: 2 plans step N+1 while the executor "
+                             "runs step N (default: 2)")
     parser.add_argument("--step-timeout", type=float, default=60.0,
                         help="seconds to wait for the executor's answer to one step before "
                              "failing its requests (default: 60)")
@@ -57,6 +64,8 @@ class SchedulerService:
         self.scheduler: Scheduler | None = None
         self.info: ExecutorInfo | None = None
         self.wakeup = asyncio.Event()
+        self.executor_busy_seconds = 0.0
+        self.executor_idle_seconds = 0.0
 
     async def start(self) -> None:
         self.info = await self._wait_for_executor()
@@ -64,7 +73,8 @@ class SchedulerService:
             num_blocks=self.info.num_blocks, block_size=self.info.block_size,
             max_model_len=self.info.max_model_len, eos_token_ids=tuple(self.info.eos_token_ids),
             max_num_seqs=self.args.max_num_seqs,
-            max_num_batched_tokens=self.args.max_num_batched_tokens))
+            max_num_batched_tokens=self.args.max_num_batched_tokens,
+            enable_prefix_caching=not self.args.no_prefix_caching))
         runtime = self.runtime
         await runtime.on_request(subjects.ENGINE_SUBMIT, SubmitRequest, self.on_submit,
                                  queue=subjects.queue_group("scheduler"))
@@ -92,9 +102,9 @@ class SchedulerService:
         try:
             self.scheduler.add_request(submit.request_id, submit.reply_subject,
                                        submit.prompt_token_ids, submit.params,
-                                       submit.arrival_time)
+                                       submit.arrival_time, n=submit.n)
         except AdmissionError as exc:
-            code = (ErrorCode.CONTEXT_LENGTH_EXCEEDED if "context" in str(exc)
+            code = (ErrorCode.CONTEXT_LENGTH_EXCEEDED if exc.context_length
                     else ErrorCode.INVALID_REQUEST)
             return Admission(error_code=code, error_message=str(exc), error_param=exc.param)
         self.wakeup.set()
@@ -102,8 +112,8 @@ class SchedulerService:
 
     async def on_abort(self, abort: AbortRequest, _: Msg) -> None:
         assert self.scheduler is not None
-        if self.scheduler.abort_request(abort.request_id):
-            log.info("aborted", request_id=abort.request_id)
+        if self.scheduler.abort_request(abort.request_id, abort.index):
+            log.info("aborted", request_id=abort.request_id, index=abort.index)
             self.wakeup.set()
 
     async def on_model_info(self, _: ModelInfoRequest, __: Msg) -> ModelInfo:
@@ -118,31 +128,59 @@ class SchedulerService:
             engine_id=self.engine_id, num_steps=s.num_steps, num_running=len(s.running),
             num_waiting=len(s.waiting), num_free_blocks=s.allocator.num_free,
             num_total_blocks=s.allocator.num_usable, max_batch_size=s.max_batch_size,
-            num_preemptions=s.num_preemptions, num_finished=s.num_finished)
+            num_preemptions=s.num_preemptions, num_finished=s.num_finished,
+            num_cached_blocks=s.tree.num_cached_blocks if s.tree else 0,
+            num_prefix_query_tokens=s.num_prefix_query_tokens,
+            num_prefix_hit_tokens=s.num_prefix_hit_tokens,
+            executor_busy_seconds=self.executor_busy_seconds,
+            executor_idle_seconds=self.executor_idle_seconds)
 
     async def run_engine_loop(self) -> None:
-        """Plan, execute, publish — until stopped. One bus round trip per step."""
+        """Plan, execute, publish — until stopped.
+
+        With pipeline depth 2 the next plan is sent while the executor still runs the
+        current one, so the bus round trip and the planning hide behind the forward; the
+        executor handles its requests one at a time, in order.
+        """
         scheduler = self.scheduler
         assert scheduler is not None
         step_subject = subjects.executor_step(self.engine_id)
+        in_flight: deque[tuple[StepPlan, asyncio.Task, bool]] = deque()
+        continuing = False  # was the engine busy right before this step? (idle accounting)
         while not self.runtime.stop_event.is_set():
-            if not scheduler.has_work:
+            while scheduler.has_work and len(in_flight) < self.args.pipeline_depth:
+                plan = scheduler.schedule()
+                if not plan.scheduled and in_flight:
+                    scheduler.unschedule_empty(plan)
+                    break
+                task = asyncio.create_task(self.runtime.request(
+                    step_subject, plan, StepResult, timeout=self.args.step_timeout))
+                in_flight.append((plan, task, continuing))
+                continuing = True
+            if not in_flight:
                 await self._publish(scheduler.take_ended_updates())
+                continuing = False
                 self.wakeup.clear()
                 await self.wakeup.wait()
                 continue
-            plan = scheduler.schedule()
+            plan, task, counted = in_flight.popleft()
             try:
-                result = await self.runtime.request(step_subject, plan, StepResult,
-                                                    timeout=self.args.step_timeout)
+                result = await task
                 if result.error:
                     raise RuntimeError(result.error)
             except Exception as exc:  # executor gone, timed out or failed: fail, never hang
                 log.error("step failed", step_id=plan.step_id, error=str(exc))
+                for _, other, _ in in_flight:
+                    other.cancel()
+                in_flight.clear()
                 updates = scheduler.take_ended_updates() + scheduler.fail_all(
                     f"the executor failed: {exc or type(exc).__name__}")
                 await self._publish(updates)
+                continuing = False
                 continue
+            self.executor_busy_seconds += result.forward_seconds
+            if counted:
+                self.executor_idle_seconds += result.idle_seconds
             await self._publish(scheduler.update(plan, result))
             await asyncio.sleep(0)  # let submits and aborts in between steps
 

@@ -1,0 +1,143 @@
+"""Radix tree over full KV blocks: finished work stays cached and new requests reuse it.
+
+Each node is one full block of `block_size` token ids, keyed under its parent by those ids, so
+a path from the root spells a token prefix. The tree holds one reference on each cached block
+(`BlockAllocator.incref`); requests using the block hold more. A block whose only reference is
+the tree's, at a leaf, is *evictable*: when the allocator runs dry, evictable leaves go least
+recently used first, and a parent whose last child went becomes a leaf in turn.
+
+Contract: `match` only reads; callers must `lock` (incref) the matched blocks before anything
+can evict, i.e. before the next allocation.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.scheduler.block_allocator import BlockAllocator
+
+
+@dataclass(eq=False)
+class Node:
+    block_id: int
+    key: tuple[int, ...]
+    parent: Node | None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    last_access: int = 0
+
+
+class PrefixTree:
+    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.root = Node(block_id=0, key=(), parent=None)
+        self.nodes_by_block: dict[int, Node] = {}
+        self._clock = itertools.count(1)
+        # (last_access, tiebreak, node) candidates; validated lazily when popped.
+        self._lru: list[tuple[int, int, Node]] = []
+        self._tiebreak = itertools.count()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.nodes_by_block)
+
+    def match(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
+        """Block ids of the longest cached prefix of `token_ids`, at most `max_blocks` long."""
+        node, block_ids, size = self.root, [], self.block_size
+        now = next(self._clock)
+        for i in range(min(max_blocks, len(token_ids) // size)):
+            child = node.children.get(tuple(token_ids[i * size:(i + 1) * size]))
+            if child is None:
+                break
+            child.last_access = now
+            block_ids.append(child.block_id)
+            node = child
+        return block_ids
+
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Cache the full blocks `block_ids` holding `token_ids` (a prefix from position 0).
+
+        Blocks already cached under the same tokens (another request computed them first)
+        are left alone; the caller's copy stays private to it.
+        """
+        node, size = self.root, self.block_size
+        now = next(self._clock)
+        for i, block_id in enumerate(block_ids):
+            key = tuple(token_ids[i * size:(i + 1) * size])
+            assert len(key) == size, "only full blocks are cached"
+            child = node.children.get(key)
+            if child is None:
+                if block_id in self.nodes_by_block:  # already cached under another prefix
+                    return
+                child = Node(block_id=block_id, key=key, parent=node)
+                node.children[key] = child
+                self.nodes_by_block[block_id] = child
+                self.allocator.incref(block_id)
+                self._push_if_evictable(node)  # no longer a leaf: validated lazily
+            child.last_access = now
+            node = child
+        self._push_if_evictable(node)
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """A request let go of these blocks: free them, and note cached ones as evictable."""
+        self.allocator.free(block_ids)
+        for block_id in block_ids:
+            node = self.nodes_by_block.get(block_id)
+            if node is not None:
+                self._push_if_evictable(node)
+
+    def _evictable(self, node: Node) -> bool:
+        return (node is not self.root and not node.children
+                and self.nodes_by_block.get(node.block_id) is node
+                and self.allocator.ref_counts[node.block_id] == 1)
+
+    def _push_if_evictable(self, node: Node) -> None:
+        if self._evictable(node):
+            heapq.heappush(self._lru, (node.last_access, next(self._tiebreak), node))
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to `num_blocks` cached blocks, least recently used leaves first."""
+        num_evicted = 0
+        while num_evicted < num_blocks and self._lru:
+            last_access, _, node = heapq.heappop(self._lru)
+            if not self._evictable(node) or node.last_access != last_access:
+                if self._evictable(node):  # touched since it was pushed: requeue
+                    self._push_if_evictable(node)
+                continue
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key]
+            del self.nodes_by_block[node.block_id]
+            self.allocator.free([node.block_id])
+            num_evicted += 1
+            self._push_if_evictable(parent)
+        return num_evicted
+
+    def num_evictable(self) -> int:
+        """Blocks that eviction could free now (a whole unreferenced subtree counts)."""
+        def walk(node: Node) -> tuple[int, bool]:
+            total, all_free = 0, True
+            for child in node.children.values():
+                count, free = walk(child)
+                total += count
+                all_free = all_free and free
+            free_here = all_free and self.allocator.ref_counts[node.block_id] == 1
+            return total + (1 if free_here and node is not self.root else 0), free_here
+        return walk(self.root)[0]
+
+    def check_integrity(self) -> None:
+        """Walk the tree: every node is indexed, keyed by its tokens, and holds a reference."""
+        seen = 0
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            for key, child in node.children.items():
+                assert child.parent is node and child.key == key and len(key) == self.block_size
+                assert self.nodes_by_block[child.block_id] is child
+                assert self.allocator.ref_counts[child.block_id] >= 1
+                seen += 1
+                stack.append(child)
+        assert seen == len(self.nodes_by_block)

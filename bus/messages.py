@@ -43,6 +43,22 @@ class SamplingParams(_Msg):
     stop_token_ids: list[int] = []
     stop: list[str] = []
     include_stop_str_in_output: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # vLLM/HF: divides (>0) or multiplies (<0) logits of
+    #                                  tokens seen in prompt or output
+    min_tokens: int = 0  # eos and stop_token_ids are suppressed until this many tokens
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the top k
+    logit_bias: dict[int, float] = {}
+
+
+class TokenLogprobs(_Msg):
+    """Log-probabilities of one sampled token, from the model's raw distribution."""
+
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class ChatMessage(_Msg):
@@ -163,6 +179,8 @@ class StepResult(_Msg):
     error: str = ""
     # Time the executor sat waiting for this plan since it answered the previous one.
     idle_seconds: float = 0.0
+    # Parallel to sampled_token_ids; None where the request did not ask for logprobs.
+    logprobs: list[TokenLogprobs | None] = []
 
 
 # ---------------------------------------------------------------- scheduler -> detokenizer
@@ -180,6 +198,7 @@ class RequestTokens(_Msg):
     error: str = ""
     step_id: int = 0
     index: int = 0  # which of the request's n completions
+    logprobs: list[TokenLogprobs] = []  # parallel to new_token_ids, when asked for
 
 
 class TokenBatch(_Msg):
@@ -192,6 +211,15 @@ class TokenBatch(_Msg):
 # ---------------------------------------------------------------- detokenizer -> api
 
 
+class TextLogprob(_Msg):
+    """One output token's log-probability, with its text, for the OpenAI `logprobs` fields."""
+
+    token: str
+    logprob: float
+    top_tokens: list[str] = []
+    top_logprobs: list[float] = []
+
+
 class TextDelta(_Msg):
     request_id: str
     text: str
@@ -202,6 +230,7 @@ class TextDelta(_Msg):
     error: str = ""
     step_id: int = 0
     index: int = 0  # which of the request's n completions
+    logprobs: list[TextLogprob] = []  # one per token of this delta, when asked for
 
 
 class DeltaBatch(_Msg):

@@ -19,6 +19,28 @@ from services.executor.kv_cache import NULL_BLOCK_ID, KVCache
 
 
 @dataclass
+class AttentionLayout:
+    """Padded torch layout of one group of sequences (decodes, or prefill chunks).
+
+    Decodes and prefill chunks are attended to separately: padding a decode's single query to
+    a 500-token prefill chunk would multiply its work by 500.
+    """
+
+    token_index: torch.Tensor  # [Tg] flat indices of this group's tokens
+    query_gather: torch.Tensor  # [Bg, max_q] flat index of each padded query (pads repeat)
+    query_scatter: torch.Tensor  # [Tg] index of each token in the padded [Bg * max_q] queries
+    kv_slots: torch.Tensor  # [Bg, max_ctx] cache slot of each context position (pads: block 0)
+    attn_mask: torch.Tensor  # [Bg, 1, max_q, max_ctx] bool, True = may attend
+    _folded_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def folded_mask(self, group: int) -> torch.Tensor:
+        """The mask for queries folded as [Bg, Hkv, group * max_q] (see paged_attention)."""
+        if group not in self._folded_masks:
+            self._folded_masks[group] = self.attn_mask.repeat(1, 1, group, 1)
+        return self._folded_masks[group]
+
+
+@dataclass
 class AttentionMetadata:
     """Where each sequence's queries and keys live in this step; shared by every layer."""
 
@@ -28,18 +50,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset of each new token
     positions: torch.Tensor  # [T] int64
     block_size: int
-    # Layout for the torch attention, computed once per step instead of once per layer.
-    query_gather: torch.Tensor  # [B, max_q] flat index of each padded query (pads repeat)
-    query_scatter: torch.Tensor  # [T] index of each token in the padded [B * max_q] queries
-    kv_slots: torch.Tensor  # [B, max_ctx] cache slot of each context position (pads: block 0)
-    attn_mask: torch.Tensor  # [B, 1, max_q, max_ctx] bool, True = may attend
-    _folded_masks: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def folded_mask(self, group: int) -> torch.Tensor:
-        """The mask for queries folded as [B, Hkv, group * max_q] (see paged_attention)."""
-        if group not in self._folded_masks:
-            self._folded_masks[group] = self.attn_mask.repeat(1, 1, group, 1)
-        return self._folded_masks[group]
+    max_query_len: int  # a host int, so kernel launches need no device sync
+    # Layouts for the torch attention, computed once per step instead of once per layer.
+    layouts: list[AttentionLayout]
 
 
 def build_attention_metadata(
@@ -48,7 +61,7 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Sequence b computes positions [context_lens[b] - query_lens[b], context_lens[b])."""
     num_seqs = len(query_lens)
-    max_q, max_ctx = max(query_lens), max(context_lens)
+    max_ctx = max(context_lens)
     num_blocks = -(-max_ctx // block_size)
     padded = [list(bt[:num_blocks]) + [NULL_BLOCK_ID] * (num_blocks - min(len(bt), num_blocks))
               for bt in block_tables]
@@ -64,17 +77,41 @@ def build_attention_metadata(
     slot_mapping = table[seq, positions // block_size].long() * block_size \
         + positions % block_size  # [T]
 
-    qi = torch.arange(max_q, device=device)  # [max_q]
-    query_gather = cu[:-1, None] + torch.minimum(qi[None], q_lens[:, None] - 1)  # [B, max_q]
-    query_scatter = seq * max_q + index_in_seq  # [T]
-    kj = torch.arange(max_ctx, device=device)  # [max_ctx]
-    kv_slots = table[:, kj // block_size].long() * block_size + kj % block_size  # [B, max_ctx]
-    q_pos = (ctx - q_lens)[:, None] + qi[None]  # [B, max_q]; pads run past ctx: no empty rows
-    attn_mask = (kj[None, None] <= q_pos[:, :, None]) & (kj[None, None] < ctx[:, None, None])
+    decode_ids = [b for b, n in enumerate(query_lens) if n == 1]
+    prefill_ids = [b for b, n in enumerate(query_lens) if n > 1]
+    layouts = [_layout(ids, query_lens, context_lens, table, cu, block_size, device)
+               for ids in (decode_ids, prefill_ids) if ids]
     return AttentionMetadata(
         cu_seqlens_q=cu, context_lens=ctx, block_tables=table, slot_mapping=slot_mapping,
-        positions=positions, block_size=block_size, query_gather=query_gather,
-        query_scatter=query_scatter, kv_slots=kv_slots, attn_mask=attn_mask[:, None])
+        positions=positions, block_size=block_size, max_query_len=max(query_lens),
+        layouts=layouts)
+
+
+def _layout(seq_ids: list[int], query_lens: Sequence[int], context_lens: Sequence[int],
+            table: torch.Tensor, cu: torch.Tensor, block_size: int,
+            device: torch.device | str) -> AttentionLayout:
+    """The padded layout of the sequences `seq_ids` (indices into the step's batch)."""
+    ids = torch.tensor(seq_ids, dtype=torch.int64, device=device)  # [Bg]
+    q_lens = torch.tensor([query_lens[b] for b in seq_ids], dtype=torch.int64,
+                          device=device)  # [Bg]
+    ctx = torch.tensor([context_lens[b] for b in seq_ids], dtype=torch.int64,
+                       device=device)  # [Bg]
+    max_q, max_ctx = int(q_lens.max()), int(ctx.max())
+    starts = cu[ids]  # [Bg] flat offset of each sequence's first query
+    local = torch.repeat_interleave(torch.arange(len(seq_ids), device=device), q_lens)  # [Tg]
+    local_cu = F.pad(torch.cumsum(q_lens, 0), (1, 0))  # [Bg+1]
+    index_in_seq = torch.arange(int(local_cu[-1]), device=device) - local_cu[local]  # [Tg]
+    qi = torch.arange(max_q, device=device)  # [max_q]
+    kj = torch.arange(max_ctx, device=device)  # [max_ctx]
+    sub_table = table[ids][:, : -(-max_ctx // block_size)]  # [Bg, blocks]
+    q_pos = (ctx - q_lens)[:, None] + qi[None]  # [Bg, max_q]; pads run past ctx: no empty rows
+    attn_mask = (kj[None, None] <= q_pos[:, :, None]) & (kj[None, None] < ctx[:, None, None])
+    return AttentionLayout(
+        token_index=starts[local] + index_in_seq,
+        query_gather=starts[:, None] + torch.minimum(qi[None], q_lens[:, None] - 1),
+        query_scatter=local * max_q + index_in_seq,
+        kv_slots=sub_table[:, kj // block_size].long() * block_size + kj % block_size,
+        attn_mask=attn_mask[:, None])
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -89,25 +126,37 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of q [T, H, Dh] over each sequence's cached context -> [T, H * Dh].
 
-    Torch reference path: gather the paged KV into padded per-sequence tensors and run one
-    batched SDPA. For GQA the `group = H // Hkv` query heads sharing a KV head are folded into
-    the query-length axis, so K/V are never repeated.
+    Torch reference path: per layout (decodes, prefill chunks), gather the paged KV into
+    padded per-sequence tensors and run one batched SDPA. For GQA the `group = H // Hkv` query
+    heads sharing a KV head are folded into the query-length axis, so K/V are never repeated.
     """
     num_tokens, num_heads, head_dim = q.shape
+    if len(meta.layouts) == 1 and meta.layouts[0].token_index.numel() == num_tokens:
+        return _attend(q, k_cache, v_cache, meta.layouts[0], scale)  # one group: no scatter
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    for layout in meta.layouts:
+        out[layout.token_index] = _attend(q, k_cache, v_cache, layout, scale)
+    return out
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            layout: AttentionLayout, scale: float) -> torch.Tensor:
+    """Attention of one layout's tokens -> [Tg, H * Dh], in the layout's token order."""
+    num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    num_seqs, max_q = meta.query_gather.shape
-    k = k_cache.view(-1, num_kv_heads, head_dim)[meta.kv_slots]  # [B, max_ctx, Hkv, Dh]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[meta.kv_slots]  # [B, max_ctx, Hkv, Dh]
-    qp = q[meta.query_gather]  # [B, max_q, H, Dh]
+    num_seqs, max_q = layout.query_gather.shape
+    k = k_cache.view(-1, num_kv_heads, head_dim)[layout.kv_slots]  # [Bg, max_ctx, Hkv, Dh]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[layout.kv_slots]  # [Bg, max_ctx, Hkv, Dh]
+    qp = q[layout.query_gather]  # [Bg, max_q, H, Dh]
     qp = qp.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    qp = qp.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)  # [B, Hkv, g*max_q, Dh]
+    qp = qp.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)  # [Bg, Hkv, g*max_q, Dh]
     out = F.scaled_dot_product_attention(
-        qp, k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.folded_mask(group),
-        scale=scale)  # [B, Hkv, g*max_q, Dh]
+        qp, k.transpose(1, 2), v.transpose(1, 2), attn_mask=layout.folded_mask(group),
+        scale=scale)  # [Bg, Hkv, g*max_q, Dh]
     out = out.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    out = out.reshape(num_seqs * max_q, num_heads * head_dim)  # [B*max_q, H*Dh]
-    return out[meta.query_scatter]  # [T, H*Dh]
+    out = out.reshape(num_seqs * max_q, num_heads * head_dim)  # [Bg*max_q, H*Dh]
+    return out[layout.query_scatter]  # [Tg, H*Dh]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,6 +183,58 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class TorchOps:
+    """The model's torch backend (the CPU path): the functions above, unfused.
+
+    `kernels.ops.TritonOps` has the same calls, each one fused Triton kernel (the CUDA path).
+    """
+
+    name = "torch"
+
+    @staticmethod
+    def add_rms_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x); x None adds nothing."""
+        if x is not None:
+            residual = residual + x
+        return rms_norm(residual, weight, eps), residual
+
+    @staticmethod
+    def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      num_heads: int) -> torch.Tensor:
+        """qkv [T, (H + 2 Hkv) * Dh], cos/sin [T, Dh] -> q [T, H, Dh]; K/V into the caches."""
+        num_tokens, (num_kv_heads, head_dim) = qkv.shape[0], k_cache.shape[2:]
+        qk_width = (num_heads + num_kv_heads) * head_dim
+        # RoPE on Q and K in one pass: [T, H + Hkv, Dh]
+        qk = apply_rope(qkv[:, :qk_width].view(num_tokens, -1, head_dim), cos[:, None],
+                        sin[:, None])
+        q, k = qk[:, :num_heads], qk[:, num_heads:]  # [T, H, Dh], [T, Hkv, Dh]
+        v = qkv[:, qk_width:].view(num_tokens, num_kv_heads, head_dim)
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return q
+
+    attention = staticmethod(paged_attention)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # each [T, F]
+        return F.silu(gate) * up
+
+
+def select_ops(kernels: str | None, device: torch.device):
+    """None picks by device: Triton kernels on CUDA, torch elsewhere."""
+    if kernels is None:
+        kernels = "triton" if device.type == "cuda" else "torch"
+    if kernels == "torch":
+        return TorchOps
+    if kernels == "triton":
+        from services.executor.kernels.ops import TritonOps  # imports triton: CUDA path only
+
+        return TritonOps
+    raise ValueError(f"unknown kernels {kernels!r}: expected 'torch' or 'triton'")
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor  # [D]
@@ -145,12 +246,16 @@ class _Layer:
 
 
 class LlamaModel:
-    """Weights plus the forward; the KV cache is passed in (the runner owns it)."""
+    """Weights plus the forward; the KV cache is passed in (the runner owns it).
+
+    `kernels` picks the backend of the non-matmul ops ("torch" or "triton"; None: by device).
+    """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *,
                  max_positions: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", kernels: str | None = None) -> None:
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.ops = select_ops(kernels, self.device)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
@@ -174,11 +279,11 @@ class LlamaModel:
 
     @classmethod
     def from_gguf(cls, path: str | Path, *, max_positions: int | None = None,
-                  dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu") -> LlamaModel:
+                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                  kernels: str | None = None) -> LlamaModel:
         config, weights = load_gguf(path)
         return cls(config, weights, max_positions=max_positions or config.context_length,
-                   dtype=dtype, device=device)
+                   dtype=dtype, device=device, kernels=kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KVCache,
@@ -187,26 +292,21 @@ class LlamaModel:
 
         Writes this step's K/V into `kv_cache` at `meta.slot_mapping`.
         """
-        cfg = self.config
-        num_tokens = input_ids.shape[0]
-        q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, Dh]
-        h = self.embed[input_ids]  # [T, D]
+        cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, Dh]
+        h = self.embed[input_ids]  # [T, D], the residual stream
+        # Each sublayer's output joins the residual inside the next norm (one fused kernel).
+        delta: torch.Tensor | None = None  # [T, D]
         for index, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
+            x, h = ops.add_rms_norm(h, delta, layer.attn_norm, eps)
             qkv = F.linear(x, layer.qkv)  # [T, (H + 2 Hkv) * Dh]
-            # RoPE on Q and K in one pass: [T, H + Hkv, Dh]
-            qk = apply_rope(qkv[:, :q_width + kv_width].view(num_tokens, -1, cfg.head_dim),
-                            cos, sin)
-            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]  # [T, H, Dh], [T, Hkv, Dh]
-            v = qkv[:, q_width + kv_width:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_cache.layer(index)
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H * Dh]
-            h = h + F.linear(attn, layer.attn_output)
-            x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # each [T, F]
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                  cfg.num_heads)  # [T, H, Dh]
+            attn = ops.attention(q, k_cache, v_cache, meta, self.scale)  # [T, H * Dh]
+            x, h = ops.add_rms_norm(h, F.linear(attn, layer.attn_output), layer.ffn_norm, eps)
+            delta = F.linear(ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)
         # Only the positions that sample pay for the norm and the vocab projection.
-        h = rms_norm(h[logits_indices], self.output_norm, cfg.rms_norm_eps)  # [S, D]
+        tail = None if delta is None else delta[logits_indices]
+        h, _ = ops.add_rms_norm(h[logits_indices], tail, self.output_norm, eps)  # [S, D]
         return F.linear(h, self.lm_head).float()  # [S, V]

@@ -80,6 +80,32 @@ class GenerateRequest(_Msg):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     add_generation_prompt: bool = True
+    n: int = 1
+
+
+class EncodeRequest(_Msg):
+    """api -> tokenizer: the token ids of a prompt or a conversation (for /tokenize)."""
+
+    messages: list[ChatMessage] = []
+    prompt: str | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+
+class EncodeResult(_Msg):
+    token_ids: list[int] = []
+    error_message: str = ""
+
+
+class DecodeRequest(_Msg):
+    """api -> tokenizer: the text of token ids (for /detokenize)."""
+
+    token_ids: list[int]
+
+
+class DecodeResult(_Msg):
+    text: str = ""
+    error_message: str = ""
 
 
 class Admission(_Msg):
@@ -218,6 +244,8 @@ class TextLogprob(_Msg):
     logprob: float
     top_tokens: list[str] = []
     top_logprobs: list[float] = []
+    token_bytes: bytes = b""  # the exact bytes: `token` shows a split character as U+FFFD
+    top_token_bytes: list[bytes] = []
 
 
 class TextDelta(_Msg):

@@ -11,8 +11,9 @@ PREFIX = "llmbus.v1"
 
 # api -> tokenizer (request/reply, queue group "tokenizer"): admit a request.
 TOKENIZER_GENERATE = f"{PREFIX}.tokenizer.generate"
-# api -> tokenizer (request/reply): count/encode text without generating.
+# api -> tokenizer (request/reply, queue group "tokenizer"): encode/decode without generating.
 TOKENIZER_ENCODE = f"{PREFIX}.tokenizer.encode"
+TOKENIZER_DECODE = f"{PREFIX}.tokenizer.decode"
 
 
 # tokenizer -> a scheduler (request/reply, queue group "scheduler"): enqueue a tokenized request.

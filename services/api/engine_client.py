@@ -18,7 +18,11 @@ from bus import subjects
 from bus.messages import (
     AbortRequest,
     Admission,
+    DecodeRequest,
+    DecodeResult,
     DeltaBatch,
+    EncodeRequest,
+    EncodeResult,
     ErrorCode,
     FinishReason,
     GenerateRequest,
@@ -86,9 +90,9 @@ class EngineClient:
         self._health = (time.monotonic(), health)
         return health
 
-    async def submit(self, request: GenerateRequest) -> tuple[Admission, asyncio.Queue]:
-        """Send a request into the pipeline; raises OpenAIError when it is refused."""
-        queue: asyncio.Queue[TextDelta] = asyncio.Queue()
+    async def submit(self, request: GenerateRequest, queue: asyncio.Queue) -> Admission:
+        """Send a request into the pipeline, its deltas to `queue`; raises OpenAIError when
+        it is refused. Several requests may share one queue (batched prompts)."""
         self._streams[request.request_id] = queue  # before sending: deltas may come fast
         try:
             admission = await self.runtime.request(subjects.TOKENIZER_GENERATE, request,
@@ -109,30 +113,53 @@ class EngineClient:
             code = ("context_length_exceeded"
                     if admission.error_code == ErrorCode.CONTEXT_LENGTH_EXCEEDED else None)
             raise OpenAIError(status, admission.error_message, param=admission.error_param,
-                              code=code)
-        return admission, queue
+                              code=code, headers={"Retry-After": "1"} if status == 503 else None)
+        return admission
 
-    async def deltas(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TextDelta]:
-        """Yield a request's deltas until it finishes; ends with an error delta on silence.
+    async def deltas(self, queue: asyncio.Queue, num_choices: int,
+                     ) -> AsyncIterator[TextDelta]:
+        """Yield deltas until `num_choices` completions finished; an error delta on silence.
 
         The caller must call `release` when done (finished, failed or the client left).
         """
-        while True:
+        num_finished = 0
+        while num_finished < num_choices:
             try:
                 delta = await asyncio.wait_for(queue.get(), timeout=self.request_timeout)
             except TimeoutError:
-                yield TextDelta(request_id=request_id, text="", finish_reason=FinishReason.ERROR,
+                yield TextDelta(request_id="", text="", finish_reason=FinishReason.ERROR,
                                 error=f"no progress for {self.request_timeout:.0f} s")
                 return
             yield delta
             if delta.finish_reason != FinishReason.NONE:
-                return
+                num_finished += 1
 
-    async def release(self, request_id: str, finished: bool) -> None:
-        """Forget a request; if it did not finish (client gone), abort it in the pipeline."""
-        self._streams.pop(request_id, None)
-        if not finished:
-            await self.abort(request_id)
+    async def release(self, request_ids: list[str], finished: bool) -> None:
+        """Forget requests; if they did not finish (client gone), abort them in the pipeline."""
+        for request_id in request_ids:
+            if self._streams.pop(request_id, None) is not None and not finished:
+                await self.abort(request_id)
+
+    async def encode(self, request: EncodeRequest) -> list[int]:
+        result = await self._tokenizer_call(subjects.TOKENIZER_ENCODE, request, EncodeResult)
+        if result.error_message:
+            raise OpenAIError(400, result.error_message,
+                              param="messages" if request.messages else "prompt")
+        return result.token_ids
+
+    async def decode(self, token_ids: list[int]) -> str:
+        result = await self._tokenizer_call(subjects.TOKENIZER_DECODE,
+                                            DecodeRequest(token_ids), DecodeResult)
+        if result.error_message:
+            raise OpenAIError(400, result.error_message, param="tokens")
+        return result.text
+
+    async def _tokenizer_call(self, subject: str, request, reply_type):
+        try:
+            return await self.runtime.request(subject, request, reply_type, timeout=10.0)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            raise OpenAIError(503, "the tokenizer stage is not available; retry shortly",
+                              headers={"Retry-After": "1"}) from None
 
     async def abort(self, request_id: str) -> None:
         try:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from bus.messages import FinishReason
+from bus.messages import FinishReason, TextLogprob
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                   FinishReason.ABORT: "abort"}
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
 def finish_reason_name(reason: int) -> str | None:
@@ -17,36 +18,34 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict:
             "total_tokens": num_prompt_tokens + num_output_tokens}
 
 
-def chat_completion(request_id: str, created: int, model: str, text: str, finish_reason: str,
-                    usage_: dict) -> dict:
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage_}
+def _lp(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
 
 
-def chat_chunk(request_id: str, created: int, model: str, delta: dict,
-               finish_reason: str | None = None) -> dict:
-    return {"id": request_id, "object": "chat.completion.chunk", "created": created,
-            "model": model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                         "finish_reason": finish_reason}]}
+def chat_logprobs(items: list[TextLogprob]) -> dict:
+    """`choices[i].logprobs` of a chat completion (or chunk)."""
+    return {"content": [{
+        "token": item.token, "logprob": _lp(item.logprob), "bytes": list(item.token_bytes),
+        "top_logprobs": [{"token": token, "logprob": _lp(lp), "bytes": list(raw)}
+                         for token, lp, raw in zip(item.top_tokens, item.top_logprobs,
+                                                   item.top_token_bytes, strict=False)],
+    } for item in items]}
 
 
-def text_completion(request_id: str, created: int, model: str, text: str, finish_reason: str,
-                    usage_: dict) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
-                         "finish_reason": finish_reason}],
-            "usage": usage_}
+def completion_logprobs(items: list[TextLogprob], text_offset: int) -> dict:
+    """`choices[i].logprobs` of a text completion: parallel lists, offsets into the text."""
+    offsets = []
+    for item in items:
+        offsets.append(text_offset)
+        text_offset += len(item.token)
+    return {"tokens": [item.token for item in items],
+            "token_logprobs": [_lp(item.logprob) for item in items],
+            "top_logprobs": [dict(zip(item.top_tokens, map(_lp, item.top_logprobs),
+                                      strict=False)) for item in items],
+            "text_offset": offsets}
 
 
-def text_chunk(request_id: str, created: int, model: str, text: str,
-               finish_reason: str | None = None) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
-                         "finish_reason": finish_reason}]}
-
-
-def usage_chunk(request_id: str, created: int, model: str, obj: str, usage_: dict) -> dict:
-    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage_}
+def completion_object(chat: bool, stream: bool) -> str:
+    if chat:
+        return "chat.completion.chunk" if stream else "chat.completion"
+    return "text_completion"

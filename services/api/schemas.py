@@ -1,18 +1,24 @@
 """HTTP request bodies of the OpenAI API, decoded and validated with msgspec.
 
 Decoding errors become a 400 naming the parameter. Parameters that this server does not
-implement are rejected, never silently ignored.
+implement are rejected, never silently ignored. Extensions follow vLLM's names (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from bus.messages import ChatMessage, SamplingParams
 from services.api.errors import bad_request
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_LOGIT_BIAS = 1024
 
 
 class TextPart(msgspec.Struct):
@@ -38,24 +44,25 @@ class _Common(msgspec.Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     n: int = 1
     stop: str | list[str] | None = None
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     user: str | None = None
-    # Accepted so their presence can be answered clearly (see UNSUPPORTED).
-    logprobs: Any = None
-    top_logprobs: Any = None
+    # Accepted so that their presence can be answered clearly (see _reject_unsupported).
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
+    function_call: Any = None
     response_format: Any = None
-    logit_bias: Any = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -63,12 +70,37 @@ class _Common(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: list[ChatMessageIn]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
     # str | list[str] | list[int] | list[list[int]]: msgspec unions allow one array type, so
-    # the list forms are checked by `completion_prompt`.
+    # the list forms are checked by `completion_prompts`.
     prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Server-side caps on what one request may ask for."""
+
+    max_tokens: int = 8192
+    max_n: int = 16
 
 
 _ROLES = {"system", "user", "assistant", "developer"}
@@ -90,18 +122,12 @@ def decode_body(body: bytes, request_type: type) -> Any:
 
 
 def _reject_unsupported(req: _Common) -> None:
-    """Parameters whose meaning this server does not implement yet."""
+    """Parameters whose meaning this server does not implement."""
     unsupported = {
-        "tools": req.tools is not None, "tool_choice": req.tool_choice is not None,
-        "functions": req.functions is not None,
+        "tools": req.tools is not None, "tool_choice": req.tool_choice not in (None, "none"),
+        "functions": req.functions is not None, "function_call": req.function_call is not None,
         "response_format": req.response_format not in (None, {"type": "text"}),
-        "logprobs": req.logprobs not in (None, False, 0),
-        "top_logprobs": req.top_logprobs not in (None, 0),
-        "logit_bias": bool(req.logit_bias),
-        "presence_penalty": req.presence_penalty not in (None, 0.0),
-        "frequency_penalty": req.frequency_penalty not in (None, 0.0),
-        "echo": req.echo, "best_of": req.best_of not in (None, 1),
-        "suffix": req.suffix is not None,
+        "best_of": req.best_of not in (None, 1, req.n), "suffix": req.suffix is not None,
     }
     for param, used in unsupported.items():
         if used:
@@ -109,60 +135,111 @@ def _reject_unsupported(req: _Common) -> None:
                               code="unsupported_parameter")
 
 
-def sampling_params(req: _Common, max_tokens: int | None, default_max_tokens: int,
-                    max_tokens_cap: int) -> SamplingParams:
+def _check_range(value: float | None, param: str, low: float, high: float,
+                 low_open: bool = False) -> None:
+    if value is None:
+        return
+    if value < low or value > high or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise bad_request(f"`{param}` must be in {bracket}{low}, {high}], got {value}",
+                          param=param)
+
+
+def sampling_params(req: _Common, *, max_tokens: int | None, default_max_tokens: int,
+                    num_logprobs: int | None, limits: Limits) -> SamplingParams:
     _reject_unsupported(req)
-    if req.n != 1:
-        raise bad_request("only n=1 is supported by this server", param="n")
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if not 0.0 <= temperature <= 2.0:
-        raise bad_request(f"temperature must be between 0 and 2, got {temperature}",
-                          param="temperature")
-    top_p = 1.0 if req.top_p is None else req.top_p
-    if not 0.0 < top_p <= 1.0:
-        raise bad_request(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    if not 1 <= req.n <= limits.max_n:
+        raise bad_request(f"`n` must be between 1 and {limits.max_n}, got {req.n}", param="n")
+    _check_range(req.temperature, "temperature", 0.0, 2.0)
+    _check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
+    _check_range(req.min_p, "min_p", 0.0, 1.0)
+    _check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _check_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    _check_range(req.repetition_penalty, "repetition_penalty", 0.0, 2.0, low_open=True)
     top_k = req.top_k or 0
-    if top_k < 0 and top_k != -1:
-        raise bad_request(f"top_k must be -1, 0 (off) or positive, got {top_k}", param="top_k")
+    if top_k < -1:
+        raise bad_request(f"`top_k` must be -1 or 0 (off) or positive, got {top_k}",
+                          param="top_k")
     if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    if max_tokens is not None and max_tokens > max_tokens_cap:
-        raise bad_request(f"max_tokens is capped at {max_tokens_cap} by this server, got "
+        raise bad_request(f"`max_tokens` must be at least 1, got {max_tokens}",
+                          param="max_tokens")
+    if max_tokens is not None and max_tokens > limits.max_tokens:
+        raise bad_request(f"`max_tokens` is capped at {limits.max_tokens} by this server, got "
                           f"{max_tokens}", param="max_tokens")
+    if req.min_tokens < 0 or (max_tokens is not None and req.min_tokens > max_tokens):
+        raise bad_request("`min_tokens` must be between 0 and max_tokens", param="min_tokens")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(not s for s in stop):
         raise bad_request("stop strings must not be empty", param="stop")
-    if len(stop) > 16:
-        raise bad_request("at most 16 stop strings are allowed", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed",
+                          param="stop")
+    if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}",
+                          param="top_logprobs" if isinstance(req, ChatCompletionRequest)
+                          else "logprobs")
     return SamplingParams(
-        temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=max(top_k, 0),
+        min_p=req.min_p or 0.0,
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
         seed=req.seed, ignore_eos=req.ignore_eos, stop_token_ids=list(req.stop_token_ids or []),
-        stop=stop, include_stop_str_in_output=req.include_stop_str_in_output)
+        stop=stop, include_stop_str_in_output=req.include_stop_str_in_output,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0, min_tokens=req.min_tokens,
+        logprobs=num_logprobs, logit_bias=_logit_bias(req.logit_bias))
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """The single prompt of a completion request, as text or token ids."""
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"`logit_bias` may hold at most {MAX_LOGIT_BIAS} entries",
+                          param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise bad_request(f"`logit_bias` keys must be token ids, got {key!r}",
+                              param="logit_bias")
+        _check_range(value, "logit_bias", -100.0, 100.0)
+        out[int(key)] = float(value)
+    return out
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion request, each as text or token ids."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        if len(prompt) != 1:
-            raise bad_request("batched prompts are not supported yet; send one prompt",
-                              param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, list) and not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        raise bad_request("`prompt` must be a string, a list of strings, a list of token ids "
-                          "or a list of token-id lists", param="prompt")
-    if not prompt:
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompts = [prompt]
+    else:
+        prompts = prompt
+    if not prompts:
         raise bad_request("`prompt` must not be empty", param="prompt")
-    return prompt
+    for item in prompts:
+        if isinstance(item, list):
+            if not item or not all(isinstance(t, int) and not isinstance(t, bool)
+                                   for t in item):
+                raise bad_request("`prompt` must be a string, a list of strings, a list of "
+                                  "token ids or a list of token-id lists", param="prompt")
+        elif not isinstance(item, str) or not item:
+            raise bad_request("`prompt` must not be empty", param="prompt")
+    return prompts
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[ChatMessage]:
-    if not req.messages:
+def chat_messages(messages_in: list[ChatMessageIn] | None) -> list[ChatMessage]:
+    if not messages_in:
         raise bad_request("`messages` must be a non-empty list", param="messages")
     messages = []
-    for message in req.messages:
+    for message in messages_in:
         if message.role not in _ROLES:
             raise bad_request(f"unknown message role {message.role!r}", param="messages")
         content = message.content

@@ -11,6 +11,7 @@ import uvicorn
 from bus.runtime import ServiceRuntime
 from services.api.app import ApiSettings, create_app
 from services.api.engine_client import EngineClient
+from services.api.schemas import Limits
 
 log = structlog.get_logger()
 
@@ -25,6 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "error (default: 600)")
     parser.add_argument("--max-tokens-cap", type=int, default=8192,
                         help="largest max_tokens a client may ask for (default: 8192)")
+    parser.add_argument("--max-n", type=int, default=16,
+                        help="largest n (completions per prompt) a client may ask for "
+                             "(default: 16)")
+    parser.add_argument("--max-body-size", type=int, default=4 * 2**20,
+                        help="largest request body in bytes (default: 4 MiB)")
+    parser.add_argument("--api-key", default=os.environ.get("LLMBUS_API_KEY"),
+                        help="require `Authorization: Bearer KEY` on every /v1 route "
+                             "(default: $LLMBUS_API_KEY; unset = no key)")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -32,7 +41,9 @@ async def main(args: argparse.Namespace) -> None:
     await runtime.connect()
     engine = EngineClient(runtime, request_timeout=args.request_timeout)
     await engine.start()
-    app = create_app(engine, ApiSettings(max_tokens_cap=args.max_tokens_cap))
+    app = create_app(engine, ApiSettings(
+        limits=Limits(max_tokens=args.max_tokens_cap, max_n=args.max_n),
+        max_body_bytes=args.max_body_size, api_key=args.api_key))
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_config=None, access_log=False,
         timeout_graceful_shutdown=10, lifespan="on"))

@@ -18,11 +18,19 @@ import structlog
 from nats.aio.msg import Msg
 
 from bus import subjects
-from bus.messages import AbortRequest, DeltaBatch, FinishReason, TextDelta, TokenBatch
+from bus.messages import (
+    AbortRequest,
+    DeltaBatch,
+    FinishReason,
+    TextDelta,
+    TextLogprob,
+    TokenBatch,
+    TokenLogprobs,
+)
 from bus.runtime import ServiceRuntime
 from services.detokenizer.incremental import IncrementalDetokenizer
 from services.model_files import resolve_model
-from services.tokenizer.gguf_tokenizer import GGUFTokenizer
+from services.tokenizer.gguf_tokenizer import GGUFTokenizer, byte_alphabet
 
 log = structlog.get_logger()
 
@@ -35,11 +43,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="path of a GGUF model (default: the pulled default model)")
 
 
+class TokenTexts:
+    """Text and exact bytes of single tokens, for logprobs (cached: the vocabulary is fixed)."""
+
+    def __init__(self, tokenizer: GGUFTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._byte_of = {char: byte for byte, char in byte_alphabet().items()}
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        found = self._cache.get(token_id)
+        if found is None:
+            [spelling] = self.tokenizer.convert_ids_to_tokens([token_id])
+            if token_id in self.tokenizer.special_token_ids:
+                raw = spelling.encode()
+            else:  # byte-level BPE: each character stands for one byte
+                raw = bytes(self._byte_of.get(c, 0x3F) for c in spelling)
+            found = self._cache[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return found
+
+    def logprobs(self, entries: list[TokenLogprobs], token_ids: list[int]) -> list[TextLogprob]:
+        out = []
+        for token_id, entry in zip(token_ids, entries, strict=False):
+            token, raw = self(token_id)
+            tops = [self(t) for t in entry.top_token_ids]
+            out.append(TextLogprob(
+                token=token, logprob=entry.logprob, top_tokens=[t for t, _ in tops],
+                top_logprobs=list(entry.top_logprobs), token_bytes=raw,
+                top_token_bytes=[b for _, b in tops]))
+        return out
+
+
 class Detokenization:
     """All in-flight requests' decode states; pure (no bus), driven by TokenBatches."""
 
     def __init__(self, tokenizer: GGUFTokenizer) -> None:
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)
         # Keyed by (request id, completion index): n > 1 completions decode separately.
         self.states: dict[tuple[str, int], IncrementalDetokenizer] = {}
         self.stopped: dict[tuple[str, int], None] = {}  # insertion-ordered set
@@ -79,7 +119,8 @@ class Detokenization:
                 request_id=item.request_id, text=text, num_new_tokens=len(item.new_token_ids),
                 finish_reason=reason, num_prompt_tokens=item.num_prompt_tokens,
                 num_output_tokens=state.num_tokens, error=item.error, step_id=item.step_id,
-                index=item.index))
+                index=item.index, logprobs=self.token_texts.logprobs(
+                    item.logprobs, item.new_token_ids) if item.logprobs else []))
         return out, newly_stopped
 
     def _remember_stopped(self, key: tuple[str, int]) -> None:

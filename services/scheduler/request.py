@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from bus.messages import FinishReason, SamplingParams
+from bus.messages import FinishReason, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -28,6 +28,7 @@ class Request:
     # n completions that share those blocks.
     num_forks: int = 1
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when asked for
     # Sampled in a step whose result has not arrived yet (the scheduler plans ahead).
     num_pending_tokens: int = 0
     # Tokens whose KV is (or, once the planned steps ran, will be) in the cache.

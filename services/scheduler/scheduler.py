@@ -377,15 +377,18 @@ class Scheduler:
         """Fill in a step's sampled tokens; returns the token updates for the detokenizer."""
         updates = self.take_ended_updates()
         sampled = iter(result.sampled_token_ids)
+        logprobs = iter(result.logprobs or [None] * len(result.sampled_token_ids))
         for item in plan.scheduled:
             if not item.sample:
                 continue
-            token_id = next(sampled)
+            token_id, token_logprobs = next(sampled), next(logprobs)
             request = self.requests.get(item.request_id)
             if request is None:
                 continue  # it finished or was aborted after this step was planned
             request.num_pending_tokens -= 1
             request.output_token_ids.append(token_id)
+            if token_logprobs is not None:
+                request.output_logprobs.append(token_logprobs)
             reason = self._stop_reason(request, token_id)
             if reason is not FinishReason.NONE:
                 self._remove(request)
@@ -397,11 +400,13 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason:
         params = request.params
-        if not params.ignore_eos and token_id in self.config.eos_token_ids:
-            return FinishReason.STOP
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP
-        if len(request.output_token_ids) >= request.max_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:  # the sampler suppresses them before that
+            if not params.ignore_eos and token_id in self.config.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+        if num_output >= request.max_tokens:
             return FinishReason.LENGTH
         return FinishReason.NONE
 
@@ -428,6 +433,7 @@ class Scheduler:
                       index: int | None = None) -> RequestTokens:
         first = request.num_sent_tokens == 0
         new_token_ids = request.output_token_ids[request.num_sent_tokens:]
+        new_logprobs = request.output_logprobs[request.num_sent_tokens:]
         request.num_sent_tokens = len(request.output_token_ids)
         return RequestTokens(
             request_id=request.public_id, reply_subject=request.reply_subject,
@@ -436,7 +442,7 @@ class Scheduler:
             stop=request.params.stop if first else [],
             include_stop_str_in_output=request.params.include_stop_str_in_output,
             error=error, step_id=self.num_steps,
-            index=request.index if index is None else index)
+            index=request.index if index is None else index, logprobs=new_logprobs)
 
     def _end_updates(self, request: Request, error: str = "") -> list[RequestTokens]:
         """The final update(s) of an ended request: a parent ends all n completions."""

@@ -15,7 +15,16 @@ import structlog
 from nats.aio.msg import Msg
 
 from bus import subjects
-from bus.messages import Admission, ErrorCode, GenerateRequest, SubmitRequest
+from bus.messages import (
+    Admission,
+    DecodeRequest,
+    DecodeResult,
+    EncodeRequest,
+    EncodeResult,
+    ErrorCode,
+    GenerateRequest,
+    SubmitRequest,
+)
 from bus.runtime import ServiceRuntime
 from services.model_files import resolve_model
 from services.tokenizer.chat_template import ChatTemplateError, render_chat_template
@@ -35,14 +44,17 @@ class Tokenization:
     def __init__(self, tokenizer: GGUFTokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
+    def check_token_ids(self, token_ids: list[int], what: str = "token id") -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.tokenizer.vocab_size]
+        if bad:
+            raise ValueError(f"{what} {bad[0]} is outside the vocabulary "
+                             f"(0..{self.tokenizer.vocab_size - 1})")
+
+    def prompt_token_ids(self, request: GenerateRequest | EncodeRequest) -> list[int]:
         """Raises ValueError with a client-facing message on bad input."""
         tok = self.tokenizer
-        if request.prompt_token_ids is not None:
-            bad = [t for t in request.prompt_token_ids if not 0 <= t < tok.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary "
-                                 f"(0..{tok.vocab_size - 1})")
+        if getattr(request, "prompt_token_ids", None) is not None:
+            self.check_token_ids(request.prompt_token_ids)
             return list(request.prompt_token_ids)
         if request.messages:
             if not tok.chat_template:
@@ -64,6 +76,11 @@ async def main(args: argparse.Namespace) -> None:
 
     async def on_generate(request: GenerateRequest, _: Msg) -> Admission:
         try:
+            tokenization.check_token_ids(list(request.params.logit_bias), "logit_bias key")
+        except ValueError as exc:
+            return Admission(error_code=ErrorCode.INVALID_REQUEST, error_message=str(exc),
+                             error_param="logit_bias")
+        try:
             token_ids = tokenization.prompt_token_ids(request)
         except (ValueError, ChatTemplateError) as exc:
             param = "messages" if request.messages else "prompt"
@@ -76,7 +93,7 @@ async def main(args: argparse.Namespace) -> None:
         submit = SubmitRequest(request_id=request.request_id,
                                reply_subject=request.reply_subject,
                                prompt_token_ids=token_ids, params=request.params,
-                               arrival_time=time.time())
+                               arrival_time=time.time(), n=request.n)
         try:
             admission = await runtime.request(subjects.ENGINE_SUBMIT, submit, Admission,
                                               timeout=10.0)
@@ -91,8 +108,24 @@ async def main(args: argparse.Namespace) -> None:
             admission.error_param = "prompt"
         return admission
 
+    async def on_encode(request: EncodeRequest, _: Msg) -> EncodeResult:
+        try:
+            return EncodeResult(token_ids=tokenization.prompt_token_ids(request))
+        except (ValueError, ChatTemplateError) as exc:
+            return EncodeResult(error_message=str(exc))
+
+    async def on_decode(request: DecodeRequest, _: Msg) -> DecodeResult:
+        try:
+            tokenization.check_token_ids(request.token_ids)
+        except ValueError as exc:
+            return DecodeResult(error_message=str(exc))
+        return DecodeResult(text=tokenization.tokenizer.decode(request.token_ids))
+
+    group = subjects.queue_group("tokenizer")
     await runtime.on_request(subjects.TOKENIZER_GENERATE, GenerateRequest, on_generate,
-                             queue=subjects.queue_group("tokenizer"))
+                             queue=group)
+    await runtime.on_request(subjects.TOKENIZER_ENCODE, EncodeRequest, on_encode, queue=group)
+    await runtime.on_request(subjects.TOKENIZER_DECODE, DecodeRequest, on_decode, queue=group)
     runtime.ready = True
     log.info("tokenizer ready", vocab_size=tokenization.tokenizer.vocab_size)
     try:

@@ -158,6 +158,7 @@ class NewRequestData(_Msg):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    traceparent: str = ""  # W3C trace context of the request: executor step spans link to it
 
 
 class ScheduledRequest(_Msg):
@@ -225,6 +226,10 @@ class RequestTokens(_Msg):
     step_id: int = 0
     index: int = 0  # which of the request's n completions
     logprobs: list[TokenLogprobs] = []  # parallel to new_token_ids, when asked for
+    # With a request's first update: its trace context (a batch has many requests, so the
+    # message header cannot carry it) and how long it waited before its first step.
+    traceparent: str = ""
+    queue_seconds: float = 0.0
 
 
 class TokenBatch(_Msg):
@@ -259,6 +264,7 @@ class TextDelta(_Msg):
     step_id: int = 0
     index: int = 0  # which of the request's n completions
     logprobs: list[TextLogprob] = []  # one per token of this delta, when asked for
+    queue_seconds: float = 0.0  # with the first delta: time waiting for the first step
 
 
 class DeltaBatch(_Msg):
@@ -294,6 +300,7 @@ class EngineStats(_Msg):
     num_prefix_hit_tokens: int = 0  # ... of which were found there
     executor_busy_seconds: float = 0.0
     executor_idle_seconds: float = 0.0  # waiting for the next plan between steps
+    num_evictable_blocks: int = 0  # cached blocks no request holds (free for the taking)
 
 
 class Ping(_Msg):

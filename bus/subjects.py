@@ -24,6 +24,10 @@ ENGINE_SUBMIT = f"{PREFIX}.engine.submit"
 ENGINE_MODEL = f"{PREFIX}.engine.model"
 
 
+# anyone -> every scheduler (request, many replies): counters of every engine.
+ENGINE_STATS = f"{PREFIX}.engine.stats"
+
+
 def engine_stats(engine_id: str) -> str:
     """anyone -> one scheduler (request/reply): counters of its engine."""
     return f"{PREFIX}.engine.{engine_id}.stats"

@@ -1,7 +1,8 @@
-"""W3C trace context carried in NATS message headers, so one request is one trace.
+"""OpenTelemetry set-up and W3C trace context on the bus, so one request is one trace.
 
-Spans beyond propagation (per-stage spans, exporters, metrics) are the observability issue's
-work; this module is the seam every service already calls.
+A message addressed to one request carries the context in its NATS headers (the runtime
+injects and extracts it). A batched message (one engine step, many requests) cannot: there,
+each request's context travels in the message as a `traceparent` string.
 """
 
 from __future__ import annotations
@@ -11,19 +12,38 @@ import os
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Link, SpanContext
+
+_provider: TracerProvider | None = None
 
 
-def configure_tracing(service: str, instance_id: str) -> None:
-    """Install an SDK tracer provider; export over OTLP only when OTEL_* says where."""
+def configure_tracing(service: str, instance_id: str, *, console: bool = False) -> None:
+    """Install an SDK tracer provider: OTLP/HTTP export when the standard OTEL_* variables
+    name an endpoint, console export when asked, otherwise spans are made and dropped."""
+    global _provider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
     provider = TracerProvider(resource=Resource.create(
         {"service.name": f"llmbus-{service}", "service.instance.id": instance_id}))
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    if console:
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     trace.set_tracer_provider(provider)
+    _provider = provider
+
+
+def shutdown_tracing() -> None:
+    """Flush spans still buffered (a service that exits must not lose its last spans)."""
+    if _provider is not None:
+        _provider.shutdown()
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
 
 
 def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
@@ -35,3 +55,24 @@ def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
 
 def extract_context(headers: dict[str, str] | None) -> context.Context:
     return propagate.extract(headers or {})
+
+
+def current_traceparent() -> str:
+    """The current span's context as a W3C `traceparent` string ("" when none)."""
+    return inject_headers().get("traceparent", "")
+
+
+def context_from_traceparent(traceparent: str) -> context.Context:
+    return propagate.extract({"traceparent": traceparent} if traceparent else {})
+
+
+def link_to(traceparent: str) -> Link | None:
+    """A span link to the request whose context is `traceparent` (None if it has none)."""
+    span_context: SpanContext = trace.get_current_span(
+        context_from_traceparent(traceparent)).get_span_context()
+    return Link(span_context) if span_context.is_valid else None
+
+
+def trace_id_hex() -> str | None:
+    span_context = trace.get_current_span().get_span_context()
+    return format(span_context.trace_id, "032x") if span_context.is_valid else None

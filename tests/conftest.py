@@ -15,9 +15,12 @@ import pytest
 
 from services.launcher import free_port
 from services.model_files import default_model_path
+from tests.otlp_receiver import OtlpReceiver
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "smollm2-135m-instruct"
+API_KEY = "llmbus-test-key"  # the shared stack requires it, so every test exercises auth
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def needs_default_model() -> pytest.MarkDecorator:
@@ -36,7 +39,8 @@ class RunningStack:
         return self.log_path.read_text(errors="replace")
 
 
-def start_stack(tmp_dir: Path, *extra: str, timeout: float = 240.0) -> RunningStack:
+def start_stack(tmp_dir: Path, *extra: str, timeout: float = 240.0,
+                env: dict[str, str] | None = None) -> RunningStack:
     """Run `llmbus up` as a user would; return once it prints that it is ready."""
     port = free_port()
     log_path = tmp_dir / f"llmbus-up-{port}.log"
@@ -44,7 +48,7 @@ def start_stack(tmp_dir: Path, *extra: str, timeout: float = 240.0) -> RunningSt
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", str(port), *extra],
         stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log_path.read_text(errors="replace")
@@ -65,10 +69,19 @@ def stop_stack(stack: RunningStack, timeout: float = 30.0) -> int:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> RunningStack:
+def otlp() -> OtlpReceiver:
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> RunningStack:
+    """The shared stack: requires an API key and exports traces to a real OTLP receiver."""
     if not default_model_path().is_file():
         pytest.skip("default model not pulled (`llmbus model pull`)")
-    running = start_stack(tmp_path_factory.mktemp("stack"))
+    running = start_stack(tmp_path_factory.mktemp("stack"), "--api-key", API_KEY, env={
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"})
     yield running
     stop_stack(running)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.conftest import MODEL_NAME
+from tests.conftest import AUTH, MODEL_NAME
 
 pytestmark = pytest.mark.model
 
@@ -41,6 +41,23 @@ CASES = [
      {"model": MODEL_NAME, "prompt": "hello " * 8000, "max_tokens": 1000}, "max_tokens"),
     ("token id outside vocabulary", COMPLETIONS, {"model": MODEL_NAME, "prompt": [1, 10**9]},
      "prompt"),
+    ("negative temperature", CHAT,
+     {"model": MODEL_NAME, "messages": HELLO, "temperature": -0.5}, "temperature"),
+    ("top_p above one", CHAT, {"model": MODEL_NAME, "messages": HELLO, "top_p": 1.5}, "top_p"),
+    ("n beyond the cap", CHAT, {"model": MODEL_NAME, "messages": HELLO, "n": 100}, "n"),
+    ("n as a string", CHAT, {"model": MODEL_NAME, "messages": HELLO, "n": "two"}, "n"),
+    ("stop as a number", CHAT, {"model": MODEL_NAME, "messages": HELLO, "stop": 5}, "stop"),
+    ("top_logprobs beyond 20", CHAT, {"model": MODEL_NAME, "messages": HELLO, "logprobs": True,
+                                      "top_logprobs": 50}, "top_logprobs"),
+    ("top_logprobs without logprobs", CHAT,
+     {"model": MODEL_NAME, "messages": HELLO, "top_logprobs": 2}, "top_logprobs"),
+    ("logit_bias key not a token id", CHAT,
+     {"model": MODEL_NAME, "messages": HELLO, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("logit_bias token outside vocabulary", CHAT,
+     {"model": MODEL_NAME, "messages": HELLO, "logit_bias": {"999999": 1}}, "logit_bias"),
+    ("stream_options without stream", CHAT, {"model": MODEL_NAME, "messages": HELLO,
+                                             "stream_options": {"include_usage": True}},
+     "stream_options"),
     ("unsupported parameter", CHAT,
      {"model": MODEL_NAME, "messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
 ]
@@ -50,7 +67,7 @@ CASES = [
 def test_bad_input_is_a_400_with_openai_error(stack, name, path, body, param):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     response = httpx.post(f"{stack.base_url}{path}", timeout=30,
-                          headers={"content-type": "application/json"}, **kwargs)
+                          headers={"content-type": "application/json", **AUTH}, **kwargs)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -60,13 +77,13 @@ def test_bad_input_is_a_400_with_openai_error(stack, name, path, body, param):
 
 
 def test_unknown_route_is_a_404_with_openai_error(stack):
-    response = httpx.get(f"{stack.base_url}/nope", timeout=10)
+    response = httpx.get(f"{stack.base_url}/nope", headers=AUTH, timeout=10)
     assert response.status_code == 404
     assert response.json()["error"]["type"] == "not_found_error"
 
 
 def test_models_lists_the_served_model(stack):
-    data = httpx.get(f"{stack.base_url}/models", timeout=10).json()["data"]
+    data = httpx.get(f"{stack.base_url}/models", headers=AUTH, timeout=10).json()["data"]
     assert [m["id"] for m in data] == [MODEL_NAME]
     assert data[0]["max_model_len"] == 8192
 

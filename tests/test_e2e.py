@@ -12,7 +12,7 @@ import pytest
 from bus import subjects
 from bus.codec import decode, encode
 from bus.messages import EngineStats, EngineStatsRequest
-from tests.conftest import MODEL_NAME, hf_greedy
+from tests.conftest import API_KEY, AUTH, MODEL_NAME, hf_greedy
 
 pytestmark = pytest.mark.model
 
@@ -46,7 +46,7 @@ def _chat_ids(hf_reference, question: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=stack.base_url, api_key=API_KEY, max_retries=0, timeout=120)
 
 
 @pytest.mark.parametrize("question", QUESTIONS)
@@ -92,7 +92,7 @@ def test_curl_style_sse_stream(stack):
     body = {"model": MODEL_NAME, "stream": True, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]}
     with httpx.stream("POST", f"{stack.base_url}/chat/completions", json=body,
-                      timeout=60) as response:
+                      headers=AUTH, timeout=60) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line]
@@ -114,7 +114,7 @@ async def _engine_stats(nats_url: str) -> EngineStats:
 async def test_concurrent_streams_share_steps(stack):
     """Eight concurrent streaming requests finish correctly and decode in shared steps."""
     questions = [f"Count from {i} to {i + 5}." for i in range(8)]
-    client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0,
+    client = openai.AsyncOpenAI(base_url=stack.base_url, api_key=API_KEY, max_retries=0,
                                 timeout=120)
 
     async def ask(question: str, stream: bool) -> tuple[str, str]:

@@ -8,7 +8,7 @@ import asyncio
 import openai
 import pytest
 
-from tests.conftest import MODEL_NAME, start_stack, stop_stack
+from tests.conftest import API_KEY, MODEL_NAME, start_stack, stop_stack
 from tests.test_e2e import _engine_stats
 
 pytestmark = pytest.mark.model
@@ -27,7 +27,7 @@ def small_stack(stack, tmp_path_factory):
 
 
 async def _answers(base_url: str) -> list[str]:
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0,
                                 timeout=300)
 
     async def ask(question: str) -> str:

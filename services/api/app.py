@@ -23,6 +23,7 @@ from bus.messages import EncodeRequest
 from services.api.engine_client import EngineClient
 from services.api.errors import EXCEPTION_HANDLERS, OpenAIError, bad_request
 from services.api.generation import Generation
+from services.api.metrics import ApiMetrics
 from services.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -83,7 +84,8 @@ async def chat_completions(request: Request, state: State) -> Response:
                              limits=state.settings.limits)
     generation = await Generation.start(
         engine, chat=True, model=model, params=params, n=req.n,
-        sources=[{"messages": messages}], include_usage=_include_usage(req))
+        sources=[{"messages": messages}], include_usage=_include_usage(req),
+        metrics=_metrics(state, model))
     return await _respond(generation, req.stream)
 
 
@@ -102,7 +104,8 @@ async def completions(request: Request, state: State) -> Response:
                for p in prompts]
     generation = await Generation.start(
         engine, chat=False, model=model, params=params, n=req.n, sources=sources,
-        include_usage=_include_usage(req), echo_texts=echo_texts)
+        include_usage=_include_usage(req), echo_texts=echo_texts,
+        metrics=_metrics(state, model))
     return await _respond(generation, req.stream)
 
 
@@ -138,6 +141,21 @@ async def detokenize(request: Request, state: State) -> dict:
     req = decode_body(await request.body(), DetokenizeRequest)
     await _check_model(engine, req.model)
     return {"prompt": await engine.decode(req.tokens)}
+
+
+def _metrics(state: State, model: str) -> ApiMetrics:
+    if state.get("metrics") is None:
+        state.metrics = ApiMetrics(model, state.engine.runtime.instance_id)
+    return state.metrics
+
+
+@get("/metrics", media_type="text/plain; version=0.0.4")
+async def metrics(state: State) -> str:
+    """Prometheus text format: this api copy's request metrics, every engine's state."""
+    info = await state.engine.model_info()
+    registry = _metrics(state, info.model_name)
+    registry.set_engine_stats(await state.engine.engine_stats())
+    return registry.render()
 
 
 @get("/health")
@@ -177,9 +195,9 @@ def create_app(engine: EngineClient, settings: ApiSettings | None = None) -> Lit
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, models],
                 guards=[_require_api_key])
     return Litestar(
-        route_handlers=[v1, tokenize, detokenize, health, version_route],
+        route_handlers=[v1, tokenize, detokenize, health, version_route, metrics],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[state_lifespan],
         request_max_body_size=settings.max_body_bytes,
-        openapi_config=None,
+        logging_config=None,  # structlog owns logging (bus/logging.py)
     )

@@ -15,6 +15,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from bus import subjects
+from bus.codec import decode, encode
 from bus.messages import (
     AbortRequest,
     Admission,
@@ -23,6 +24,8 @@ from bus.messages import (
     DeltaBatch,
     EncodeRequest,
     EncodeResult,
+    EngineStats,
+    EngineStatsRequest,
     ErrorCode,
     FinishReason,
     GenerateRequest,
@@ -89,6 +92,24 @@ class EngineClient:
         health = dict(zip(PIPELINE_STAGES, results, strict=True))
         self._health = (time.monotonic(), health)
         return health
+
+    async def engine_stats(self, wait: float = 0.25) -> list[EngineStats]:
+        """Counters of every engine: one request, every scheduler answers (scatter-gather)."""
+        assert self.runtime.nc is not None
+        nc = self.runtime.nc
+        inbox = nc.new_inbox()
+        replies: list[EngineStats] = []
+
+        async def collect(msg: Msg) -> None:
+            replies.append(decode(msg.data, EngineStats))
+
+        subscription = await nc.subscribe(inbox, cb=collect)
+        try:
+            await nc.publish(subjects.ENGINE_STATS, encode(EngineStatsRequest()), reply=inbox)
+            await asyncio.sleep(wait)
+        finally:
+            await subscription.unsubscribe()
+        return sorted(replies, key=lambda s: s.engine_id)
 
     async def submit(self, request: GenerateRequest, queue: asyncio.Queue) -> Admission:
         """Send a request into the pipeline, its deltas to `queue`; raises OpenAIError when

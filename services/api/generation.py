@@ -15,11 +15,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import structlog
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from bus.messages import FinishReason, GenerateRequest, SamplingParams, TextDelta, TextLogprob
 from services.api import openai_responses as fmt
 from services.api.engine_client import EngineClient
 from services.api.errors import OpenAIError
+from services.api.metrics import ApiMetrics
+
+log = structlog.get_logger()
+_tracer = trace.get_tracer("llmbus.api")
 
 
 @dataclass
@@ -29,6 +37,7 @@ class Choice:
     finish_reason: int = FinishReason.NONE
     num_tokens: int = 0
     text_offset: int = 0  # characters sent so far (completions' logprobs text_offset)
+    last_delta_at: float | None = None
 
 
 @dataclass
@@ -47,34 +56,90 @@ class Generation:
     num_prompt_tokens: int = 0
     choices: list[Choice] = field(default_factory=list)
     _prompt_of: dict[str, int] = field(default_factory=dict)
+    metrics: ApiMetrics | None = None
+    span: Span | None = None  # the request's root span: one trace across every service
+    started_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    queue_seconds: float = 0.0
+    _itls: list[float] = field(default_factory=list)
 
     @classmethod
     async def start(cls, engine: EngineClient, *, chat: bool, model: str,
                     params: SamplingParams, n: int, sources: list[dict[str, Any]],
-                    include_usage: bool, echo_texts: list[str] | None = None) -> Generation:
+                    include_usage: bool, echo_texts: list[str] | None = None,
+                    metrics: ApiMetrics | None = None) -> Generation:
         """Admit every prompt into the pipeline; if one is refused, abort the others."""
         prefix = "chatcmpl" if chat else "cmpl"
         gen = cls(engine, f"{prefix}-{uuid.uuid4().hex}", model, chat, n,
                   params.logprobs is not None, include_usage,
-                  echo_texts or [""] * len(sources))
+                  echo_texts or [""] * len(sources), metrics=metrics)
         gen.choices = [Choice() for _ in range(len(sources) * n)]
+        gen.span = _tracer.start_span(
+            "chat" if chat else "text_completion", kind=SpanKind.SERVER, attributes={
+                "gen_ai.operation.name": "chat" if chat else "text_completion",
+                "gen_ai.request.model": model, "gen_ai.request.max_tokens": params.max_tokens,
+                "gen_ai.request.temperature": params.temperature,
+                "gen_ai.request.top_p": params.top_p, "gen_ai.request.choice.count": n,
+                "llmbus.request_id": gen.id})
+        token = otel_context.attach(trace.set_span_in_context(gen.span))
         try:
-            for p, source in enumerate(sources):
-                request_id = gen.id if len(sources) == 1 else f"{gen.id}-{p}"
-                gen._prompt_of[request_id] = p
-                gen.request_ids.append(request_id)
-                admission = await engine.submit(GenerateRequest(
-                    request_id=request_id, reply_subject=engine.reply_subject, model=model,
-                    params=params, n=n, **source), gen.queue)
-                gen.num_prompt_tokens += admission.num_prompt_tokens
-        except BaseException:
+            with structlog.contextvars.bound_contextvars(request_id=gen.id):
+                for p, source in enumerate(sources):
+                    request_id = gen.id if len(sources) == 1 else f"{gen.id}-{p}"
+                    gen._prompt_of[request_id] = p
+                    gen.request_ids.append(request_id)
+                    admission = await engine.submit(GenerateRequest(
+                        request_id=request_id, reply_subject=engine.reply_subject, model=model,
+                        params=params, n=n, **source), gen.queue)
+                    gen.num_prompt_tokens += admission.num_prompt_tokens
+                log.info("request admitted", num_prompt_tokens=gen.num_prompt_tokens,
+                         num_choices=len(gen.choices))
+        except BaseException as exc:
             await engine.release(gen.request_ids, finished=False)
+            gen._end_span(error=str(exc))
             raise
+        finally:
+            otel_context.detach(token)
         return gen
+
+    def _end_span(self, error: str | None = None) -> None:
+        """Close the root span (once) and record the request's metrics."""
+        span, self.span = self.span, None
+        if span is None:
+            return
+        reasons = [fmt.finish_reason_name(c.finish_reason) or "error" for c in self.choices]
+        num_output = sum(c.num_tokens for c in self.choices)
+        span.set_attributes({
+            "gen_ai.usage.input_tokens": self.num_prompt_tokens,
+            "gen_ai.usage.output_tokens": num_output,
+            "gen_ai.response.finish_reasons": reasons, "gen_ai.response.id": self.id})
+        if self.first_token_at is not None:
+            span.set_attribute("llmbus.time_to_first_token_s",
+                               self.first_token_at - self.started_at)
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, error))
+        elif self.metrics is not None:
+            self.metrics.observe_request(
+                ttft=None if self.first_token_at is None
+                else self.first_token_at - self.started_at,
+                itls=self._itls, e2e=time.monotonic() - self.started_at,
+                queue=self.queue_seconds, num_prompt_tokens=self.num_prompt_tokens,
+                num_output_tokens=num_output, finish_reasons=reasons)
+        span.end()
 
     def _apply(self, delta: TextDelta) -> tuple[int, Choice]:
         index = self._prompt_of.get(delta.request_id, 0) * self.n + delta.index
         choice = self.choices[index]
+        now = time.monotonic()
+        if delta.num_new_tokens:
+            if self.first_token_at is None:
+                self.first_token_at = now
+                if self.span is not None:
+                    self.span.add_event("first_token")
+            if choice.last_delta_at is not None:
+                self._itls.append(now - choice.last_delta_at)
+            choice.last_delta_at = now
+        self.queue_seconds = max(self.queue_seconds, delta.queue_seconds)
         choice.text.append(delta.text)
         choice.logprobs.extend(delta.logprobs)
         choice.num_tokens = max(choice.num_tokens, delta.num_output_tokens)
@@ -88,14 +153,17 @@ class Generation:
     async def collect(self) -> dict:
         """Wait for every choice; the whole non-streamed response body."""
         finished = False
+        error: str | None = "the client went away"
         try:
             async for delta in self.engine.deltas(self.queue, len(self.choices)):
                 if delta.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                    raise OpenAIError(500, f"generation failed: {delta.error or 'aborted'}")
+                    error = f"generation failed: {delta.error or 'aborted'}"
+                    raise OpenAIError(500, error)
                 self._apply(delta)
-            finished = True
+            finished, error = True, None
         finally:
             await self.engine.release(self.request_ids, finished)
+            self._end_span(error)
         choices = []
         for index, choice in enumerate(self.choices):
             echo = self.echo_texts[index // self.n]
@@ -116,6 +184,9 @@ class Generation:
     async def stream(self) -> AsyncIterator[str]:
         """SSE data lines; a client that goes away cancels this and the requests are aborted."""
         finished = False
+        error: str | None = "the client went away"
+        stream_span = _tracer.start_span("sse_stream", context=trace.set_span_in_context(
+            self.span)) if self.span is not None else None
         try:
             for index in range(len(self.choices)):
                 if self.chat:
@@ -124,8 +195,8 @@ class Generation:
                     yield self._chunk(index, self.echo_texts[index // self.n], None, None)
             async for delta in self.engine.deltas(self.queue, len(self.choices)):
                 if delta.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                    yield _json({"error": {"message": "generation failed: "
-                                           f"{delta.error or 'aborted'}", "type": "server_error",
+                    error = f"generation failed: {delta.error or 'aborted'}"
+                    yield _json({"error": {"message": error, "type": "server_error",
                                            "param": None, "code": None}})
                     finished = True
                     break
@@ -134,7 +205,7 @@ class Generation:
                 if delta.text or delta.logprobs or reason:
                     yield self._chunk(index, delta.text, reason, delta.logprobs, choice)
             else:
-                finished = True
+                finished, error = True, None
                 if self.include_usage:
                     yield _json({"id": self.id, "object": fmt.completion_object(self.chat, True),
                                  "created": self.created, "model": self.model, "choices": [],
@@ -142,6 +213,9 @@ class Generation:
             yield "[DONE]"
         finally:
             await self.engine.release(self.request_ids, finished)
+            if stream_span is not None:
+                stream_span.end()
+            self._end_span(error)
 
     def _chunk(self, index: int, content: Any, reason: str | None,
                logprobs: list[TextLogprob] | None, choice: Choice | None = None) -> str:

@@ -12,10 +12,12 @@ are freed; tokens of that request still in flight are dropped.
 from __future__ import annotations
 
 import argparse
+import time
 from collections import defaultdict
 
 import structlog
 from nats.aio.msg import Msg
+from opentelemetry import trace
 
 from bus import subjects
 from bus.messages import (
@@ -28,11 +30,13 @@ from bus.messages import (
     TokenLogprobs,
 )
 from bus.runtime import ServiceRuntime
+from bus.tracing import context_from_traceparent
 from services.detokenizer.incremental import IncrementalDetokenizer
 from services.model_files import resolve_model
 from services.tokenizer.gguf_tokenizer import GGUFTokenizer, byte_alphabet
 
 log = structlog.get_logger()
+_tracer = trace.get_tracer("llmbus.detokenizer")
 
 # Requests ended by a stop string are remembered until the scheduler confirms their end.
 _MAX_STOPPED_REMEMBERED = 10_000
@@ -82,11 +86,16 @@ class Detokenization:
         self.token_texts = TokenTexts(tokenizer)
         # Keyed by (request id, completion index): n > 1 completions decode separately.
         self.states: dict[tuple[str, int], IncrementalDetokenizer] = {}
+        # When each completion was first seen, and its trace context: for its span.
+        self.started: dict[tuple[str, int], tuple[int, str]] = {}
         self.stopped: dict[tuple[str, int], None] = {}  # insertion-ordered set
 
-    def process(self, batch: TokenBatch,
+    def process(self, batch: TokenBatch, now_ns: int = 0,
                 ) -> tuple[dict[str, list[TextDelta]], list[tuple[str, int]]]:
-        """Deltas grouped by api reply subject, and completions a stop string just ended."""
+        """Deltas grouped by api reply subject, and completions a stop string just ended.
+
+        `now_ns` only stamps the detokenize span of each completion.
+        """
         out: dict[str, list[TextDelta]] = defaultdict(list)
         newly_stopped: list[tuple[str, int]] = []
         for item in batch.items:
@@ -101,6 +110,7 @@ class Detokenization:
                     self.tokenizer.decode, stop=item.stop,
                     include_stop_str_in_output=item.include_stop_str_in_output)
                 self.states[key] = state
+                self.started[key] = (now_ns, item.traceparent)
             delta = state.step(item.new_token_ids)
             text, reason = delta.text, FinishReason(item.finish_reason)
             if delta.stopped:
@@ -115,18 +125,34 @@ class Detokenization:
                     reason = FinishReason.STOP
             if reason != FinishReason.NONE:
                 del self.states[key]
+                started_ns, traceparent = self.started.pop(key)
+                _record_span(key, started_ns, now_ns, traceparent, state.num_tokens, reason)
             out[item.reply_subject].append(TextDelta(
                 request_id=item.request_id, text=text, num_new_tokens=len(item.new_token_ids),
                 finish_reason=reason, num_prompt_tokens=item.num_prompt_tokens,
                 num_output_tokens=state.num_tokens, error=item.error, step_id=item.step_id,
                 index=item.index, logprobs=self.token_texts.logprobs(
-                    item.logprobs, item.new_token_ids) if item.logprobs else []))
+                    item.logprobs, item.new_token_ids) if item.logprobs else [],
+                queue_seconds=item.queue_seconds))
         return out, newly_stopped
 
     def _remember_stopped(self, key: tuple[str, int]) -> None:
         self.stopped[key] = None
         while len(self.stopped) > _MAX_STOPPED_REMEMBERED:
             del self.stopped[next(iter(self.stopped))]
+
+
+def _record_span(key: tuple[str, int], started_ns: int, ended_ns: int, traceparent: str,
+                 num_tokens: int, reason: FinishReason) -> None:
+    """One span per completion, from its first tokens to its end, in the request's trace."""
+    if not traceparent:
+        return
+    _tracer.start_span("detokenize", context=context_from_traceparent(traceparent),
+                       start_time=started_ns, attributes={
+                           "llmbus.request_id": key[0], "llmbus.choice_index": key[1],
+                           "gen_ai.usage.output_tokens": num_tokens,
+                           "gen_ai.response.finish_reasons": [reason.name.lower()]},
+                       ).end(end_time=max(ended_ns, started_ns))
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -136,7 +162,7 @@ async def main(args: argparse.Namespace) -> None:
     detokenization = Detokenization(GGUFTokenizer.from_gguf(resolve_model(args.model)))
 
     async def on_tokens(batch: TokenBatch, _: Msg) -> None:
-        by_api, newly_stopped = detokenization.process(batch)
+        by_api, newly_stopped = detokenization.process(batch, time.time_ns())
         for request_id, index in newly_stopped:  # free its KV blocks now
             await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id, index))
         for reply_subject, deltas in by_api.items():

@@ -13,13 +13,17 @@ import time
 
 import structlog
 from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.trace import Link, Status, StatusCode
 
 from bus import subjects
 from bus.messages import ExecutorInfo, ExecutorInfoRequest, StepPlan, StepResult
 from bus.runtime import ServiceRuntime
+from bus.tracing import context_from_traceparent, link_to
 from services.model_files import model_name_for, resolve_model
 
 log = structlog.get_logger()
+_tracer = trace.get_tracer("llmbus.executor")
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -45,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch threads (default: all cores)")
 
 
+def _record_residency(request_id: str, started_ns: int, traceparent: str) -> None:
+    """The request's time in this executor, as a span of its own trace (steps link to it)."""
+    _tracer.start_span("executor.request", context=context_from_traceparent(traceparent),
+                       start_time=started_ns,
+                       attributes={"llmbus.request_id": request_id}).end()
+
+
 async def main(args: argparse.Namespace) -> None:
     import torch  # only the executor pays for importing torch
 
@@ -67,11 +78,29 @@ async def main(args: argparse.Namespace) -> None:
         return info
 
     last_reply = time.perf_counter()
+    links: dict[str, Link] = {}  # request id -> link to its trace, for step spans
+    residents: dict[str, tuple[int, str]] = {}  # request id -> (registered at, traceparent)
 
     async def on_step(plan: StepPlan, _: Msg) -> StepResult:
         nonlocal last_reply
         idle = time.perf_counter() - last_reply
-        result = await asyncio.to_thread(runner.step, plan)
+        for request_id in plan.finished_request_ids:
+            links.pop(request_id, None)
+            if request_id in residents:
+                _record_residency(request_id, *residents.pop(request_id))
+        for new in plan.new_requests:
+            link = link_to(new.traceparent)
+            if link is not None:
+                links[new.request_id] = link
+                residents[new.request_id] = (time.time_ns(), new.traceparent)
+        # One span per step, serving many requests: linked to each request's trace.
+        step_links = [links[s.request_id] for s in plan.scheduled if s.request_id in links]
+        with _tracer.start_as_current_span("executor.step", links=step_links, attributes={
+                "llmbus.step_id": plan.step_id, "llmbus.batch_size": len(plan.scheduled),
+                "llmbus.num_tokens": sum(s.num_tokens for s in plan.scheduled)}) as span:
+            result = await asyncio.to_thread(runner.step, plan)
+            if result.error:
+                span.set_status(Status(StatusCode.ERROR, result.error))
         result.idle_seconds = idle
         last_reply = time.perf_counter()
         return result

@@ -41,6 +41,12 @@ class Request:
     num_blocks_sent: int = 0  # leading blocks of block_table the executor already has
     num_sent_tokens: int = 0  # output tokens already sent to the detokenizer
     num_preemptions: int = 0
+    # For traces and metrics; times are whatever clock the caller passes (no clock here).
+    traceparent: str = ""
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens)
 
     @property
     def num_known_tokens(self) -> int:

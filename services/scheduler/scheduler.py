@@ -84,11 +84,13 @@ class Scheduler:
         self._forget_ids: list[str] = []  # the executor drops these before the next step
         self._preempted_ids: list[str] = []
         self._copies: list[BlockCopy] = []
+        self._finished: list[Request] = []  # for the adapter's traces: take_finished()
 
     # ------------------------------------------------------------------ admission
 
     def add_request(self, request_id: str, reply_subject: str, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float = 0.0, n: int = 1) -> None:
+                    params: SamplingParams, arrival_time: float = 0.0, n: int = 1,
+                    traceparent: str = "") -> None:
         """Queue a request (n completions of it), or raise AdmissionError if it can never run."""
         config = self.config
         num_prompt = len(prompt_token_ids)
@@ -130,7 +132,7 @@ class Scheduler:
             return Request(internal_id, request_id, index, reply_subject,
                            list(prompt_token_ids), _params_for(params, index),
                            max_tokens=max_tokens, arrival_time=arrival_time,
-                           num_forks=num_forks)
+                           num_forks=num_forks, traceparent=traceparent)
 
         if n == 1:
             family = [make(request_id, 0)]
@@ -175,14 +177,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def has_bookkeeping(self) -> bool:
+        """Ended requests the executor still holds: worth a plan of their own when idle."""
+        return bool(self._forget_ids or self._preempted_ids)
+
     def take_ended_updates(self) -> list[RequestTokens]:
         updates, self._ended_updates = self._ended_updates, []
         return updates
 
+    def take_finished(self) -> list[Request]:
+        """Requests that ended since the last call (for spans; their blocks are gone)."""
+        finished, self._finished = self._finished, []
+        return finished
+
     # ------------------------------------------------------------------ scheduling
 
-    def schedule(self) -> StepPlan:
-        """Choose this step's work, reserve its blocks, and advance computed tokens."""
+    def schedule(self, now: float = 0.0) -> StepPlan:
+        """Choose this step's work, reserve its blocks, and advance computed tokens.
+
+        `now` only stamps requests for traces and queue-time metrics.
+        """
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         for parent in [r for r in self.running if r.is_parent
@@ -230,6 +245,10 @@ class Scheduler:
                         preempted_request_ids=self._preempted_ids, copy_blocks=self._copies)
         self._forget_ids, self._preempted_ids, self._copies = [], [], []
         for request, num_new in scheduled:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                request.prefill_chunks.append((now, num_new))
             plan.scheduled.append(self._plan_item(request, num_new, plan))
         self.num_steps += 1
         self.max_batch_size = max(self.max_batch_size, len(plan.scheduled))
@@ -247,7 +266,8 @@ class Scheduler:
         if not request.known_to_executor:
             request.known_to_executor = True
             plan.new_requests.append(NewRequestData(
-                request.request_id, request.prompt_token_ids, request.params))
+                request.request_id, request.prompt_token_ids, request.params,
+                request.traceparent))
         start = request.num_computed_tokens
         end = start + num_new
         sample = not request.is_parent and end == request.num_tokens
@@ -334,7 +354,10 @@ class Scheduler:
                 max_tokens=parent.max_tokens, arrival_time=parent.arrival_time,
                 num_computed_tokens=parent.num_computed_tokens,
                 block_table=list(parent.block_table),
-                num_cached_blocks=parent.num_cached_blocks, status=RequestStatus.RUNNING)
+                num_cached_blocks=parent.num_cached_blocks, status=RequestStatus.RUNNING,
+                traceparent=parent.traceparent,
+                first_scheduled_time=parent.first_scheduled_time,
+                prefill_chunks=list(parent.prefill_chunks))
             for block_id in child.block_table:
                 self.allocator.incref(block_id)
             children.append(child)
@@ -373,7 +396,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[RequestTokens]:
+    def update(self, plan: StepPlan, result: StepResult,
+               now: float = 0.0) -> list[RequestTokens]:
         """Fill in a step's sampled tokens; returns the token updates for the detokenizer."""
         updates = self.take_ended_updates()
         sampled = iter(result.sampled_token_ids)
@@ -387,12 +411,15 @@ class Scheduler:
                 continue  # it finished or was aborted after this step was planned
             request.num_pending_tokens -= 1
             request.output_token_ids.append(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
             if token_logprobs is not None:
                 request.output_logprobs.append(token_logprobs)
             reason = self._stop_reason(request, token_id)
             if reason is not FinishReason.NONE:
                 self._remove(request)
                 self._finish(request, reason)
+                request.finish_time = now
             else:
                 self._cache_full_blocks(request)
             updates.append(self._token_update(request))
@@ -428,6 +455,7 @@ class Scheduler:
         if request.known_to_executor:
             self._forget_ids.append(request.request_id)
         self.num_finished += 1
+        self._finished.append(request)
 
     def _token_update(self, request: Request, error: str = "",
                       index: int | None = None) -> RequestTokens:
@@ -435,6 +463,8 @@ class Scheduler:
         new_token_ids = request.output_token_ids[request.num_sent_tokens:]
         new_logprobs = request.output_logprobs[request.num_sent_tokens:]
         request.num_sent_tokens = len(request.output_token_ids)
+        queued = ((request.first_scheduled_time or request.arrival_time) - request.arrival_time
+                  if first else 0.0)
         return RequestTokens(
             request_id=request.public_id, reply_subject=request.reply_subject,
             new_token_ids=new_token_ids, finish_reason=request.finish_reason,
@@ -442,7 +472,8 @@ class Scheduler:
             stop=request.params.stop if first else [],
             include_stop_str_in_output=request.params.include_stop_str_in_output,
             error=error, step_id=self.num_steps,
-            index=request.index if index is None else index, logprobs=new_logprobs)
+            index=request.index if index is None else index, logprobs=new_logprobs,
+            traceparent=request.traceparent if first else "", queue_seconds=max(queued, 0.0))
 
     def _end_updates(self, request: Request, error: str = "") -> list[RequestTokens]:
         """The final update(s) of an ended request: a parent ends all n completions."""

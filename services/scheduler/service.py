@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from collections import deque
 
 import nats.errors
@@ -33,7 +34,9 @@ from bus.messages import (
     TokenBatch,
 )
 from bus.runtime import ServiceRuntime
+from bus.tracing import current_traceparent
 from services.scheduler.scheduler import AdmissionError, Scheduler, SchedulerConfig
+from services.scheduler.spans import record_request_spans
 
 log = structlog.get_logger()
 
@@ -83,6 +86,7 @@ class SchedulerService:
                                  queue=subjects.queue_group("scheduler"))
         await runtime.on_request(subjects.engine_stats(self.engine_id), EngineStatsRequest,
                                  self.on_stats)
+        await runtime.on_request(subjects.ENGINE_STATS, EngineStatsRequest, self.on_stats)
         log.info("scheduler ready", engine_id=self.engine_id, num_blocks=self.info.num_blocks,
                  block_size=self.info.block_size, max_model_len=self.info.max_model_len)
 
@@ -102,7 +106,8 @@ class SchedulerService:
         try:
             self.scheduler.add_request(submit.request_id, submit.reply_subject,
                                        submit.prompt_token_ids, submit.params,
-                                       submit.arrival_time, n=submit.n)
+                                       submit.arrival_time, n=submit.n,
+                                       traceparent=current_traceparent())
         except AdmissionError as exc:
             code = (ErrorCode.CONTEXT_LENGTH_EXCEEDED if exc.context_length
                     else ErrorCode.INVALID_REQUEST)
@@ -133,7 +138,8 @@ class SchedulerService:
             num_prefix_query_tokens=s.num_prefix_query_tokens,
             num_prefix_hit_tokens=s.num_prefix_hit_tokens,
             executor_busy_seconds=self.executor_busy_seconds,
-            executor_idle_seconds=self.executor_idle_seconds)
+            executor_idle_seconds=self.executor_idle_seconds,
+            num_evictable_blocks=s.tree.num_evictable() if s.tree else 0)
 
     async def run_engine_loop(self) -> None:
         """Plan, execute, publish — until stopped.
@@ -148,8 +154,9 @@ class SchedulerService:
         in_flight: deque[tuple[StepPlan, asyncio.Task, bool]] = deque()
         continuing = False  # was the engine busy right before this step? (idle accounting)
         while not self.runtime.stop_event.is_set():
-            while scheduler.has_work and len(in_flight) < self.args.pipeline_depth:
-                plan = scheduler.schedule()
+            while ((scheduler.has_work or (scheduler.has_bookkeeping and not in_flight))
+                   and len(in_flight) < self.args.pipeline_depth):
+                plan = scheduler.schedule(time.time())
                 if not plan.scheduled and in_flight:
                     scheduler.unschedule_empty(plan)
                     break
@@ -181,10 +188,13 @@ class SchedulerService:
             self.executor_busy_seconds += result.forward_seconds
             if counted:
                 self.executor_idle_seconds += result.idle_seconds
-            await self._publish(scheduler.update(plan, result))
+            await self._publish(scheduler.update(plan, result, time.time()))
             await asyncio.sleep(0)  # let submits and aborts in between steps
 
     async def _publish(self, updates: list[RequestTokens]) -> None:
+        assert self.scheduler is not None
+        for request in self.scheduler.take_finished():
+            record_request_spans(request, time.time())
         if updates:
             await self.runtime.publish(subjects.DETOKENIZER_TOKENS,
                                        TokenBatch(engine_id=self.engine_id, items=updates))

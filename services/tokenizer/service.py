@@ -13,6 +13,7 @@ import time
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
+from opentelemetry import trace
 
 from bus import subjects
 from bus.messages import (
@@ -31,6 +32,7 @@ from services.tokenizer.chat_template import ChatTemplateError, render_chat_temp
 from services.tokenizer.gguf_tokenizer import GGUFTokenizer
 
 log = structlog.get_logger()
+_tracer = trace.get_tracer("llmbus.tokenizer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,12 +82,15 @@ async def main(args: argparse.Namespace) -> None:
         except ValueError as exc:
             return Admission(error_code=ErrorCode.INVALID_REQUEST, error_message=str(exc),
                              error_param="logit_bias")
-        try:
-            token_ids = tokenization.prompt_token_ids(request)
-        except (ValueError, ChatTemplateError) as exc:
-            param = "messages" if request.messages else "prompt"
-            return Admission(error_code=ErrorCode.INVALID_REQUEST, error_message=str(exc),
-                             error_param=param)
+        with _tracer.start_as_current_span("tokenize", attributes={
+                "llmbus.request_id": request.request_id}) as span:
+            try:
+                token_ids = tokenization.prompt_token_ids(request)
+            except (ValueError, ChatTemplateError) as exc:
+                param = "messages" if request.messages else "prompt"
+                return Admission(error_code=ErrorCode.INVALID_REQUEST,
+                                 error_message=str(exc), error_param=param)
+            span.set_attribute("gen_ai.usage.input_tokens", len(token_ids))
         if not token_ids:
             return Admission(error_code=ErrorCode.INVALID_REQUEST,
                              error_message="the prompt is empty after tokenization",

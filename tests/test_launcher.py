@@ -65,14 +65,16 @@ def test_up_says_which_service_died_and_stops_the_rest(tmp_path):
 def test_compose_runs_exactly_the_launchers_services():
     compose = yaml.safe_load((REPO / "compose.yaml").read_text())
     services = compose["services"]
-    assert set(services) == {"nats", *SERVICE_ORDER}
+    assert set(services) == {"nats", "jaeger", *SERVICE_ORDER}
     parser = build_parser()
     for name in SERVICE_ORDER:
         command = services[name]["command"]
         assert command[:2] == ["serve", name]
         args = parser.parse_args(command)  # every option is one the service knows
         assert args.service == name
-        assert services[name]["environment"]["LLMBUS_NATS_URL"] == "nats://nats:4222"
+        environment = services[name]["environment"]
+        assert environment["LLMBUS_NATS_URL"] == "nats://nats:4222"
+        assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["up", "--help"], ["model", "pull", "--help"],

@@ -115,6 +115,7 @@ class Admission(_Msg):
     error_code: int = 0
     error_message: str = ""
     error_param: str | None = None
+    engine_id: str = ""  # the engine that holds the request (the api watches its heartbeat)
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler
@@ -301,6 +302,34 @@ class EngineStats(_Msg):
     executor_busy_seconds: float = 0.0
     executor_idle_seconds: float = 0.0  # waiting for the next plan between steps
     num_evictable_blocks: int = 0  # cached blocks no request holds (free for the taking)
+
+
+class Heartbeat(_Msg):
+    """I am alive (and this busy). Engines fill in the load fields; others leave them 0."""
+
+    service: str
+    instance_id: str
+    engine_id: str = ""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    block_size: int = 0
+    num_handled: int = 0  # work done so far (requests, batches or steps): who did what
+
+
+class CacheEvent(_Msg):
+    """An engine's prefix cache changed: blocks (by chained hash) stored or evicted.
+
+    Routers keep an approximate view of what each engine caches from these; see
+    bus/block_hash.py for the hash.
+    """
+
+    engine_id: str
+    stored: list[int] = []
+    removed: list[int] = []
+    cleared: bool = False  # the engine dropped its whole cache (e.g. after a failure)
+    instance_id: str = ""  # the scheduler copy (a restarted engine is a new copy)
 
 
 class Ping(_Msg):

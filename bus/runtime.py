@@ -22,7 +22,8 @@ from opentelemetry import context as otel_context
 
 from bus import subjects
 from bus.codec import decode, encode
-from bus.messages import Ping, Pong
+from bus.liveness import HEARTBEAT_INTERVAL
+from bus.messages import Heartbeat, Ping, Pong
 from bus.tracing import extract_context, inject_headers
 
 T = TypeVar("T", bound=msgspec.Struct)
@@ -46,6 +47,8 @@ class ServiceRuntime:
         self.ready = False
         self.stop_event = asyncio.Event()
         self._subscriptions: list[Any] = []
+        self._heartbeat_task: asyncio.Task | None = None
+        self.num_handled = 0  # the service counts its work here; heartbeats report it
 
     async def connect(self) -> None:
         async def on_error(exc: Exception) -> None:
@@ -99,6 +102,23 @@ class ServiceRuntime:
                                     headers=inject_headers())
         return decode(msg.data, reply_type)
 
+    def start_heartbeat(self, make: Callable[[], Heartbeat] | None = None) -> None:
+        """Publish a heartbeat every HEARTBEAT_INTERVAL while the service is ready."""
+        make = make or (lambda: Heartbeat(service=self.service, instance_id=self.instance_id,
+                                          num_handled=self.num_handled))
+
+        async def beat() -> None:
+            while not self.stop_event.is_set():
+                if self.ready and self.nc is not None and self.nc.is_connected:
+                    try:
+                        await self.nc.publish(subjects.heartbeat(self.service),
+                                              encode(make()))
+                    except Exception as exc:  # a hiccup of the bus must not end the beat
+                        log.warning("heartbeat failed", error=str(exc))
+                await asyncio.sleep(HEARTBEAT_INTERVAL)
+
+        self._heartbeat_task = asyncio.create_task(beat())
+
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -112,6 +132,8 @@ class ServiceRuntime:
     async def close(self) -> None:
         """Drain subscriptions (in-flight handlers finish), then close the connection."""
         self.ready = False
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), timeout=5.0)

@@ -50,7 +50,9 @@ def executor_step(engine_id: str) -> str:
 
 
 # scheduler -> detokenizer (publish): new tokens of one step. The detokenizer keeps per-request
-# decode state, so it is not a plain queue group: see services/detokenizer/service.py.
+# decode state, so each completion is sent to one copy's own subject (detokenizer_tokens, see
+# services/scheduler/detokenizer_routing.py); this shared subject, a queue group, is only used
+# before any copy has been heard from.
 DETOKENIZER_TOKENS = f"{PREFIX}.detokenizer.tokens"
 
 
@@ -62,6 +64,25 @@ def api_deltas(api_id: str) -> str:
 def ping(service: str) -> str:
     """launcher/health -> any copy of a service (request/reply): readiness probe."""
     return f"{PREFIX}.ping.{service}"
+
+
+def heartbeat(service: str) -> str:
+    """every copy of a service -> anyone watching (publish, periodic): alive, and how busy."""
+    return f"{PREFIX}.heartbeat.{service}"
+
+
+# engines -> routers (publish): prefix-cache blocks stored or evicted.
+ENGINE_CACHE_EVENTS = f"{PREFIX}.engine.cache_events"
+
+
+def engine_submit(engine_id: str) -> str:
+    """router (tokenizer) -> one chosen scheduler (request/reply): enqueue a request there."""
+    return f"{PREFIX}.engine.{engine_id}.submit"
+
+
+def detokenizer_tokens(instance_id: str) -> str:
+    """scheduler -> the detokenizer copy a request is assigned to (publish)."""
+    return f"{PREFIX}.detokenizer.{instance_id}.tokens"
 
 
 # The queue group of a stateless stage is simply the stage name.

@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_arguments(up, for_up=True)
     up.add_argument("--ready-timeout", type=float, default=600.0,
                     help="seconds to wait for every stage to be ready (default: 600)")
+    up.add_argument("--replicas", default="",
+                    help="copies per stage, e.g. api=2,tokenizer=2,detokenizer=2,engine=2 "
+                         "(an engine is a scheduler with its executor; api copies share the "
+                         "port through SO_REUSEPORT) (default: 1 of each)")
     seen: set[str] = set()
     for name in SERVICE_ORDER:
         group = up.add_argument_group(f"{name} options")
@@ -164,9 +168,16 @@ def main(argv: list[str] | None = None) -> int:
 
         if not default_model_path().is_file():
             pull_default_model()
+    from services.launcher import parse_replicas
+
+    try:
+        replicas = parse_replicas(args.replicas)
+    except ValueError as exc:
+        print(f"llmbus: {exc}", file=sys.stderr)
+        return 2
     return run_stack({name: _argv_for(name, args) for name in SERVICE_ORDER},
                      nats_url=args.nats_url, api_host=args.host, api_port=args.port,
-                     ready_timeout=args.ready_timeout)
+                     ready_timeout=args.ready_timeout, replicas=replicas)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -89,8 +90,9 @@ class Stack:
             raise RuntimeError("nats-server did not start listening within 10 s")
         return f"nats://{host}:{port}"
 
-    def start_service(self, name: str, argv: list[str]) -> None:
-        self._spawn(name, [sys.executable, "-m", "services.cli", "serve", name, *argv])
+    def start_service(self, name: str, argv: list[str], label: str | None = None) -> None:
+        self._spawn(label or name,
+                    [sys.executable, "-m", "services.cli", "serve", name, *argv])
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -104,7 +106,7 @@ class Stack:
         threading.Thread(target=self._pump, args=(child,), daemon=True).start()
 
     def _pump(self, child: Child) -> None:
-        width = max(len(n) for n in (*SERVICE_ORDER, "nats"))
+        width = max(len(c.name) for c in self.children)
         assert child.process.stdout is not None
         for raw in child.process.stdout:
             line = raw.decode(errors="replace").rstrip("\n")
@@ -134,8 +136,25 @@ class Stack:
         self._tmpdir.cleanup()
 
 
-def wait_until_ready(stack: Stack, health_url: str, timeout: float) -> Child | None:
-    """Poll the api's /health (which asks every stage); returns a dead child if one dies."""
+def parse_replicas(text: str) -> dict[str, int]:
+    """`api=2,tokenizer=2,detokenizer=2,engine=2` -> counts (1 for anything not named)."""
+    counts = {name: 1 for name in REPLICABLE}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, number = part.partition("=")
+        if name not in REPLICABLE or not number.isdigit() or int(number) < 1:
+            raise ValueError(f"bad --replicas entry {part!r}: expected NAME=COUNT with NAME "
+                             f"one of {', '.join(REPLICABLE)}")
+        counts[name] = int(number)
+    return counts
+
+
+REPLICABLE = ("api", "tokenizer", "detokenizer", "engine")
+
+
+def wait_until_ready(stack: Stack, health_url: str, timeout: float,
+                     copies: dict[str, int] | None = None) -> Child | None:
+    """Poll the api's /health (which asks every stage, and counts copies by heartbeat) until
+    everything runs; returns a dead child if one dies first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         dead = stack.first_dead()
@@ -143,7 +162,9 @@ def wait_until_ready(stack: Stack, health_url: str, timeout: float) -> Child | N
             return dead
         try:
             with urllib.request.urlopen(health_url, timeout=2) as response:
-                if response.status == 200:
+                seen = json.loads(response.read()).get("copies", {})
+                if response.status == 200 and all(seen.get(stage, 0) >= count
+                                                   for stage, count in (copies or {}).items()):
                     return None
         except OSError:
             pass
@@ -151,8 +172,30 @@ def wait_until_ready(stack: Stack, health_url: str, timeout: float) -> Child | N
     raise TimeoutError(f"the stack was not ready within {timeout:.0f} s")
 
 
+def _start_services(stack: Stack, url: str, service_argv: dict[str, list[str]],
+                    replicas: dict[str, int]) -> dict[str, int]:
+    """One process per copy; returns how many copies of each stage to wait for."""
+    def label(name: str, index: int, count: int) -> str:
+        return name if count == 1 else f"{name}.{index}"
+
+    num_engines = replicas["engine"]
+    for index in range(num_engines):
+        for name in ("executor", "scheduler"):
+            argv = ["--nats-url", url, *service_argv.get(name, [])]
+            if num_engines > 1:  # each engine its own id: engine0, engine1, ...
+                argv += ["--engine-id", f"engine{index}"]
+            stack.start_service(name, argv, label(name, index, num_engines))
+    for name in ("tokenizer", "detokenizer", "api"):
+        for index in range(replicas[name]):
+            stack.start_service(name, ["--nats-url", url, *service_argv.get(name, [])],
+                                label(name, index, replicas[name]))
+    return {"scheduler": num_engines, "executor": num_engines, "api": replicas["api"],
+            "tokenizer": replicas["tokenizer"], "detokenizer": replicas["detokenizer"]}
+
+
 def run_stack(service_argv: dict[str, list[str]], *, nats_url: str | None, api_host: str,
-              api_port: int, ready_timeout: float) -> int:
+              api_port: int, ready_timeout: float, replicas: dict[str, int] | None = None,
+              ) -> int:
     """Start everything, wait for SIGINT/SIGTERM or a death, stop everything. Exit code."""
     stop_requested = threading.Event()
 
@@ -165,10 +208,11 @@ def run_stack(service_argv: dict[str, list[str]], *, nats_url: str | None, api_h
     exit_code = 0
     try:
         url = nats_url or stack.start_nats()
-        for name in SERVICE_ORDER:
-            stack.start_service(name, ["--nats-url", url, *service_argv.get(name, [])])
+        copies = _start_services(stack, url, service_argv,
+                                 replicas or {name: 1 for name in REPLICABLE})
         try:
-            dead = wait_until_ready(stack, f"http://{api_host}:{api_port}/health", ready_timeout)
+            dead = wait_until_ready(stack, f"http://{api_host}:{api_port}/health", ready_timeout,
+                                    copies)
         except TimeoutError as exc:
             print(f"llmbus: {exc}; stopping", file=sys.stderr)
             return 1

@@ -42,7 +42,8 @@ def test_field_order_is_the_wire_format():
     # Array-like: positional, in declaration order. Changing this breaks running peers.
     assert msgspec.msgpack.decode(encode(m.ScheduledRequest("r1", 4, 1))) == [
         "r1", 4, 1, [], True]
-    assert msgspec.msgpack.decode(encode(m.Admission(num_prompt_tokens=7))) == [7, 0, "", None]
+    assert msgspec.msgpack.decode(encode(m.Admission(num_prompt_tokens=7))) == [
+        7, 0, "", None, ""]
     assert encode(m.AbortRequest("r1")).hex() == "92a27231c0"
 
 

@@ -61,6 +61,7 @@ async def _check_model(engine: EngineClient, model: str | None) -> str:
 
 
 async def _respond(generation: Generation, stream: bool) -> Response:
+    generation.engine.runtime.num_handled += 1
     if stream:
         return ServerSentEvent(generation.stream())
     return Response(await generation.collect())
@@ -162,9 +163,9 @@ async def metrics(state: State) -> str:
 async def health(state: State) -> Response:
     """200 when every stage answers ready; 503 otherwise (a load balancer stops sending)."""
     stages = await state.engine.stage_health()
-    ok = all(stages.values())
-    return Response({"status": "ok" if ok else "unavailable", "stages": stages},
-                    status_code=200 if ok else 503)
+    ok = all(stages.values()) and not state.get("draining", False)
+    return Response({"status": "ok" if ok else "unavailable", "stages": stages,
+                     "copies": state.engine.num_copies()}, status_code=200 if ok else 503)
 
 
 @get("/version")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import nats.errors
 import structlog
@@ -16,6 +17,7 @@ from nats.aio.msg import Msg
 
 from bus import subjects
 from bus.codec import decode, encode
+from bus.liveness import HEARTBEAT_INTERVAL, Liveness
 from bus.messages import (
     AbortRequest,
     Admission,
@@ -29,6 +31,7 @@ from bus.messages import (
     ErrorCode,
     FinishReason,
     GenerateRequest,
+    Heartbeat,
     ModelInfo,
     ModelInfoRequest,
     Ping,
@@ -40,6 +43,15 @@ from services.api.errors import OpenAIError
 
 log = structlog.get_logger()
 
+
+@dataclass
+class _Placement:
+    engine: str  # the scheduler copy holding the request
+    request: GenerateRequest  # kept to move it if that engine dies before any output
+    queue: asyncio.Queue
+    got_output: bool = False
+
+
 PIPELINE_STAGES = ("tokenizer", "scheduler", "executor", "detokenizer")
 
 
@@ -49,17 +61,59 @@ class EngineClient:
         self.request_timeout = request_timeout
         self.reply_subject = subjects.api_deltas(runtime.instance_id)
         self._streams: dict[str, asyncio.Queue[TextDelta]] = {}
+        # Where each request runs, to notice when its engine dies: request id -> placement.
+        self._placements: dict[str, _Placement] = {}
         self._model: ModelInfo | None = None
         self._health: tuple[float, dict[str, bool]] = (0.0, {})
+        self.copies = {stage: Liveness() for stage in (*PIPELINE_STAGES, "api")}
+        self._watchdog: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.runtime.on_message(self.reply_subject, DeltaBatch, self._on_deltas)
+        for stage in self.copies:
+            await self.runtime.on_message(subjects.heartbeat(stage), Heartbeat,
+                                          self._on_heartbeat)
+        self._watchdog = asyncio.create_task(self._watch_engines())
 
     async def _on_deltas(self, batch: DeltaBatch, _: Msg) -> None:
         for delta in batch.items:
             queue = self._streams.get(delta.request_id)
             if queue is not None:
                 queue.put_nowait(delta)
+                placement = self._placements.get(delta.request_id)
+                if placement is not None:
+                    placement.got_output = True
+
+    async def _on_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
+        self.copies[heartbeat.service].seen(heartbeat, time.monotonic())
+
+    def num_copies(self) -> dict[str, int]:
+        now = time.monotonic()
+        return {stage: len(liveness.alive(now)) for stage, liveness in self.copies.items()}
+
+    async def _watch_engines(self) -> None:
+        """When an engine falls silent, its requests move to another engine if nothing was
+        sent to their clients yet, and end with an explicit error otherwise."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+            dead = {h.instance_id for h in self.copies["scheduler"].reap(time.monotonic())}
+            for request_id, placement in list(self._placements.items()):
+                if placement.engine not in dead:
+                    continue
+                log.warning("engine gone", request_id=request_id, engine=placement.engine)
+                if not placement.got_output:
+                    try:
+                        await self._admit(placement.request, placement.queue)
+                        log.info("request moved to another engine", request_id=request_id)
+                        continue
+                    except OpenAIError as exc:
+                        reason = f"its engine stopped and no other took it: {exc.message}"
+                else:
+                    reason = "its engine stopped responding"
+                self._placements.pop(request_id, None)
+                placement.queue.put_nowait(TextDelta(
+                    request_id=request_id, text="", finish_reason=FinishReason.ERROR,
+                    error=reason))
 
     @property
     def num_in_flight(self) -> int:
@@ -115,6 +169,9 @@ class EngineClient:
         """Send a request into the pipeline, its deltas to `queue`; raises OpenAIError when
         it is refused. Several requests may share one queue (batched prompts)."""
         self._streams[request.request_id] = queue  # before sending: deltas may come fast
+        return await self._admit(request, queue)
+
+    async def _admit(self, request: GenerateRequest, queue: asyncio.Queue) -> Admission:
         try:
             admission = await self.runtime.request(subjects.TOKENIZER_GENERATE, request,
                                                    Admission, timeout=30.0)
@@ -135,6 +192,7 @@ class EngineClient:
                     if admission.error_code == ErrorCode.CONTEXT_LENGTH_EXCEEDED else None)
             raise OpenAIError(status, admission.error_message, param=admission.error_param,
                               code=code, headers={"Retry-After": "1"} if status == 503 else None)
+        self._placements[request.request_id] = _Placement(admission.engine_id, request, queue)
         return admission
 
     async def deltas(self, queue: asyncio.Queue, num_choices: int,
@@ -158,6 +216,7 @@ class EngineClient:
     async def release(self, request_ids: list[str], finished: bool) -> None:
         """Forget requests; if they did not finish (client gone), abort them in the pipeline."""
         for request_id in request_ids:
+            self._placements.pop(request_id, None)
             if self._streams.pop(request_id, None) is not None and not finished:
                 await self.abort(request_id)
 

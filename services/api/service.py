@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 
 import structlog
 import uvicorn
@@ -36,6 +37,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: $LLMBUS_API_KEY; unset = no key)")
 
 
+def shared_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket with SO_REUSEPORT: several api copies share one port and the
+    kernel spreads connections over them (how `llmbus up --replicas api=N` scales)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 async def main(args: argparse.Namespace) -> None:
     runtime = ServiceRuntime("api", args.nats_url, args.instance_id)
     await runtime.connect()
@@ -48,8 +62,10 @@ async def main(args: argparse.Namespace) -> None:
         app, host=args.host, port=args.port, log_config=None, access_log=False,
         timeout_graceful_shutdown=10, lifespan="on"))
     runtime.ready = True
+    runtime.start_heartbeat()
     log.info("api listening", url=f"http://{args.host}:{args.port}")
     try:
-        await server.serve()  # handles SIGINT/SIGTERM itself: stops accepting, then returns
+        # Handles SIGINT/SIGTERM itself: stops accepting, then returns.
+        await server.serve(sockets=[shared_port_socket(args.host, args.port)])
     finally:
         await runtime.close()

@@ -2,8 +2,9 @@
 
 Per-request decode state lives here (the incremental window and held-back stop-string text),
 so this stage is not a plain queue group: with a queue group, two steps of one request could be
-decoded by different copies. For now one copy receives every TokenBatch; sticky routing of
-requests to copies is the replicas issue's work.
+decoded by different copies. Instead each copy announces itself by heartbeat and the scheduler
+sends each completion's tokens to one copy's own subject (services/scheduler/
+detokenizer_routing.py says how, and what happens when a copy dies).
 
 When a stop string ends a request, the scheduler is told at once (an abort) so its KV blocks
 are freed; tokens of that request still in flight are dropped.
@@ -162,14 +163,20 @@ async def main(args: argparse.Namespace) -> None:
     detokenization = Detokenization(GGUFTokenizer.from_gguf(resolve_model(args.model)))
 
     async def on_tokens(batch: TokenBatch, _: Msg) -> None:
+        runtime.num_handled += 1
         by_api, newly_stopped = detokenization.process(batch, time.time_ns())
         for request_id, index in newly_stopped:  # free its KV blocks now
             await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id, index))
         for reply_subject, deltas in by_api.items():
             await runtime.publish(reply_subject, DeltaBatch(items=deltas))
 
-    await runtime.on_message(subjects.DETOKENIZER_TOKENS, TokenBatch, on_tokens)
+    # Our own subject: the scheduler sends each completion to one copy (sticky decode state).
+    await runtime.on_message(subjects.detokenizer_tokens(runtime.instance_id), TokenBatch,
+                             on_tokens)
+    await runtime.on_message(subjects.DETOKENIZER_TOKENS, TokenBatch, on_tokens,
+                             queue=subjects.queue_group("detokenizer"))
     runtime.ready = True
+    runtime.start_heartbeat()
     log.info("detokenizer ready")
     try:
         await runtime.stop_event.wait()

@@ -17,7 +17,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Status, StatusCode
 
 from bus import subjects
-from bus.messages import ExecutorInfo, ExecutorInfoRequest, StepPlan, StepResult
+from bus.messages import ExecutorInfo, ExecutorInfoRequest, Heartbeat, StepPlan, StepResult
 from bus.runtime import ServiceRuntime
 from bus.tracing import context_from_traceparent, link_to
 from services.model_files import model_name_for, resolve_model
@@ -84,6 +84,7 @@ async def main(args: argparse.Namespace) -> None:
     async def on_step(plan: StepPlan, _: Msg) -> StepResult:
         nonlocal last_reply
         idle = time.perf_counter() - last_reply
+        runtime.num_handled += 1
         for request_id in plan.finished_request_ids:
             links.pop(request_id, None)
             if request_id in residents:
@@ -108,6 +109,9 @@ async def main(args: argparse.Namespace) -> None:
     await runtime.on_request(subjects.executor_info(args.engine_id), ExecutorInfoRequest, on_info)
     await runtime.on_request(subjects.executor_step(args.engine_id), StepPlan, on_step)
     runtime.ready = True
+    runtime.start_heartbeat(lambda: Heartbeat(
+        service="executor", instance_id=runtime.instance_id, engine_id=args.engine_id,
+        num_handled=runtime.num_handled))
     try:
         await runtime.stop_event.wait()
     finally:

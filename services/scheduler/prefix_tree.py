@@ -17,6 +17,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from bus.block_hash import chain_hash
 from services.scheduler.block_allocator import BlockAllocator
 
 
@@ -27,6 +28,7 @@ class Node:
     parent: Node | None
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     last_access: int = 0
+    hash: int = 0  # chained hash of the prefix up to this block (bus/block_hash.py)
 
 
 class PrefixTree:
@@ -39,6 +41,14 @@ class PrefixTree:
         # (last_access, tiebreak, node) candidates; validated lazily when popped.
         self._lru: list[tuple[int, int, Node]] = []
         self._tiebreak = itertools.count()
+        # Hashes stored and evicted since the last take_events(), for cache-aware routing.
+        self._stored: list[int] = []
+        self._removed: list[int] = []
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        events = self._stored, self._removed
+        self._stored, self._removed = [], []
+        return events
 
     @property
     def num_cached_blocks(self) -> int:
@@ -72,8 +82,10 @@ class PrefixTree:
             if child is None:
                 if block_id in self.nodes_by_block:  # already cached under another prefix
                     return
-                child = Node(block_id=block_id, key=key, parent=node)
+                child = Node(block_id=block_id, key=key, parent=node,
+                             hash=chain_hash(node.hash, key))
                 node.children[key] = child
+                self._stored.append(child.hash)
                 self.nodes_by_block[block_id] = child
                 self.allocator.incref(block_id)
                 self._push_if_evictable(node)  # no longer a leaf: validated lazily
@@ -111,6 +123,7 @@ class PrefixTree:
             assert parent is not None
             del parent.children[node.key]
             del self.nodes_by_block[node.block_id]
+            self._removed.append(node.hash)
             self.allocator.free([node.block_id])
             num_evicted += 1
             self._push_if_evictable(parent)

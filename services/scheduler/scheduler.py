@@ -158,6 +158,14 @@ class Scheduler:
             ended = True
         return ended
 
+    def abort_for_reply_subject(self, reply_subject: str) -> int:
+        """Abort every request whose api copy (reply subject) is gone; returns how many."""
+        public_ids = {r.public_id for r in self.requests.values()
+                      if r.reply_subject == reply_subject}
+        for public_id in public_ids:
+            self.abort_request(public_id)
+        return len(public_ids)
+
     def fail_all(self, error: str) -> list[RequestTokens]:
         """End every request with an error (the executor failed); returns their updates.
 
@@ -469,7 +477,7 @@ class Scheduler:
             request_id=request.public_id, reply_subject=request.reply_subject,
             new_token_ids=new_token_ids, finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
-            stop=request.params.stop if first else [],
+            stop=request.params.stop,  # every time: a detokenizer copy may take over
             include_stop_str_in_output=request.params.include_stop_str_in_output,
             error=error, step_id=self.num_steps,
             index=request.index if index is None else index, logprobs=new_logprobs,

@@ -1,8 +1,10 @@
 """The scheduler's bus adapter: the only file of this stage that touches NATS.
 
 One engine = one scheduler + its executor. The engine loop plans a step, sends it to the
-executor (request/reply), applies the result and publishes one TokenBatch per step. When the
-executor does not answer, every request it held ends with an explicit error.
+executor (request/reply), applies the result and publishes the step's tokens, one message per
+detokenizer copy. It also watches the copies it depends on: when its executor falls silent,
+every request it held ends with an explicit error; when an api copy falls silent, that copy's
+requests are aborted (no client is left to read them).
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import structlog
 from nats.aio.msg import Msg
 
 from bus import subjects
+from bus.liveness import Liveness
 from bus.messages import (
     AbortRequest,
     Admission,
+    CacheEvent,
     EngineStats,
     EngineStatsRequest,
     ErrorCode,
     ExecutorInfo,
     ExecutorInfoRequest,
+    Heartbeat,
     ModelInfo,
     ModelInfoRequest,
     RequestTokens,
@@ -35,6 +40,7 @@ from bus.messages import (
 )
 from bus.runtime import ServiceRuntime
 from bus.tracing import current_traceparent
+from services.scheduler.detokenizer_routing import DetokenizerRouting
 from services.scheduler.scheduler import AdmissionError, Scheduler, SchedulerConfig
 from services.scheduler.spans import record_request_spans
 
@@ -69,6 +75,9 @@ class SchedulerService:
         self.wakeup = asyncio.Event()
         self.executor_busy_seconds = 0.0
         self.executor_idle_seconds = 0.0
+        self.detokenizers = DetokenizerRouting()
+        self.apis = Liveness()
+        self.executor = Liveness()
 
     async def start(self) -> None:
         self.info = await self._wait_for_executor()
@@ -78,17 +87,35 @@ class SchedulerService:
             max_num_seqs=self.args.max_num_seqs,
             max_num_batched_tokens=self.args.max_num_batched_tokens,
             enable_prefix_caching=not self.args.no_prefix_caching))
-        runtime = self.runtime
+        runtime, group = self.runtime, subjects.queue_group("scheduler")
+        await runtime.on_request(subjects.engine_submit(self.engine_id), SubmitRequest,
+                                 self.on_submit)
         await runtime.on_request(subjects.ENGINE_SUBMIT, SubmitRequest, self.on_submit,
-                                 queue=subjects.queue_group("scheduler"))
+                                 queue=group)
         await runtime.on_message(subjects.SCHEDULER_ABORT, AbortRequest, self.on_abort)
         await runtime.on_request(subjects.ENGINE_MODEL, ModelInfoRequest, self.on_model_info,
-                                 queue=subjects.queue_group("scheduler"))
+                                 queue=group)
         await runtime.on_request(subjects.engine_stats(self.engine_id), EngineStatsRequest,
                                  self.on_stats)
         await runtime.on_request(subjects.ENGINE_STATS, EngineStatsRequest, self.on_stats)
+        await runtime.on_message(subjects.heartbeat("detokenizer"), Heartbeat,
+                                 self.on_detokenizer_heartbeat)
+        await runtime.on_message(subjects.heartbeat("api"), Heartbeat, self.on_api_heartbeat)
+        await runtime.on_message(subjects.heartbeat("executor"), Heartbeat,
+                                 self.on_executor_heartbeat)
+        await runtime.publish(subjects.ENGINE_CACHE_EVENTS, CacheEvent(
+            engine_id=self.engine_id, cleared=True, instance_id=runtime.instance_id))
         log.info("scheduler ready", engine_id=self.engine_id, num_blocks=self.info.num_blocks,
                  block_size=self.info.block_size, max_model_len=self.info.max_model_len)
+
+    def heartbeat(self) -> Heartbeat:
+        s = self.scheduler
+        assert s is not None and self.info is not None
+        return Heartbeat(
+            service="scheduler", instance_id=self.runtime.instance_id, engine_id=self.engine_id,
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_free_blocks=s.allocator.num_free, num_total_blocks=s.allocator.num_usable,
+            block_size=self.info.block_size, num_handled=s.num_finished)
 
     async def _wait_for_executor(self) -> ExecutorInfo:
         """The executor may still be loading weights: ask until it answers."""
@@ -113,13 +140,38 @@ class SchedulerService:
                     else ErrorCode.INVALID_REQUEST)
             return Admission(error_code=code, error_message=str(exc), error_param=exc.param)
         self.wakeup.set()
-        return Admission(num_prompt_tokens=len(submit.prompt_token_ids))
+        return Admission(num_prompt_tokens=len(submit.prompt_token_ids),
+                         engine_id=self.runtime.instance_id)
 
     async def on_abort(self, abort: AbortRequest, _: Msg) -> None:
         assert self.scheduler is not None
         if self.scheduler.abort_request(abort.request_id, abort.index):
             log.info("aborted", request_id=abort.request_id, index=abort.index)
             self.wakeup.set()
+
+    async def on_detokenizer_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
+        now = time.monotonic()
+        self.detokenizers.liveness.seen(heartbeat, now)
+        for dead in self.detokenizers.liveness.reap(now):
+            log.warning("detokenizer gone; its requests move", instance=dead.instance_id)
+
+    async def on_api_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
+        now = time.monotonic()
+        self.apis.seen(heartbeat, now)
+        for dead in self.apis.reap(now):
+            assert self.scheduler is not None
+            num = self.scheduler.abort_for_reply_subject(subjects.api_deltas(dead.instance_id))
+            log.warning("api copy gone; its requests aborted", instance=dead.instance_id,
+                        num_requests=num)
+            self.wakeup.set()
+
+    async def on_executor_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
+        if heartbeat.engine_id == self.engine_id:
+            self.executor.seen(heartbeat, time.monotonic())
+
+    def executor_silent(self) -> bool:
+        """Heard from our executor before, but not lately (it died mid-step)."""
+        return bool(self.executor.last_seen) and not self.executor.alive(time.monotonic())
 
     async def on_model_info(self, _: ModelInfoRequest, __: Msg) -> ModelInfo:
         assert self.info is not None
@@ -140,6 +192,19 @@ class SchedulerService:
             executor_busy_seconds=self.executor_busy_seconds,
             executor_idle_seconds=self.executor_idle_seconds,
             num_evictable_blocks=s.tree.num_evictable() if s.tree else 0)
+
+    async def _await_step(self, task: asyncio.Task) -> StepResult:
+        """The step's result; fails fast if the executor stops sending heartbeats."""
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                result = task.result()
+                if result.error:
+                    raise RuntimeError(result.error)
+                return result
+            if self.executor_silent():
+                task.cancel()
+                raise RuntimeError("the executor stopped responding")
 
     async def run_engine_loop(self) -> None:
         """Plan, execute, publish — until stopped.
@@ -172,9 +237,7 @@ class SchedulerService:
                 continue
             plan, task, counted = in_flight.popleft()
             try:
-                result = await task
-                if result.error:
-                    raise RuntimeError(result.error)
+                result = await self._await_step(task)
             except Exception as exc:  # executor gone, timed out or failed: fail, never hang
                 log.error("step failed", step_id=plan.step_id, error=str(exc))
                 for _, other, _ in in_flight:
@@ -182,7 +245,7 @@ class SchedulerService:
                 in_flight.clear()
                 updates = scheduler.take_ended_updates() + scheduler.fail_all(
                     f"the executor failed: {exc or type(exc).__name__}")
-                await self._publish(updates)
+                await self._publish(updates, cache_cleared=True)
                 continuing = False
                 continue
             self.executor_busy_seconds += result.forward_seconds
@@ -191,13 +254,21 @@ class SchedulerService:
             await self._publish(scheduler.update(plan, result, time.time()))
             await asyncio.sleep(0)  # let submits and aborts in between steps
 
-    async def _publish(self, updates: list[RequestTokens]) -> None:
-        assert self.scheduler is not None
-        for request in self.scheduler.take_finished():
+    async def _publish(self, updates: list[RequestTokens], cache_cleared: bool = False) -> None:
+        """Send tokens to the detokenizer copies; spans of ended requests; cache events."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        for request in scheduler.take_finished():
             record_request_spans(request, time.time())
-        if updates:
-            await self.runtime.publish(subjects.DETOKENIZER_TOKENS,
-                                       TokenBatch(engine_id=self.engine_id, items=updates))
+        for subject, items in self.detokenizers.route(updates, time.monotonic()).items():
+            await self.runtime.publish(subject, TokenBatch(engine_id=self.engine_id,
+                                                           items=items))
+        if scheduler.tree is not None:
+            stored, removed = scheduler.tree.take_events()
+            if stored or removed or cache_cleared:
+                await self.runtime.publish(subjects.ENGINE_CACHE_EVENTS, CacheEvent(
+                    engine_id=self.engine_id, stored=stored, removed=removed,
+                    cleared=cache_cleared, instance_id=self.runtime.instance_id))
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -208,6 +279,7 @@ async def main(args: argparse.Namespace) -> None:
     try:
         await service.start()
         runtime.ready = True
+        runtime.start_heartbeat(service.heartbeat)
         loop_task = asyncio.create_task(service.run_engine_loop())
         stop_task = asyncio.create_task(runtime.stop_event.wait())
         done, _ = await asyncio.wait({loop_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)

@@ -18,18 +18,21 @@ from opentelemetry import trace
 from bus import subjects
 from bus.messages import (
     Admission,
+    CacheEvent,
     DecodeRequest,
     DecodeResult,
     EncodeRequest,
     EncodeResult,
     ErrorCode,
     GenerateRequest,
+    Heartbeat,
     SubmitRequest,
 )
 from bus.runtime import ServiceRuntime
 from services.model_files import resolve_model
 from services.tokenizer.chat_template import ChatTemplateError, render_chat_template
 from services.tokenizer.gguf_tokenizer import GGUFTokenizer
+from services.tokenizer.router import Router
 
 log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.tokenizer")
@@ -77,6 +80,7 @@ async def main(args: argparse.Namespace) -> None:
     tokenization = Tokenization(GGUFTokenizer.from_gguf(resolve_model(args.model)))
 
     async def on_generate(request: GenerateRequest, _: Msg) -> Admission:
+        runtime.num_handled += 1
         try:
             tokenization.check_token_ids(list(request.params.logit_bias), "logit_bias key")
         except ValueError as exc:
@@ -99,19 +103,41 @@ async def main(args: argparse.Namespace) -> None:
                                reply_subject=request.reply_subject,
                                prompt_token_ids=token_ids, params=request.params,
                                arrival_time=time.time(), n=request.n)
-        try:
-            admission = await runtime.request(subjects.ENGINE_SUBMIT, submit, Admission,
-                                              timeout=10.0)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
-            log.warning("no engine admitted the request", request_id=request.request_id,
-                        error=type(exc).__name__)
-            return Admission(error_code=ErrorCode.OVERLOADED,
-                             error_message="no engine is available; retry shortly")
+        admission = await submit_to_an_engine(submit)
         if admission.error_code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and request.messages:
             admission.error_param = admission.error_param or "messages"
         elif admission.error_param == "messages" and not request.messages:
             admission.error_param = "prompt"
         return admission
+
+    async def submit_to_an_engine(submit: SubmitRequest) -> Admission:
+        """Route to the best engine; on a dead one, try the next. Never hangs."""
+        tried: set[str] = set()
+        while True:
+            chosen = router.choose(submit.prompt_token_ids, time.monotonic(),
+                                   exclude=frozenset(tried))
+            subject = (subjects.engine_submit(chosen.engine_id) if chosen is not None
+                       else subjects.ENGINE_SUBMIT)  # no heartbeat yet: any engine
+            try:
+                return await runtime.request(subject, submit, Admission, timeout=10.0)
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+                log.warning("engine did not admit the request", request_id=submit.request_id,
+                            engine=chosen.engine_id if chosen else None,
+                            error=type(exc).__name__)
+                if chosen is None:
+                    break
+                tried.add(chosen.instance_id)
+        return Admission(error_code=ErrorCode.OVERLOADED,
+                         error_message="no engine is available; retry shortly")
+
+    async def on_engine_heartbeat(heartbeat: Heartbeat, _: Msg) -> None:
+        now = time.monotonic()
+        router.on_heartbeat(heartbeat, now)
+        for dead in router.forget_dead(now):
+            log.warning("engine gone", engine=dead.engine_id, instance=dead.instance_id)
+
+    async def on_cache_event(event: CacheEvent, _: Msg) -> None:
+        router.on_cache_event(event.instance_id, event)
 
     async def on_encode(request: EncodeRequest, _: Msg) -> EncodeResult:
         try:
@@ -126,12 +152,16 @@ async def main(args: argparse.Namespace) -> None:
             return DecodeResult(error_message=str(exc))
         return DecodeResult(text=tokenization.tokenizer.decode(request.token_ids))
 
+    router = Router()
+    await runtime.on_message(subjects.heartbeat("scheduler"), Heartbeat, on_engine_heartbeat)
+    await runtime.on_message(subjects.ENGINE_CACHE_EVENTS, CacheEvent, on_cache_event)
     group = subjects.queue_group("tokenizer")
     await runtime.on_request(subjects.TOKENIZER_GENERATE, GenerateRequest, on_generate,
                              queue=group)
     await runtime.on_request(subjects.TOKENIZER_ENCODE, EncodeRequest, on_encode, queue=group)
     await runtime.on_request(subjects.TOKENIZER_DECODE, DecodeRequest, on_decode, queue=group)
     runtime.ready = True
+    runtime.start_heartbeat()
     log.info("tokenizer ready", vocab_size=tokenization.tokenizer.vocab_size)
     try:
         await runtime.stop_event.wait()

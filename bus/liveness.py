@@ -1,0 +1,44 @@
+"""Who is alive: heartbeats on the bus, and a pure tracker of the last time each copy spoke.
+
+Every service copy publishes a Heartbeat on `llmbus.v1.heartbeat.<service>` once a
+`HEARTBEAT_INTERVAL`; a copy not heard from for `DEAD_AFTER` is taken for dead. Heartbeats
+carry load, so the same message feeds routing (engines) and failure detection (everyone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bus.messages import Heartbeat
+
+HEARTBEAT_INTERVAL = 0.5  # seconds
+DEAD_AFTER = 2.5  # seconds of silence
+
+
+@dataclass
+class Liveness:
+    """Last heartbeat of each instance of one service. Time is an argument (testable)."""
+
+    dead_after: float = DEAD_AFTER
+    last_seen: dict[str, float] = field(default_factory=dict)
+    latest: dict[str, Heartbeat] = field(default_factory=dict)
+
+    def seen(self, heartbeat: Heartbeat, now: float) -> bool:
+        """Record a heartbeat; True if the instance is new (or back after silence)."""
+        fresh = heartbeat.instance_id not in self.last_seen
+        self.last_seen[heartbeat.instance_id] = now
+        self.latest[heartbeat.instance_id] = heartbeat
+        return fresh
+
+    def alive(self, now: float) -> list[Heartbeat]:
+        return [self.latest[i] for i, t in sorted(self.last_seen.items())
+                if now - t <= self.dead_after]
+
+    def reap(self, now: float) -> list[Heartbeat]:
+        """Forget instances silent for too long; returns them (each once)."""
+        dead = [i for i, t in self.last_seen.items() if now - t > self.dead_after]
+        return [self._forget(i) for i in dead]
+
+    def _forget(self, instance_id: str) -> Heartbeat:
+        del self.last_seen[instance_id]
+        return self.latest.pop(instance_id)

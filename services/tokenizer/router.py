@@ -1,0 +1,77 @@
+"""Cache-aware routing of requests across engines (pure: no bus, time is an argument).
+
+Each engine announces the blocks it caches (CacheEvent) and its load (Heartbeat). The router
+keeps, per engine, the set of cached block hashes, and sends a prompt to the engine holding
+its longest cached prefix, unless that engine is much busier than the least loaded one; a
+prompt nobody caches goes to the least loaded engine. After routing, the prompt's blocks are
+counted as cached on the chosen engine right away (it will cache them within a step), so a
+burst of requests sharing a prefix sticks together before the first events arrive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bus.block_hash import block_hashes
+from bus.liveness import Liveness
+from bus.messages import CacheEvent, Heartbeat
+
+# Cached prefix worth following, as a fraction of the prompt.
+MIN_MATCH_FRACTION = 0.25
+# How many more requests (running + waiting) the cache-holding engine may have than the
+# least loaded one before load wins over cache.
+BALANCE_SLACK = 8
+
+
+@dataclass
+class EngineView:
+    engine_id: str
+    cached: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Router:
+    liveness: Liveness = field(default_factory=Liveness)
+    views: dict[str, EngineView] = field(default_factory=dict)  # by scheduler instance id
+
+    def on_heartbeat(self, heartbeat: Heartbeat, now: float) -> None:
+        if self.liveness.seen(heartbeat, now):
+            self.views.setdefault(heartbeat.instance_id, EngineView(heartbeat.engine_id))
+
+    def on_cache_event(self, instance_id: str, event: CacheEvent) -> None:
+        view = self.views.setdefault(instance_id, EngineView(event.engine_id))
+        if event.cleared:
+            view.cached.clear()
+        view.cached.update(event.stored)
+        view.cached.difference_update(event.removed)
+
+    def forget_dead(self, now: float) -> list[Heartbeat]:
+        dead = self.liveness.reap(now)
+        for heartbeat in dead:
+            self.views.pop(heartbeat.instance_id, None)
+        return dead
+
+    def choose(self, prompt_token_ids: list[int], now: float,
+               exclude: frozenset[str] = frozenset()) -> Heartbeat | None:
+        """The engine (its latest heartbeat) for this prompt; None if no engine is alive."""
+        engines = [h for h in self.liveness.alive(now) if h.instance_id not in exclude]
+        if not engines:
+            return None
+
+        def load(h: Heartbeat) -> int:
+            return h.num_running + h.num_waiting
+
+        least = min(engines, key=lambda h: (load(h), -h.num_free_blocks, h.instance_id))
+        block_size = engines[0].block_size or 16
+        hashes = block_hashes(prompt_token_ids, block_size)
+        best, best_match = least, 0
+        for h in engines:
+            cached = self.views.get(h.instance_id, EngineView(h.engine_id)).cached
+            match = next((i for i, x in enumerate(hashes) if x not in cached), len(hashes))
+            if match > best_match or (match == best_match and match and load(h) < load(best)):
+                best, best_match = h, match
+        enough = best_match * block_size >= MIN_MATCH_FRACTION * len(prompt_token_ids)
+        chosen = best if enough and load(best) <= load(least) + BALANCE_SLACK else least
+        view = self.views.setdefault(chosen.instance_id, EngineView(chosen.engine_id))
+        view.cached.update(hashes)
+        return chosen

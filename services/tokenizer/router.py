@@ -27,6 +27,8 @@ BALANCE_SLACK = 8
 class EngineView:
     engine_id: str
     cached: set[int] = field(default_factory=set)
+    # Requests sent since its last heartbeat: a burst arrives faster than heartbeats.
+    num_routed: int = 0
 
 
 @dataclass
@@ -35,8 +37,9 @@ class Router:
     views: dict[str, EngineView] = field(default_factory=dict)  # by scheduler instance id
 
     def on_heartbeat(self, heartbeat: Heartbeat, now: float) -> None:
-        if self.liveness.seen(heartbeat, now):
-            self.views.setdefault(heartbeat.instance_id, EngineView(heartbeat.engine_id))
+        self.liveness.seen(heartbeat, now)
+        view = self.views.setdefault(heartbeat.instance_id, EngineView(heartbeat.engine_id))
+        view.num_routed = 0  # the heartbeat's own counts include them now
 
     def on_cache_event(self, instance_id: str, event: CacheEvent) -> None:
         view = self.views.setdefault(instance_id, EngineView(event.engine_id))
@@ -59,7 +62,8 @@ class Router:
             return None
 
         def load(h: Heartbeat) -> int:
-            return h.num_running + h.num_waiting
+            view = self.views.get(h.instance_id)
+            return h.num_running + h.num_waiting + (view.num_routed if view else 0)
 
         least = min(engines, key=lambda h: (load(h), -h.num_free_blocks, h.instance_id))
         block_size = engines[0].block_size or 16
@@ -74,4 +78,5 @@ class Router:
         chosen = best if enough and load(best) <= load(least) + BALANCE_SLACK else least
         view = self.views.setdefault(chosen.instance_id, EngineView(chosen.engine_id))
         view.cached.update(hashes)
+        view.num_routed += 1
         return chosen

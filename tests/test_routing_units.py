@@ -1,0 +1,91 @@
+"""Liveness, cache-aware routing, sticky detokenizer routing: the pure parts, alone."""
+
+from __future__ import annotations
+
+from bus import subjects
+from bus.block_hash import block_hashes
+from bus.liveness import Liveness
+from bus.messages import CacheEvent, FinishReason, Heartbeat, RequestTokens, SamplingParams
+from services.scheduler.detokenizer_routing import DetokenizerRouting
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.tokenizer.router import BALANCE_SLACK, Router
+
+
+def beat(instance: str, running: int = 0, service: str = "scheduler") -> Heartbeat:
+    return Heartbeat(service=service, instance_id=instance, engine_id=instance,
+                     num_running=running, num_free_blocks=100, num_total_blocks=100,
+                     block_size=4)
+
+
+def test_liveness_reaps_silent_copies_once():
+    live = Liveness(dead_after=2.0)
+    assert live.seen(beat("a"), now=0.0) and not live.seen(beat("a"), now=1.0)
+    live.seen(beat("b"), now=1.5)
+    assert [h.instance_id for h in live.alive(3.2)] == ["b"]
+    assert [h.instance_id for h in live.reap(3.2)] == ["a"]
+    assert live.reap(3.2) == []
+    assert live.seen(beat("a"), now=4.0)  # back: new again
+
+
+def test_engine_tree_hashes_equal_router_hashes():
+    s = Scheduler(SchedulerConfig(num_blocks=20, block_size=4, max_model_len=64))
+    prompt = list(range(100, 113))
+    s.add_request("a", "api", prompt, SamplingParams(max_tokens=1))
+    plan = s.schedule()
+    stored, removed = s.tree.take_events()
+    assert stored == block_hashes(prompt, 4) and removed == []
+    assert len(plan.scheduled) == 1
+
+
+def test_router_follows_the_cache_then_balances_load():
+    router = Router()
+    for name in ("e0", "e1"):
+        router.on_heartbeat(beat(name), now=0.0)
+    shared = list(range(1000, 1064))  # 16 blocks of 4
+    first = router.choose(shared + [1, 2], now=0.1)
+    # The router counts the prompt as cached on its engine at once: the next one follows.
+    assert router.choose(shared + [7, 8], now=0.2).instance_id == first.instance_id
+    other = "e1" if first.instance_id == "e0" else "e0"
+    assert router.choose(list(range(5000, 5064)), now=0.3).instance_id in {"e0", "e1"}
+    # Cache events from the other engine win prompts it holds.
+    router.on_cache_event(other, CacheEvent(engine_id=other,
+                                            stored=block_hashes(list(range(7000, 7064)), 4)))
+    assert router.choose(list(range(7000, 7070)), now=0.4).instance_id == other
+    # Too busy: load wins over cache.
+    router.on_heartbeat(beat(first.instance_id, running=BALANCE_SLACK + 5), now=0.5)
+    router.on_heartbeat(beat(other), now=0.5)
+    assert router.choose(shared + [9], now=0.6).instance_id == other
+
+
+def test_router_skips_dead_and_excluded_engines():
+    router = Router()
+    router.on_heartbeat(beat("e0"), now=0.0)
+    router.on_heartbeat(beat("e1"), now=2.0)
+    assert router.choose([1, 2, 3, 4], now=3.0).instance_id == "e1"  # e0 silent for 3 s
+    assert router.choose([1, 2, 3, 4], now=3.0, exclude=frozenset({"e1"})) is None
+    assert [h.instance_id for h in router.forget_dead(3.0)] == ["e0"]
+
+
+def update(request_id: str, finish: FinishReason = FinishReason.NONE) -> RequestTokens:
+    return RequestTokens(request_id=request_id, reply_subject="api", new_token_ids=[1],
+                         finish_reason=finish)
+
+
+def test_detokenizer_routing_is_sticky_and_moves_off_dead_copies():
+    routing = DetokenizerRouting(Liveness(dead_after=2.0))
+    assert set(routing.route([update("r")], now=0.0)) == {subjects.DETOKENIZER_TOKENS}
+    for name in ("d0", "d1", "d2"):
+        routing.liveness.seen(beat(name, service="detokenizer"), now=0.0)
+    ids = [f"r{i}" for i in range(30)]
+    first = routing.route([update(i) for i in ids], now=0.1)
+    assert len(first) == 3  # spread over every copy
+    owner = {u.request_id: subject for subject, items in first.items() for u in items}
+    again = routing.route([update(i) for i in ids], now=0.2)
+    assert {u.request_id: subject for subject, items in again.items() for u in items} == owner
+    dead = owner["r0"]
+    for name in ("d0", "d1", "d2"):
+        if subjects.detokenizer_tokens(name) != dead:
+            routing.liveness.seen(beat(name, service="detokenizer"), now=2.5)
+    moved = routing.route([update("r0", FinishReason.STOP)], now=3.0)
+    assert dead not in moved
+    assert ("r0", 0) not in routing.assigned  # finished: forgotten

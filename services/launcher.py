@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SERVICE_ORDER = ("executor", "scheduler", "tokenizer", "detokenizer", "api")
+STOP_ORDER = (("api",), ("tokenizer",), ("scheduler",), ("executor", "detokenizer"), ("nats",))
 _PR_SET_PDEATHSIG = 1
 
 
@@ -118,11 +119,14 @@ class Stack:
     def first_dead(self) -> Child | None:
         return next((c for c in self.children if c.process.poll() is not None), None)
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM the services, then nats; SIGKILL whatever outlives `timeout`."""
-        services = [c for c in self.children if c.name != "nats"]
-        nats_children = [c for c in self.children if c.name == "nats"]
-        for group in (services, nats_children):
+    def stop(self, timeout: float = 40.0) -> None:
+        """SIGTERM stage by stage, front to back, so each drains while the stages behind it
+        still run (the api waits for open streams first); SIGKILL what outlives `timeout`."""
+        def stage(child: Child) -> str:
+            return child.name.split(".")[0]
+
+        for names in STOP_ORDER:
+            group = [c for c in self.children if stage(c) in names]
             for child in group:
                 if child.process.poll() is None:
                     child.process.send_signal(signal.SIGTERM)

@@ -32,9 +32,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 16)")
     parser.add_argument("--max-body-size", type=int, default=4 * 2**20,
                         help="largest request body in bytes (default: 4 MiB)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds for open requests to finish; /health answers "
+                             "503 from the start so load balancers stop sending (default: 30)")
     parser.add_argument("--api-key", default=os.environ.get("LLMBUS_API_KEY"),
                         help="require `Authorization: Bearer KEY` on every /v1 route "
                              "(default: $LLMBUS_API_KEY; unset = no key)")
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT, /health turns 503 first, then uvicorn stops accepting and waits
+    for open requests (up to --shutdown-timeout)."""
+
+    def __init__(self, app, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.app = app
+
+    def handle_exit(self, sig, frame) -> None:
+        self.app.state.draining = True
+        super().handle_exit(sig, frame)
 
 
 def shared_port_socket(host: str, port: int) -> socket.socket:
@@ -58,9 +74,9 @@ async def main(args: argparse.Namespace) -> None:
     app = create_app(engine, ApiSettings(
         limits=Limits(max_tokens=args.max_tokens_cap, max_n=args.max_n),
         max_body_bytes=args.max_body_size, api_key=args.api_key))
-    server = uvicorn.Server(uvicorn.Config(
+    server = DrainingServer(app, uvicorn.Config(
         app, host=args.host, port=args.port, log_config=None, access_log=False,
-        timeout_graceful_shutdown=10, lifespan="on"))
+        timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"))
     runtime.ready = True
     runtime.start_heartbeat()
     log.info("api listening", url=f"http://{args.host}:{args.port}")

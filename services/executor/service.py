@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context window (default: the model's)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: all cores)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds to keep serving steps while the scheduler "
+                             "finishes its requests (default: 30)")
 
 
 def _record_residency(request_id: str, started_ns: int, traceparent: str) -> None:
@@ -114,5 +117,9 @@ async def main(args: argparse.Namespace) -> None:
         num_handled=runtime.num_handled))
     try:
         await runtime.stop_event.wait()
+        # Keep serving while the scheduler drains: stop after 1 s without a step.
+        deadline = time.monotonic() + args.shutdown_timeout
+        while time.monotonic() < deadline and time.perf_counter() - last_reply < 1.0:
+            await asyncio.sleep(0.1)
     finally:
         await runtime.close()

@@ -166,6 +166,23 @@ class Scheduler:
             self.abort_request(public_id)
         return len(public_ids)
 
+    @property
+    def num_queued_tokens(self) -> int:
+        return sum(r.num_prompt_tokens for r in self.waiting)
+
+    def expire_waiting(self, now: float, timeout: float) -> list[RequestTokens]:
+        """End requests that waited longer than `timeout` for their first step (explicitly,
+        with an error), so that an overloaded engine never holds a client forever."""
+        expired = [r for r in self.waiting
+                   if r.first_scheduled_time is None and now - r.arrival_time > timeout]
+        updates = []
+        for request in expired:
+            self._remove(request)
+            self._finish(request, FinishReason.ERROR)
+            updates.extend(self._end_updates(
+                request, f"the request waited more than {timeout:.0f} s in the queue"))
+        return updates
+
     def fail_all(self, error: str) -> list[RequestTokens]:
         """End every request with an error (the executor failed); returns their updates.
 

@@ -60,6 +60,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2),
                         help="steps in flight at once: 2 plans step N+1 while the executor "
                              "runs step N (default: 2)")
+    parser.add_argument("--max-queued-requests", type=int, default=256,
+                        help="requests waiting for their first step beyond which new ones are "
+                             "refused with 503 (default: 256)")
+    parser.add_argument("--max-queued-tokens", type=int, default=262144,
+                        help="prompt tokens waiting beyond which new requests are refused "
+                             "with 503 (default: 262144)")
+    parser.add_argument("--queue-timeout", type=float, default=300.0,
+                        help="seconds a request may wait for its first step before it ends "
+                             "with an error (default: 300)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds to finish the requests held before failing "
+                             "them (default: 30)")
     parser.add_argument("--step-timeout", type=float, default=60.0,
                         help="seconds to wait for the executor's answer to one step before "
                              "failing its requests (default: 60)")
@@ -78,6 +90,7 @@ class SchedulerService:
         self.detokenizers = DetokenizerRouting()
         self.apis = Liveness()
         self.executor = Liveness()
+        self.draining = False  # SIGTERM: finish what is held, take nothing new
 
     async def start(self) -> None:
         self.info = await self._wait_for_executor()
@@ -129,7 +142,17 @@ class SchedulerService:
         raise asyncio.CancelledError
 
     async def on_submit(self, submit: SubmitRequest, _: Msg) -> Admission:
-        assert self.scheduler is not None
+        scheduler = self.scheduler
+        assert scheduler is not None
+        if self.draining:
+            return Admission(error_code=ErrorCode.OVERLOADED,
+                             error_message="this engine is shutting down; retry shortly")
+        if (len(scheduler.waiting) >= self.args.max_queued_requests
+                or scheduler.num_queued_tokens + len(submit.prompt_token_ids)
+                > self.args.max_queued_tokens):
+            return Admission(error_code=ErrorCode.OVERLOADED,
+                             error_message="the server is busy (its queue is full); retry "
+                                           "shortly")
         try:
             self.scheduler.add_request(submit.request_id, submit.reply_subject,
                                        submit.prompt_token_ids, submit.params,
@@ -218,7 +241,7 @@ class SchedulerService:
         step_subject = subjects.executor_step(self.engine_id)
         in_flight: deque[tuple[StepPlan, asyncio.Task, bool]] = deque()
         continuing = False  # was the engine busy right before this step? (idle accounting)
-        while not self.runtime.stop_event.is_set():
+        while True:
             while ((scheduler.has_work or (scheduler.has_bookkeeping and not in_flight))
                    and len(in_flight) < self.args.pipeline_depth):
                 plan = scheduler.schedule(time.time())
@@ -233,7 +256,12 @@ class SchedulerService:
                 await self._publish(scheduler.take_ended_updates())
                 continuing = False
                 self.wakeup.clear()
-                await self.wakeup.wait()
+                try:  # wake up now and then to expire requests queued for too long
+                    await asyncio.wait_for(self.wakeup.wait(), timeout=1.0)
+                except TimeoutError:
+                    pass
+                await self._publish(scheduler.expire_waiting(time.time(),
+                                                             self.args.queue_timeout))
                 continue
             plan, task, counted = in_flight.popleft()
             try:
@@ -251,7 +279,9 @@ class SchedulerService:
             self.executor_busy_seconds += result.forward_seconds
             if counted:
                 self.executor_idle_seconds += result.idle_seconds
-            await self._publish(scheduler.update(plan, result, time.time()))
+            now = time.time()
+            await self._publish(scheduler.update(plan, result, now)
+                                + scheduler.expire_waiting(now, self.args.queue_timeout))
             await asyncio.sleep(0)  # let submits and aborts in between steps
 
     async def _publish(self, updates: list[RequestTokens], cache_cleared: bool = False) -> None:
@@ -285,6 +315,11 @@ async def main(args: argparse.Namespace) -> None:
         done, _ = await asyncio.wait({loop_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if loop_task in done:
             loop_task.result()  # surface a crash of the loop
+        # SIGTERM: refuse new requests, let the held ones finish for a while.
+        service.draining = True
+        deadline = time.monotonic() + args.shutdown_timeout
+        while service.scheduler.has_work and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
         loop_task.cancel()
     except asyncio.CancelledError:
         pass

@@ -10,6 +10,7 @@ burst of requests sharing a prefix sticks together before the first events arriv
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from bus.block_hash import block_hashes
@@ -35,6 +36,8 @@ class EngineView:
 class Router:
     liveness: Liveness = field(default_factory=Liveness)
     views: dict[str, EngineView] = field(default_factory=dict)  # by scheduler instance id
+    policy: str = "cache-aware"  # or "random": the baseline the routing benchmark compares
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def on_heartbeat(self, heartbeat: Heartbeat, now: float) -> None:
         self.liveness.seen(heartbeat, now)
@@ -60,6 +63,8 @@ class Router:
         engines = [h for h in self.liveness.alive(now) if h.instance_id not in exclude]
         if not engines:
             return None
+        if self.policy == "random":
+            return self.rng.choice(engines)
 
         def load(h: Heartbeat) -> int:
             view = self.views.get(h.instance_id)

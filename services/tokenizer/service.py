@@ -41,6 +41,10 @@ _tracer = trace.get_tracer("llmbus.tokenizer")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="path of a GGUF model (default: the pulled default model)")
+    parser.add_argument("--routing", choices=("cache-aware", "random"), default="cache-aware",
+                        help="how requests are spread over engines: to the engine caching "
+                             "the longest prefix, balanced against load; or at random "
+                             "(default: cache-aware)")
 
 
 class Tokenization:
@@ -113,13 +117,19 @@ async def main(args: argparse.Namespace) -> None:
     async def submit_to_an_engine(submit: SubmitRequest) -> Admission:
         """Route to the best engine; on a dead one, try the next. Never hangs."""
         tried: set[str] = set()
+        refused: Admission | None = None
         while True:
             chosen = router.choose(submit.prompt_token_ids, time.monotonic(),
                                    exclude=frozenset(tried))
             subject = (subjects.engine_submit(chosen.engine_id) if chosen is not None
                        else subjects.ENGINE_SUBMIT)  # no heartbeat yet: any engine
             try:
-                return await runtime.request(subject, submit, Admission, timeout=10.0)
+                admission = await runtime.request(subject, submit, Admission, timeout=10.0)
+                if admission.error_code != ErrorCode.OVERLOADED or chosen is None:
+                    return admission
+                refused = admission  # this engine's queue is full: try the others
+                tried.add(chosen.instance_id)
+                continue
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
                 log.warning("engine did not admit the request", request_id=submit.request_id,
                             engine=chosen.engine_id if chosen else None,
@@ -127,8 +137,8 @@ async def main(args: argparse.Namespace) -> None:
                 if chosen is None:
                     break
                 tried.add(chosen.instance_id)
-        return Admission(error_code=ErrorCode.OVERLOADED,
-                         error_message="no engine is available; retry shortly")
+        return refused or Admission(error_code=ErrorCode.OVERLOADED,
+                                    error_message="no engine is available; retry shortly")
 
     async def on_engine_heartbeat(heartbeat: Heartbeat, _: Msg) -> None:
         now = time.monotonic()
@@ -152,7 +162,7 @@ async def main(args: argparse.Namespace) -> None:
             return DecodeResult(error_message=str(exc))
         return DecodeResult(text=tokenization.tokenizer.decode(request.token_ids))
 
-    router = Router()
+    router = Router(policy=args.routing)
     await runtime.on_message(subjects.heartbeat("scheduler"), Heartbeat, on_engine_heartbeat)
     await runtime.on_message(subjects.ENGINE_CACHE_EVENTS, CacheEvent, on_cache_event)
     group = subjects.queue_group("tokenizer")

@@ -8,6 +8,7 @@ subscriptions (in-flight handlers finish) and closes the connection.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import uuid
 from collections.abc import Awaitable, Callable
@@ -54,9 +55,15 @@ class ServiceRuntime:
         async def on_error(exc: Exception) -> None:
             log.warning("nats error", error=str(exc))
 
+        # Credentials come from the environment (the command line shows in `ps`).
+        credentials = {}
+        if os.environ.get("LLMBUS_NATS_USER"):
+            credentials = {"user": os.environ["LLMBUS_NATS_USER"],
+                           "password": os.environ.get("LLMBUS_NATS_PASSWORD", "")}
         self.nc = await nats.connect(
             self.nats_url, name=f"llmbus-{self.service}-{self.instance_id}",
-            error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+            error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+            **credentials)
         await self.on_request(subjects.ping(self.service), Ping, self._pong)
 
     async def _pong(self, _: Ping, __: Msg) -> Pong:

@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_arguments(up, for_up=True)
     up.add_argument("--ready-timeout", type=float, default=600.0,
                     help="seconds to wait for every stage to be ready (default: 600)")
+    up.add_argument("--no-nats-auth", action="store_true",
+                    help="run the embedded nats-server without users and permissions")
     up.add_argument("--replicas", default="",
                     help="copies per stage, e.g. api=2,tokenizer=2,detokenizer=2,engine=2 "
                          "(an engine is a scheduler with its executor; api copies share the "
@@ -177,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return run_stack({name: _argv_for(name, args) for name in SERVICE_ORDER},
                      nats_url=args.nats_url, api_host=args.host, api_port=args.port,
-                     ready_timeout=args.ready_timeout, replicas=replicas)
+                     ready_timeout=args.ready_timeout, replicas=replicas,
+                     nats_auth=not args.no_nats_auth)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.nats_auth import generate_passwords, server_config
+
 SERVICE_ORDER = ("executor", "scheduler", "tokenizer", "detokenizer", "api")
 STOP_ORDER = (("api",), ("tokenizer",), ("scheduler",), ("executor", "detokenizer"), ("nats",))
 _PR_SET_PDEATHSIG = 1
@@ -82,21 +84,39 @@ class Stack:
         self.children: list[Child] = []
         self._print_lock = threading.Lock()
         self._tmpdir = tempfile.TemporaryDirectory(prefix="llmbus-")
+        self.passwords: dict[str, str] = {}
 
-    def start_nats(self, host: str = "127.0.0.1") -> str:
+    def start_nats(self, host: str = "127.0.0.1", auth: bool = True) -> str:
+        """An embedded nats-server on a free port; with auth, one user per service."""
         port = free_port(host)
-        self._spawn("nats", [nats_server_binary(), "-a", host, "-p", str(port), "-js",
-                             "-sd", self._tmpdir.name])
+        if auth:
+            self.passwords = generate_passwords()
+            config = Path(self._tmpdir.name) / "nats.conf"
+            config.write_text(server_config(host, port, self.passwords))
+            config.chmod(0o600)
+            self._spawn("nats", [nats_server_binary(), "-c", str(config)])
+        else:
+            self._spawn("nats", [nats_server_binary(), "-a", host, "-p", str(port)])
         if not wait_for_port(host, port, timeout=10):
             raise RuntimeError("nats-server did not start listening within 10 s")
         return f"nats://{host}:{port}"
 
-    def start_service(self, name: str, argv: list[str], label: str | None = None) -> None:
-        self._spawn(label or name,
-                    [sys.executable, "-m", "services.cli", "serve", name, *argv])
+    def observer_url(self, url: str) -> str:
+        """The NATS URL with the read-mostly observer's credentials (for tests, dashboards)."""
+        if not self.passwords:
+            return url
+        return url.replace("nats://", f"nats://observer:{self.passwords['observer']}@", 1)
 
-    def _spawn(self, name: str, cmd: list[str]) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+    def start_service(self, name: str, argv: list[str], label: str | None = None) -> None:
+        env = {}
+        if self.passwords:
+            env = {"LLMBUS_NATS_USER": name, "LLMBUS_NATS_PASSWORD": self.passwords[name]}
+        self._spawn(label or name,
+                    [sys.executable, "-m", "services.cli", "serve", name, *argv], env)
+
+    def _spawn(self, name: str, cmd: list[str], extra_env: dict[str, str] | None = None,
+               ) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=env,
                                    # Own session: a terminal's Ctrl-C reaches only the launcher,
@@ -199,7 +219,7 @@ def _start_services(stack: Stack, url: str, service_argv: dict[str, list[str]],
 
 def run_stack(service_argv: dict[str, list[str]], *, nats_url: str | None, api_host: str,
               api_port: int, ready_timeout: float, replicas: dict[str, int] | None = None,
-              ) -> int:
+              nats_auth: bool = True) -> int:
     """Start everything, wait for SIGINT/SIGTERM or a death, stop everything. Exit code."""
     stop_requested = threading.Event()
 
@@ -211,7 +231,7 @@ def run_stack(service_argv: dict[str, list[str]], *, nats_url: str | None, api_h
     stack = Stack()
     exit_code = 0
     try:
-        url = nats_url or stack.start_nats()
+        url = nats_url or stack.start_nats(auth=nats_auth)
         copies = _start_services(stack, url, service_argv,
                                  replicas or {name: 1 for name in REPLICABLE})
         try:
@@ -221,8 +241,9 @@ def run_stack(service_argv: dict[str, list[str]], *, nats_url: str | None, api_h
             print(f"llmbus: {exc}; stopping", file=sys.stderr)
             return 1
         if dead is None and not stop_requested.is_set():
-            print(f"llmbus is ready: http://{api_host}:{api_port}/v1 (nats: {url}); "
-                  "Ctrl-C stops it", file=sys.stderr, flush=True)
+            print(f"llmbus is ready: http://{api_host}:{api_port}/v1 "
+                  f"(nats: {stack.observer_url(url)}); Ctrl-C stops it", file=sys.stderr,
+                  flush=True)
         while dead is None and not stop_requested.is_set():
             stop_requested.wait(0.5)
             dead = stack.first_dead()

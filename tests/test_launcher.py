@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import nats
 import pytest
 import yaml
 
+from bus import subjects
 from services.cli import build_parser
-from services.launcher import SERVICE_ORDER, free_port
+from services.launcher import SERVICE_ORDER, free_port, wait_for_port
 from tests.conftest import REPO, needs_default_model, start_stack, stop_stack
 
 
@@ -35,15 +38,17 @@ def processes_mentioning(text: str) -> list[int]:
 @pytest.mark.model
 def test_up_serves_and_sigterm_leaves_no_process(tmp_path):
     stack = start_stack(tmp_path)
-    port = stack.nats_url.rsplit(":", 1)[1]
-    assert len(processes_mentioning(stack.nats_url)) == 5  # one process per service
-    assert processes_mentioning(f"-p {port}")  # the embedded nats-server
+    port = int(stack.nats_url.rsplit(":", 1)[1])
+    plain_url = f"nats://127.0.0.1:{port}"  # what the services get; credentials via env
+    assert "observer:" in stack.nats_url
+    assert len(processes_mentioning(plain_url)) == 5  # one process per service
+    assert wait_for_port("127.0.0.1", port, timeout=1)  # the embedded nats-server
     import httpx
 
     assert httpx.get(stack.base_url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
     assert stop_stack(stack) == 0
-    assert processes_mentioning(stack.nats_url) == []
-    assert processes_mentioning(f"-p {port}") == []
+    assert processes_mentioning(plain_url) == []
+    assert not wait_for_port("127.0.0.1", port, timeout=0.5)
     log = stack.log()
     for name in SERVICE_ORDER:  # every line is prefixed with its service's name
         assert re.search(rf"^{name}\s+\| ", log, re.MULTILINE)
@@ -84,3 +89,27 @@ def test_every_command_explains_itself(argv, capsys):
         build_parser().parse_args(argv)
     assert exit_info.value.code == 0
     assert "--" in capsys.readouterr().out
+
+
+async def test_nats_needs_credentials_and_permissions(stack):
+    """Without credentials nothing connects; the observer cannot publish into the pipeline."""
+    plain = "nats://" + stack.nats_url.rsplit("@", 1)[1]
+    with pytest.raises(Exception, match="(?i)authorization"):
+        await nats.connect(plain, allow_reconnect=False, max_reconnect_attempts=0,
+                           connect_timeout=2)
+    errors = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    observer = await nats.connect(stack.nats_url, error_cb=on_error)
+    try:
+        await observer.publish(subjects.executor_step("engine0"), b"junk")
+        await observer.flush()
+        for _ in range(20):
+            if errors:
+                break
+            await asyncio.sleep(0.1)
+        assert any("permissions violation" in str(e).lower() for e in errors)
+    finally:
+        await observer.close()

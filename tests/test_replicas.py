@@ -34,7 +34,7 @@ def replicas():
             "executor": ["--threads", "1"]}
     copies = _start_services(stack, url, argv, REPLICAS)
     assert wait_until_ready(stack, f"http://127.0.0.1:{port}/health", 300, copies) is None
-    yield stack, f"http://127.0.0.1:{port}/v1", url
+    yield stack, f"http://127.0.0.1:{port}/v1", stack.observer_url(url)
     stack.stop()
 
 

@@ -96,8 +96,18 @@ class EngineClient:
         sent to their clients yet, and end with an explicit error otherwise."""
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL)
-            dead = {h.instance_id for h in self.copies["scheduler"].reap(time.monotonic())}
+            now = time.monotonic()
+            dead = {h.instance_id for h in self.copies["scheduler"].reap(now)}
+            # Every detokenizer copy gone: no text can reach any client until one is back.
+            detokenizers = self.copies["detokenizer"]
+            no_detokenizer = bool(detokenizers.last_seen) and not detokenizers.alive(now)
             for request_id, placement in list(self._placements.items()):
+                if no_detokenizer:
+                    self._placements.pop(request_id, None)
+                    placement.queue.put_nowait(TextDelta(
+                        request_id=request_id, text="", finish_reason=FinishReason.ERROR,
+                        error="no detokenizer is running"))
+                    continue
                 if placement.engine not in dead:
                     continue
                 log.warning("engine gone", request_id=request_id, engine=placement.engine)
@@ -173,8 +183,9 @@ class EngineClient:
 
     async def _admit(self, request: GenerateRequest, queue: asyncio.Queue) -> Admission:
         try:
+            # Tokenizing and admission take milliseconds; 8 s means the tokenizer copy died.
             admission = await self.runtime.request(subjects.TOKENIZER_GENERATE, request,
-                                                   Admission, timeout=30.0)
+                                                   Admission, timeout=8.0)
         except nats.errors.NoRespondersError:
             self._streams.pop(request.request_id, None)
             raise OpenAIError(503, "the tokenizer stage is not available; retry shortly",

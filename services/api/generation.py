@@ -198,8 +198,7 @@ class Generation:
                     error = f"generation failed: {delta.error or 'aborted'}"
                     yield _json({"error": {"message": error, "type": "server_error",
                                            "param": None, "code": None}})
-                    finished = True
-                    break
+                    break  # not `finished`: the rest of the request is aborted everywhere
                 index, choice = self._apply(delta)
                 reason = fmt.finish_reason_name(delta.finish_reason)
                 if delta.text or delta.logprobs or reason:

@@ -124,7 +124,7 @@ async def main(args: argparse.Namespace) -> None:
             subject = (subjects.engine_submit(chosen.engine_id) if chosen is not None
                        else subjects.ENGINE_SUBMIT)  # no heartbeat yet: any engine
             try:
-                admission = await runtime.request(subject, submit, Admission, timeout=10.0)
+                admission = await runtime.request(subject, submit, Admission, timeout=3.0)
                 if admission.error_code != ErrorCode.OVERLOADED or chosen is None:
                     return admission
                 refused = admission  # this engine's queue is full: try the others

@@ -1,0 +1,100 @@
+"""Kill -9 each kind of service mid-stream: every client ends within 10 s, and once the
+service is restarted the stack serves again. SIGTERM during a stream: it ends cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from services.launcher import Stack, _start_services, free_port, wait_until_ready
+from tests.conftest import MODEL_NAME, REPO, needs_default_model, start_stack
+
+pytestmark = [pytest.mark.model, needs_default_model()]
+ONE_OF_EACH = {"api": 1, "tokenizer": 1, "detokenizer": 1, "engine": 1}
+
+
+@pytest.fixture(scope="module")
+def services(stack):
+    """One copy of each service, started one by one so that one may die alone."""
+    stack_ = Stack()
+    port = free_port()
+    url = stack_.start_nats()
+    argv = {"api": ["--port", str(port)]}
+    copies = _start_services(stack_, url, argv, ONE_OF_EACH)
+    health = f"http://127.0.0.1:{port}/health"
+    assert wait_until_ready(stack_, health, 300, copies) is None
+    yield stack_, f"http://127.0.0.1:{port}/v1", url, argv, health
+    stack_.stop()
+
+
+async def _stream(base_url: str, max_tokens: int = 300) -> str:
+    """'done', 'error' (an error event or a dropped connection); never hangs past the test."""
+    body = {"model": MODEL_NAME, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me a very long story."}]}
+    try:
+        async with httpx.AsyncClient(timeout=60) as http, http.stream(
+                "POST", f"{base_url}/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith('data: {"error"'):
+                    return "error"
+                if line == "data: [DONE]":
+                    return "done"
+        return "error"
+    except httpx.HTTPError:
+        return "error"
+
+
+@pytest.mark.parametrize("victim", ["executor", "scheduler", "detokenizer", "tokenizer", "api"])
+async def test_kill_9_mid_stream_then_restart(services, victim):
+    stack, base_url, url, argv, health = services
+    streams = [asyncio.create_task(_stream(base_url)) for _ in range(3)]
+    await asyncio.sleep(2.0)  # streaming by now
+    [child] = [c for c in stack.children if c.name == victim]
+    os.kill(child.process.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    if victim == "tokenizer":
+        # Admitted before the kill, the streams go on; a new request is refused at once.
+        started = time.monotonic()
+        assert await _stream(base_url, max_tokens=4) == "error"
+        assert time.monotonic() - started < 10
+        assert await asyncio.wait_for(asyncio.gather(*streams), timeout=120) == ["done"] * 3
+    else:
+        results = await asyncio.wait_for(asyncio.gather(*streams), timeout=30)
+        assert time.monotonic() - killed_at < 10 + 1  # every client ended within 10 s
+        assert set(results) <= {"done", "error"}
+    stack.children.remove(child)
+    stack.start_service(victim, ["--nats-url", url, *argv.get(victim, [])])
+    assert wait_until_ready(stack, health, 120, {"api": 1}) is None
+    assert await _stream(base_url, max_tokens=4) == "done"
+
+
+def test_sigterm_during_a_stream_ends_it_cleanly(tmp_path):
+    running = start_stack(tmp_path)
+    with httpx.Client(timeout=60) as http, http.stream(
+            "POST", f"{running.base_url}/chat/completions", json={
+                "model": MODEL_NAME, "stream": True, "max_tokens": 60, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Count slowly."}]}) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        running.process.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] in ("data: [DONE]",) or any('"error"' in line for line in rest)
+    assert running.process.wait(60) == 0
+
+
+def test_soak_script_runs_briefly():
+    """The soak script itself (a short run here; minutes long outside CI)."""
+    result = subprocess.run([sys.executable, "bench/soak.py", "--seconds", "8",
+                             "--concurrency", "4"], cwd=REPO, capture_output=True, text=True,
+                            timeout=240, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "leaked blocks: 0" in result.stdout
+    assert "errors: 0" in result.stdout

@@ -14,8 +14,8 @@ from services.detokenizer.incremental import (
     find_stop,
     partial_stop_len,
 )
+from services.gguf_tokenizer import GGUFTokenizer
 from services.model_files import default_model_path
-from services.tokenizer.gguf_tokenizer import GGUFTokenizer
 
 MODEL_PATH = default_model_path()
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from bus.messages import FinishReason, SamplingParams, StepResult
+from services.scheduler.admission import AdmissionError
 from services.scheduler.block_allocator import BlockAllocator
-from services.scheduler.scheduler import AdmissionError, Scheduler, SchedulerConfig
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import gguf
 import pytest
 
-from services.model_files import default_model_path
-from services.tokenizer.chat_template import ChatTemplateError, render_chat_template
-from services.tokenizer.gguf_tokenizer import (
+from services.gguf_tokenizer import (
     GGUFTokenizer,
     UnsupportedTokenizerError,
     byte_alphabet,
 )
+from services.model_files import default_model_path
+from services.tokenizer.chat_template import ChatTemplateError, render_chat_template
 
 MODEL_PATH = default_model_path()
 

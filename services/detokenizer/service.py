@@ -33,8 +33,8 @@ from bus.messages import (
 from bus.runtime import ServiceRuntime
 from bus.tracing import context_from_traceparent
 from services.detokenizer.incremental import IncrementalDetokenizer
+from services.gguf_tokenizer import GGUFTokenizer, byte_alphabet
 from services.model_files import resolve_model
-from services.tokenizer.gguf_tokenizer import GGUFTokenizer, byte_alphabet
 
 log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.detokenizer")

@@ -26,8 +26,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-import msgspec
-
 from bus.messages import (
     BlockCopy,
     FinishReason,
@@ -38,6 +36,7 @@ from bus.messages import (
     StepPlan,
     StepResult,
 )
+from services.scheduler.admission import AdmissionError, params_for, resolve_max_tokens
 from services.scheduler.block_allocator import BlockAllocator
 from services.scheduler.prefix_tree import PrefixTree
 from services.scheduler.request import Request, RequestStatus
@@ -52,16 +51,6 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
-
-
-class AdmissionError(ValueError):
-    """A request that can never run here (too long for the context or the whole cache)."""
-
-    def __init__(self, message: str, param: str | None = None, *,
-                 context_length: bool = False) -> None:
-        super().__init__(message)
-        self.param = param
-        self.context_length = context_length
 
 
 class Scheduler:
@@ -92,51 +81,20 @@ class Scheduler:
                     params: SamplingParams, arrival_time: float = 0.0, n: int = 1,
                     traceparent: str = "") -> None:
         """Queue a request (n completions of it), or raise AdmissionError if it can never run."""
-        config = self.config
-        num_prompt = len(prompt_token_ids)
         if request_id in self.families:
             raise AdmissionError(f"duplicate request id {request_id}")
-        if num_prompt == 0:
-            raise AdmissionError("the prompt is empty", param="prompt")
-        if not 1 <= n <= config.max_num_seqs:
-            raise AdmissionError(f"n must be between 1 and {config.max_num_seqs}", param="n")
-        if num_prompt >= config.max_model_len:
-            raise AdmissionError(
-                f"this model's maximum context length is {config.max_model_len} tokens, "
-                f"but the prompt has {num_prompt} tokens", param="messages",
-                context_length=True)
-        room = config.max_model_len - num_prompt
-        if params.max_tokens > room:
-            raise AdmissionError(
-                f"this model's maximum context length is {config.max_model_len} tokens; "
-                f"the prompt has {num_prompt} tokens, so max_tokens can be at most {room} "
-                f"(got {params.max_tokens})", param="max_tokens", context_length=True)
-        max_tokens = params.max_tokens or room
-        num_cache_tokens = self.allocator.num_usable * config.block_size
-        # Completions share the prompt; each needs room for its output and its copy of the
-        # shared partial block.
-        headroom = 0 if n == 1 else config.block_size
-        if num_prompt + n * (max_tokens + headroom) > num_cache_tokens:
-            if params.max_tokens:
-                raise AdmissionError(
-                    f"prompt ({num_prompt} tokens) + {n} x max_tokens ({max_tokens}) exceeds "
-                    f"the KV cache of this server ({num_cache_tokens} tokens)",
-                    param="max_tokens")
-            max_tokens = (num_cache_tokens - num_prompt) // n - headroom
-            if max_tokens < 1:
-                raise AdmissionError(
-                    f"the prompt ({num_prompt} tokens) does not fit the KV cache of this "
-                    f"server ({num_cache_tokens} tokens)", param="messages")
+        max_tokens = resolve_max_tokens(self.config, self.allocator.num_usable,
+                                        len(prompt_token_ids), params, n)
 
         def make(internal_id: str, index: int, num_forks: int = 1) -> Request:
             return Request(internal_id, request_id, index, reply_subject,
-                           list(prompt_token_ids), _params_for(params, index),
+                           list(prompt_token_ids), params_for(params, index),
                            max_tokens=max_tokens, arrival_time=arrival_time,
                            num_forks=num_forks, traceparent=traceparent)
 
         if n == 1:
             family = [make(request_id, 0)]
-        elif num_prompt == 1:  # nothing to share: n independent completions
+        elif len(prompt_token_ids) == 1:  # nothing to share: n independent completions
             family = [make(f"{request_id}#{i}", i) for i in range(n)]
         else:
             family = [make(f"{request_id}#prompt", 0, num_forks=n)]
@@ -375,7 +333,7 @@ class Scheduler:
         for i in range(parent.num_forks):
             child = Request(
                 f"{parent.public_id}#{i}", parent.public_id, i, parent.reply_subject,
-                parent.prompt_token_ids, _params_for(parent.params, i),
+                parent.prompt_token_ids, params_for(parent.params, i),
                 max_tokens=parent.max_tokens, arrival_time=parent.arrival_time,
                 num_computed_tokens=parent.num_computed_tokens,
                 block_table=list(parent.block_table),
@@ -523,10 +481,3 @@ class Scheduler:
         num_free = sum(1 for count in expected[1:] if count == 0)
         assert num_free == self.allocator.num_free, "a free block is lost or listed twice"
         assert len(self.running) + len(self.waiting) == len(self.requests)
-
-
-def _params_for(params: SamplingParams, index: int) -> SamplingParams:
-    """Completion `index` of a seeded request gets its own seed, so the n texts differ."""
-    if index == 0 or params.seed is None:
-        return params
-    return msgspec.structs.replace(params, seed=params.seed + index)

@@ -40,8 +40,9 @@ from bus.messages import (
 )
 from bus.runtime import ServiceRuntime
 from bus.tracing import current_traceparent
+from services.scheduler.admission import AdmissionError
 from services.scheduler.detokenizer_routing import DetokenizerRouting
-from services.scheduler.scheduler import AdmissionError, Scheduler, SchedulerConfig
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.spans import record_request_spans
 
 log = structlog.get_logger()

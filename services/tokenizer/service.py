@@ -29,9 +29,9 @@ from bus.messages import (
     SubmitRequest,
 )
 from bus.runtime import ServiceRuntime
+from services.gguf_tokenizer import GGUFTokenizer
 from services.model_files import resolve_model
 from services.tokenizer.chat_template import ChatTemplateError, render_chat_template
-from services.tokenizer.gguf_tokenizer import GGUFTokenizer
 from services.tokenizer.router import Router
 
 log = structlog.get_logger()

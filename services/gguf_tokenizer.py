@@ -3,6 +3,9 @@
 A GGUF carries no `tokenizer.json`, only llama.cpp's metadata keys (vocabulary, merges, token
 types, special token ids, chat template). We rebuild the `tokenizers.Tokenizer` the model was
 trained with from those, so that serving needs neither transformers nor a model hub.
+
+Shared by the stages that read a model's vocabulary (tokenizer, detokenizer), like
+model_files.py; no service imports another service's modules.
 """
 
 from __future__ import annotations

@@ -1,0 +1,68 @@
+"""Up-front checks: a request that can never run here is refused before it waits."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from bus.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from services.scheduler.scheduler import SchedulerConfig
+
+
+class AdmissionError(ValueError):
+    """A request that can never run here (too long for the context or the whole cache)."""
+
+    def __init__(self, message: str, param: str | None = None, *,
+                 context_length: bool = False) -> None:
+        super().__init__(message)
+        self.param = param
+        self.context_length = context_length
+
+
+def resolve_max_tokens(config: SchedulerConfig, num_usable_blocks: int, num_prompt_tokens: int,
+                       params: SamplingParams, n: int) -> int:
+    """The request's output limit (0 in params = as much as fits), or AdmissionError when
+    the prompt, or the prompt plus n outputs, can never fit the context or the KV cache."""
+    num_prompt = num_prompt_tokens
+    if num_prompt == 0:
+        raise AdmissionError("the prompt is empty", param="prompt")
+    if not 1 <= n <= config.max_num_seqs:
+        raise AdmissionError(f"n must be between 1 and {config.max_num_seqs}", param="n")
+    if num_prompt >= config.max_model_len:
+        raise AdmissionError(
+            f"this model's maximum context length is {config.max_model_len} tokens, "
+            f"but the prompt has {num_prompt} tokens", param="messages",
+            context_length=True)
+    room = config.max_model_len - num_prompt
+    if params.max_tokens > room:
+        raise AdmissionError(
+            f"this model's maximum context length is {config.max_model_len} tokens; "
+            f"the prompt has {num_prompt} tokens, so max_tokens can be at most {room} "
+            f"(got {params.max_tokens})", param="max_tokens", context_length=True)
+    max_tokens = params.max_tokens or room
+    num_cache_tokens = num_usable_blocks * config.block_size
+    # Completions share the prompt; each needs room for its output and its copy of the
+    # shared partial block.
+    headroom = 0 if n == 1 else config.block_size
+    if num_prompt + n * (max_tokens + headroom) > num_cache_tokens:
+        if params.max_tokens:
+            raise AdmissionError(
+                f"prompt ({num_prompt} tokens) + {n} x max_tokens ({max_tokens}) exceeds "
+                f"the KV cache of this server ({num_cache_tokens} tokens)",
+                param="max_tokens")
+        max_tokens = (num_cache_tokens - num_prompt) // n - headroom
+        if max_tokens < 1:
+            raise AdmissionError(
+                f"the prompt ({num_prompt} tokens) does not fit the KV cache of this "
+                f"server ({num_cache_tokens} tokens)", param="messages")
+    return max_tokens
+
+
+def params_for(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion `index` of a seeded request gets its own seed, so the n texts differ."""
+    if index == 0 or params.seed is None:
+        return params
+    return msgspec.structs.replace(params, seed=params.seed + index)

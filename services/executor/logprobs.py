@@ -1,7 +1,9 @@
 """Log-probabilities of sampled tokens, from the model's raw distribution.
 
 Like vLLM's default ("raw logprobs"), they are log_softmax of the logits before logit bias,
-penalties, temperature or any filter, so they describe the model, not the sampler.
+penalties, temperature or any filter, so they describe the model, not the sampler. Only the
+chosen and the top-k entries are needed, so they are logit - logsumexp(row), without a
+[L, V] log_softmax.
 """
 
 from __future__ import annotations
@@ -13,6 +15,22 @@ import torch
 from bus.messages import TokenLogprobs
 
 MAX_LOGPROBS = 20  # the most alternatives a request gets (OpenAI's top_logprobs limit)
+_EXP_FLOOR = -80.0  # exp(-80) ~ 2e-35 is still a normal float32
+
+
+def logsumexp(logits: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """logsumexp(logits [R, V] * scale [R, 1]) over the last dim -> [R]; scale > 0.
+
+    Terms more than 80 below the row's maximum are counted as exp(-80) (a relative error
+    under V * 2e-35): real logits span more than that, and exp() producing denormals made
+    torch's logsumexp and log_softmax several times slower on a CPU.
+    """
+    top = logits.amax(dim=-1, keepdim=True)  # [R, 1]
+    shifted = logits - top
+    if scale is not None:
+        shifted *= scale
+        top = top * scale
+    return shifted.clamp_(min=_EXP_FLOOR).exp_().sum(dim=-1).log_() + top[:, 0]
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
@@ -28,15 +46,16 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
         return []
     ks = [min(max(0, num_logprobs[i] or 0), MAX_LOGPROBS) for i in rows]
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [L]
-    logprobs = logits.index_select(0, index).float().log_softmax(dim=-1)  # [L, V]
-    chosen = logprobs.gather(1, token_ids.index_select(0, index)[:, None])[:, 0]  # [L]
+    raw = logits if len(rows) == len(num_logprobs) else logits.index_select(0, index)  # [L, V]
+    log_total = logsumexp(raw)[:, None]  # [L, 1]
+    chosen = raw.gather(1, token_ids.index_select(0, index)[:, None]) - log_total  # [L, 1]
     max_k = max(ks)
     top_logprobs, top_ids = [[]] * len(rows), [[]] * len(rows)
     if max_k > 0:
-        top = logprobs.topk(max_k, dim=-1)  # sorted, most likely first
-        top_logprobs, top_ids = top.values.tolist(), top.indices.tolist()
+        top = raw.topk(max_k, dim=-1)  # sorted, most likely first
+        top_logprobs, top_ids = (top.values - log_total).tolist(), top.indices.tolist()
     out: list[TokenLogprobs | None] = [None] * len(num_logprobs)
-    for j, (row, k, logprob) in enumerate(zip(rows, ks, chosen.tolist(), strict=True)):
+    for j, (row, k, logprob) in enumerate(zip(rows, ks, chosen[:, 0].tolist(), strict=True)):
         out[row] = TokenLogprobs(logprob=logprob, top_token_ids=top_ids[j][:k],
                                  top_logprobs=top_logprobs[j][:k])
     return out

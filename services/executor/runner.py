@@ -13,23 +13,39 @@ from pathlib import Path
 
 import torch
 
-from bus.messages import ExecutorInfo, SamplingParams, StepPlan, StepResult
+from bus.messages import (
+    ExecutorInfo,
+    NewRequestData,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 from services.executor.gguf_loader import load_gguf
 from services.executor.kv_cache import (
     KVCache,
     default_budget_bytes,
     num_blocks_for_budget,
 )
+from services.executor.logprobs import token_logprobs
 from services.executor.model import LlamaModel, build_attention_metadata
-from services.executor.sampler import SamplingTensors, sample
+from services.executor.penalties import TokenCounts
+from services.executor.sampler import RequestSampling, SamplingTensors, sample
 
 
 @dataclass
 class _RequestState:
     token_ids: list[int]  # prompt + sampled tokens
+    num_prompt_tokens: int
     params: SamplingParams
+    sampling: RequestSampling
     generator: torch.Generator | None  # only for seeded requests
+    penalty_slot: int | None  # its row in the runner's TokenCounts, if it has penalties
     block_table: list[int] = field(default_factory=list)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 class ModelRunner:
@@ -60,6 +76,7 @@ class ModelRunner:
         del weights
         self.kv_cache = KVCache(config, num_blocks, block_size, dtype, self.device)
         self.requests: dict[str, _RequestState] = {}
+        self.token_counts = TokenCounts(self.device)
         self.shared_generator = torch.Generator(device=self.device)
         self.shared_generator.seed()
 
@@ -78,31 +95,44 @@ class ModelRunner:
         started = time.perf_counter()
         try:
             with torch.inference_mode():
-                sampled = self._step(plan)
+                sampled, logprobs = self._step(plan)
         except Exception as exc:  # the adapter reports it; the executor stays up
             return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
         return StepResult(
             step_id=plan.step_id, sampled_token_ids=sampled,
             forward_seconds=time.perf_counter() - started, batch_size=len(plan.scheduled),
-            num_tokens=sum(s.num_tokens for s in plan.scheduled))
+            num_tokens=sum(s.num_tokens for s in plan.scheduled), logprobs=logprobs)
 
-    def _step(self, plan: StepPlan) -> list[int]:
+    def _forget(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None and state.penalty_slot is not None:
+            self.token_counts.release(state.penalty_slot)
+
+    def _register(self, new: NewRequestData) -> None:
+        self._forget(new.request_id)
+        generator = None
+        if new.params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(new.params.seed)
+        sampling = RequestSampling.from_params(new.params, self.config.eos_token_ids,
+                                               self.config.vocab_size)
+        slot = self.token_counts.add(new.prompt_token_ids) if sampling.has_penalties else None
+        self.requests[new.request_id] = _RequestState(
+            list(new.prompt_token_ids), len(new.prompt_token_ids), new.params, sampling,
+            generator, slot)
+
+    def _step(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprobs | None]]:
         for request_id in plan.finished_request_ids:
-            self.requests.pop(request_id, None)
+            self._forget(request_id)
         for request_id in plan.preempted_request_ids:
             if request_id in self.requests:
                 self.requests[request_id].block_table = []
         for new in plan.new_requests:
-            generator = None
-            if new.params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(new.params.seed)
-            self.requests[new.request_id] = _RequestState(
-                list(new.prompt_token_ids), new.params, generator)
+            self._register(new)
         for copy in plan.copy_blocks:  # copy-on-write of blocks shared by forked requests
             self.kv_cache.copy_block(copy.src, copy.dst)
         if not plan.scheduled:
-            return []
+            return [], []
 
         input_ids: list[int] = []
         query_lens, context_lens, block_tables = [], [], []
@@ -138,12 +168,26 @@ class ModelRunner:
         logits_indices = meta.cu_seqlens_q[1:][rows] - 1  # [S] last token of each sampler
         logits = self.model.forward(ids, meta.positions, meta, self.kv_cache, logits_indices)
         if not sampling_rows:
-            return []
-
+            return [], []
         states = [self.requests[plan.scheduled[i].request_id] for i in sampling_rows]
-        tensors = SamplingTensors.from_params([s.params for s in states], self.device)
-        token_ids = sample(logits, tensors, [s.generator for s in states],
-                           self.shared_generator).tolist()
+        return self._sample(logits, states)
+
+    def _sample(self, logits: torch.Tensor, states: list[_RequestState],
+                ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Sample one token per state from logits [S, V]; append it and count it."""
+        slots = [s.penalty_slot for s in states if s.penalty_slot is not None]
+        tensors = SamplingTensors.build(
+            [s.sampling for s in states], self.device,
+            num_output_tokens=[s.num_output_tokens for s in states],
+            penalty_counts=self.token_counts.gather(slots) if slots else None)
+        sampled = sample(logits, tensors, [s.generator for s in states],
+                         self.shared_generator)  # [S]
+        # `sample` left the logits untouched: these are the model's raw logprobs.
+        logprobs = token_logprobs(logits, sampled, [s.sampling.num_logprobs for s in states])
+        token_ids = sampled.tolist()
         for state, token_id in zip(states, token_ids, strict=True):
             state.token_ids.append(token_id)
-        return token_ids
+        if slots:
+            self.token_counts.record(slots, [t for s, t in zip(states, token_ids, strict=True)
+                                             if s.penalty_slot is not None])
+        return token_ids, logprobs

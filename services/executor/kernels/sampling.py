@@ -6,12 +6,16 @@ For a row of logits x [V] with temperature T (0 = greedy), and Exp(1) noise E [V
     most likely tokens whose softmax mass reaches top_p;  then tokens with p >= min_p * max(p);
     token = argmax_v softmax(l)[v] / E[v]   over the kept set   (greedy rows: argmax_v x[v])
 
-This is `sampler.sample`'s ladder (min-p last), so with the same noise it picks the same
-token, up to float rounding in the softmax sums at a filter's edge and ties at the top-p edge
-(all tied tokens stay). Every filter keeps an upper set of values, so the kernel never sorts:
-it keeps one threshold `keep_key` on an order-preserving integer image of the floats and finds
-the top-k and top-p thresholds by a 16-ary search (8 counting passes each over the row).
-Parameters are read per row on the device: no host round trip, no "any row uses top-k" flags.
+This is the filter ladder of `sampler.sample` (temperature, top-k, top-p, then min-p); the
+torch reference below (`sample_reference`) picks the same token from the same noise, up to
+float rounding in the softmax sums at a filter's edge and ties at the top-p edge (all tied
+tokens stay). `sampler.sample` itself draws its noise differently (in log space), so the two
+agree in distribution, not draw for draw.
+
+Every filter keeps an upper set of values, so the kernel never sorts: it keeps one threshold
+`keep_key` on an order-preserving integer image of the floats and finds the top-k and top-p
+thresholds by a 16-ary search (8 counting passes each over the row). Parameters are read per row
+on the device: no host round trip, no "any row uses top-k" flags.
 """
 
 from __future__ import annotations

@@ -18,14 +18,11 @@ import time
 from pathlib import Path
 
 import httpx
-import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bus import subjects  # noqa: E402
-from bus.codec import decode, encode  # noqa: E402
-from bus.messages import EngineStats, EngineStatsRequest  # noqa: E402
 from tests.conftest import MODEL_NAME, start_stack, stop_stack  # noqa: E402
+from tests.test_e2e import _engine_stats  # noqa: E402
 
 SYSTEM = ("You are a meticulous assistant for a public library. " * 4 + "Rules: "
           + " ".join(f"Rule {i}: answer politely, cite the shelf number {i * 7}, and never "
@@ -58,16 +55,6 @@ async def run_load(base_url: str, num_requests: int, concurrency: int,
     return sorted(ttfts)
 
 
-async def engine_stats(nats_url: str) -> EngineStats:
-    nc = await nats.connect(nats_url)
-    try:
-        msg = await nc.request(subjects.engine_stats("engine0"), encode(EngineStatsRequest()),
-                               timeout=5)
-        return decode(msg.data, EngineStats)
-    finally:
-        await nc.close()
-
-
 def measure(label: str, extra: list[str], args: argparse.Namespace) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         stack = start_stack(Path(tmp), *extra)
@@ -75,7 +62,7 @@ def measure(label: str, extra: list[str], args: argparse.Namespace) -> float:
             asyncio.run(run_load(stack.base_url, 2, 1, 4))  # warm-up, then measure fresh
             ttfts = asyncio.run(run_load(stack.base_url, args.requests, args.concurrency,
                                          args.max_tokens))
-            stats = asyncio.run(engine_stats(stack.nats_url))
+            stats = asyncio.run(_engine_stats(stack.nats_url))
         finally:
             stop_stack(stack)
     p50, p90 = statistics.median(ttfts), ttfts[int(len(ttfts) * 0.9)]

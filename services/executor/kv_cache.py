@@ -29,7 +29,12 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def default_budget_bytes() -> int:
+def default_budget_bytes(device: torch.device | str = "cpu") -> int:
+    """CPU: a share of free RAM, capped. CUDA: half of the free device memory (the weights
+    of the models served here are small next to it)."""
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(0.5 * free)
     return int(min(DEFAULT_BUDGET_CAP_BYTES, DEFAULT_BUDGET_FRACTION * available_memory_bytes()))
 
 

@@ -66,7 +66,8 @@ class ModelRunner:
                              f"length {config.context_length}")
         self.config = config
         if num_blocks is None:
-            budget = kv_cache_bytes if kv_cache_bytes is not None else default_budget_bytes()
+            budget = (kv_cache_bytes if kv_cache_bytes is not None
+                      else default_budget_bytes(self.device))
             num_blocks = num_blocks_for_budget(config, block_size, dtype, budget)
         # One request can never hold more than every block but the null one.
         self.max_model_len = min(max_model_len or config.context_length,

@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="path of a GGUF model (default: the pulled default model)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="compute dtype of weights and KV cache (default: float32)")
-    parser.add_argument("--device", choices=("cpu",), default="cpu",
-                        help="where the model runs (default: cpu)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the model runs; cuda uses the Triton kernels "
+                             "(default: auto = cuda when available, else cpu)")
     parser.add_argument("--block-size", type=int, default=16,
                         help="tokens per KV-cache block (default: 16)")
     parser.add_argument("--kv-cache-memory", type=float, default=None,
@@ -68,12 +69,16 @@ async def main(args: argparse.Namespace) -> None:
     await runtime.connect()
     runtime.install_signal_handlers()
     path = resolve_model(args.model)
-    log.info("loading model", path=str(path), dtype=args.dtype)
+    log.info("loading model", path=str(path), dtype=args.dtype, device=args.device)
     kv_bytes = int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = await asyncio.to_thread(
         ModelRunner, path, model_name=model_name_for(path), dtype=getattr(torch, args.dtype),
         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_bytes=kv_bytes,
-        max_model_len=args.max_model_len, num_threads=args.threads or os.cpu_count())
+        max_model_len=args.max_model_len, num_threads=args.threads or os.cpu_count(),
+        device=device)
     info = runner.info()
     log.info("model loaded", num_blocks=info.num_blocks, max_model_len=info.max_model_len)
 

@@ -87,8 +87,8 @@ def test_invalid_utf8_and_oversized_bodies(stack):
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False)
-    | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers(-10**12, 10**12)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(
         st.text(max_size=8), children, max_size=4), max_leaves=12)
 FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n",

@@ -1,8 +1,8 @@
 """The service runtime: one NATS connection, typed handlers, readiness, graceful drain.
 
-A service builds a `ServiceRuntime`, registers handlers, marks itself ready and awaits
-`run_until_stopped()`. SIGTERM/SIGINT set a stop event; the runtime then drains its
-subscriptions (in-flight handlers finish) and closes the connection.
+A service builds a `ServiceRuntime`, registers handlers, marks itself ready and awaits its
+`stop_event`, which SIGTERM/SIGINT set; `close()` then drains its subscriptions (in-flight
+handlers finish) and closes the connection.
 """
 
 from __future__ import annotations
@@ -130,11 +130,6 @@ class ServiceRuntime:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_event.set)
-
-    async def run_until_stopped(self) -> None:
-        self.install_signal_handlers()
-        await self.stop_event.wait()
-        log.info("stopping")
 
     async def close(self) -> None:
         """Drain subscriptions (in-flight handlers finish), then close the connection."""

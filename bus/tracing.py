@@ -42,10 +42,6 @@ def shutdown_tracing() -> None:
         _provider.shutdown()
 
 
-def tracer(name: str) -> trace.Tracer:
-    return trace.get_tracer(name)
-
-
 def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
     """Headers carrying the current span's context (traceparent/tracestate)."""
     headers = dict(headers or {})

@@ -122,8 +122,8 @@ async def models(state: State) -> dict:
 async def tokenize(request: Request, state: State) -> dict:
     engine: EngineClient = state.engine
     req = decode_body(await request.body(), TokenizeRequest)
-    info = await engine.model_info()
     await _check_model(engine, req.model)
+    info = await engine.model_info()  # cached after the first call
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
     encode = EncodeRequest(add_generation_prompt=req.add_generation_prompt,

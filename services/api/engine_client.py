@@ -125,10 +125,6 @@ class EngineClient:
                     request_id=request_id, text="", finish_reason=FinishReason.ERROR,
                     error=reason))
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     async def model_info(self) -> ModelInfo:
         if self._model is None:
             try:

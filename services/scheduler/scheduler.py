@@ -208,9 +208,10 @@ class Scheduler:
             break  # the request preempted itself; everything after it is gone too
 
         # Then waiting requests, in order, while budget, sequence slots and blocks allow.
+        num_seqs = sum(r.num_forks for r in self.running)
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if self._num_seqs() + request.num_forks > self.config.max_num_seqs:
+            if num_seqs + request.num_forks > self.config.max_num_seqs:
                 break
             num_matched = self._match_prefix(request)
             num_new = self._num_new_tokens(request, budget)
@@ -223,6 +224,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
+            num_seqs += request.num_forks
 
         plan = StepPlan(step_id=self.num_steps, finished_request_ids=self._forget_ids,
                         preempted_request_ids=self._preempted_ids, copy_blocks=self._copies)
@@ -262,9 +264,6 @@ class Scheduler:
         request.num_pending_tokens += sample
         self._cache_full_blocks(request)
         return item
-
-    def _num_seqs(self) -> int:
-        return sum(r.num_forks for r in self.running)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if len(request.output_token_ids) + request.num_pending_tokens >= request.max_tokens:

@@ -92,6 +92,7 @@ class SchedulerService:
         self.apis = Liveness()
         self.executor = Liveness()
         self.draining = False  # SIGTERM: finish what is held, take nothing new
+        self._next_expiry_check = 0.0
 
     async def start(self) -> None:
         self.info = await self._wait_for_executor()
@@ -261,8 +262,7 @@ class SchedulerService:
                     await asyncio.wait_for(self.wakeup.wait(), timeout=1.0)
                 except TimeoutError:
                     pass
-                await self._publish(scheduler.expire_waiting(time.time(),
-                                                             self.args.queue_timeout))
+                await self._publish(self._expired(time.time()))
                 continue
             plan, task, counted = in_flight.popleft()
             try:
@@ -281,9 +281,17 @@ class SchedulerService:
             if counted:
                 self.executor_idle_seconds += result.idle_seconds
             now = time.time()
-            await self._publish(scheduler.update(plan, result, now)
-                                + scheduler.expire_waiting(now, self.args.queue_timeout))
+            await self._publish(scheduler.update(plan, result, now) + self._expired(now))
             await asyncio.sleep(0)  # let submits and aborts in between steps
+
+    def _expired(self, now: float) -> list[RequestTokens]:
+        """Requests queued past --queue-timeout; the queue is walked at most once a second,
+        not on every step."""
+        if now < self._next_expiry_check:
+            return []
+        self._next_expiry_check = now + 1.0
+        assert self.scheduler is not None
+        return self.scheduler.expire_waiting(now, self.args.queue_timeout)
 
     async def _publish(self, updates: list[RequestTokens], cache_cleared: bool = False) -> None:
         """Send tokens to the detokenizer copies; spans of ended requests; cache events."""

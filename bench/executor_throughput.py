@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
+    parser.add_argument("--weights", choices=["auto", "dense", "q4_1"], default="auto",
+                        help="matmul weights (see `llmbus serve executor --help`)")
     parser.add_argument("--model", help="a GGUF file (default: the pulled default model)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
@@ -96,11 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = max(batch_sizes) * -(-max_len // BLOCK_SIZE) + 1
     runner = ModelRunner(model_path(args.model), model_name="bench",
                          dtype=getattr(torch, args.dtype), block_size=BLOCK_SIZE,
-                         num_blocks=num_blocks, num_threads=args.threads, device=device)
+                         num_blocks=num_blocks, num_threads=args.threads, device=device,
+                         weights=args.weights)
     if args.kernels != "auto":
         runner.model.ops = select_ops(args.kernels, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"# {name}, {args.dtype}, kernels {runner.model.ops.name}, prompt {args.prompt_len}, "
+    print(f"# {name}, {args.dtype}, {runner.weight_format} weights, kernels "
+          f"{runner.model.ops.name}, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, threads {torch.get_num_threads()}")
     print(f"{'batch':>5} {'prefill ms':>11} {'prefill tok/s':>14} {'ms/step':>8} "
           f"{'decode tok/s':>13}")

@@ -73,10 +73,16 @@ def tiny_weights(spec: TinySpec, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(),
-                     seed: int = 0) -> dict[str, np.ndarray]:
-    """Write an F32 llama GGUF (Q/K permuted like llama.cpp); returns the HF-layout weights."""
+def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
+                     q4_1: bool = False) -> dict[str, np.ndarray]:
+    """Write a llama GGUF (Q/K permuted like llama.cpp); returns the HF-layout weights.
+
+    Tensors are F32, except the layers' matmul weights with `q4_1`: those are stored as Q4_1
+    and returned dequantized, so references computed from the returned weights stay exact.
+    """
     import gguf
+
+    from services.executor.gguf_loader import unpermute_qk
 
     weights = tiny_weights(spec, seed)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -94,11 +100,18 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(),
     writer.add_bos_token_id(spec.bos_token_id)
     writer.add_eos_token_id(spec.eos_token_id)
     for name, array in weights.items():
-        if name.endswith("attn_q.weight"):
-            array = permute_qk(array, spec.num_heads)
-        elif name.endswith("attn_k.weight"):
-            array = permute_qk(array, spec.num_kv_heads)
-        writer.add_tensor(name, array)
+        heads = (spec.num_heads if name.endswith("attn_q.weight") else
+                 spec.num_kv_heads if name.endswith("attn_k.weight") else None)
+        if heads:
+            array = permute_qk(array, heads)
+        if q4_1 and name.startswith("blk.") and array.ndim == 2:
+            kind = gguf.GGMLQuantizationType.Q4_1
+            raw = gguf.quants.quantize(array, kind)
+            writer.add_tensor(name, raw, raw_dtype=kind)
+            exact = gguf.quants.dequantize(raw, kind).reshape(array.shape)
+            weights[name] = unpermute_qk(exact, heads) if heads else exact
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

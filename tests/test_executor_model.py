@@ -72,7 +72,7 @@ def reference_logits(w: dict[str, np.ndarray], spec: TinySpec, token_ids: list[i
 def test_loader_round_trip(tmp_path, tied):
     spec = TinySpec(tied=tied)
     weights = write_tiny_llama(tmp_path / "m.gguf", spec, seed=3)
-    config, loaded = load_gguf(tmp_path / "m.gguf")
+    config, loaded, _ = load_gguf(tmp_path / "m.gguf")
     assert (config.num_layers, config.hidden_size, config.intermediate_size) == (2, 64, 128)
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
     assert (config.vocab_size, config.context_length) == (256, 512)
@@ -112,7 +112,7 @@ def _run(model, cache, seqs):
 
 def test_paged_batched_forward_matches_reference(tiny):
     path, weights = tiny
-    config, loaded = load_gguf(path)
+    config, loaded, _ = load_gguf(path)
     model = LlamaModel(config, loaded, max_positions=128)
     cache = KVCache(config, num_blocks=64, block_size=BLOCK_SIZE)
     rng = random.Random(0)

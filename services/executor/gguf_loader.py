@@ -3,6 +3,9 @@
 Weights keep their GGUF names (`blk.{i}.attn_q.weight`, ...) in HF layout: `[out, in]`, with Q
 and K un-permuted from llama.cpp's interleaved rotary layout to the rotate_half convention, so
 one RoPE implementation matches HF transformers on the same file.
+
+`load_gguf(..., keep_q4_1=True)` also returns the Q4_1 tensors in their native form (4-bit
+codes plus a scale and a minimum per 32 weights), for the CPU's int4 matmul.
 """
 
 from __future__ import annotations
@@ -36,6 +39,41 @@ class LlamaConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool
+
+
+Q4_1_GROUP = 32  # weights per Q4_1 block: one float16 scale and one float16 minimum
+_Q4_1_BLOCK_BYTES = 4 + Q4_1_GROUP // 2
+
+
+@dataclass(frozen=True)
+class Q4_1Weight:
+    """A Q4_1 matrix [out, in]: weight = scale * code + minimum, per group of 32 inputs."""
+
+    codes: torch.Tensor  # [out, in] uint8, 0..15
+    scales: torch.Tensor  # [out, in / 32] float32 (exact float16 values)
+    minimums: torch.Tensor  # [out, in / 32] float32 (exact float16 values)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in], as llama.cpp and gguf-py compute it."""
+        scales = self.scales.repeat_interleave(Q4_1_GROUP, dim=1)
+        minimums = self.minimums.repeat_interleave(Q4_1_GROUP, dim=1)
+        return scales * self.codes.float() + minimums
+
+
+def parse_q4_1(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
+    """Q4_1 bytes [out, in / 32 * 20] -> codes and per-group scale/minimum.
+
+    Each 20-byte block is float16 d, float16 m, then 16 bytes whose low nibbles are inputs
+    0..15 of the group and high nibbles inputs 16..31.
+    """
+    out, inp = shape
+    blocks = np.ascontiguousarray(raw).reshape(out, inp // Q4_1_GROUP, _Q4_1_BLOCK_BYTES)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    minimums = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = blocks[..., 4:]
+    codes = np.concatenate([packed & 0xF, packed >> 4], axis=-1).reshape(out, inp)
+    return Q4_1Weight(torch.from_numpy(codes), torch.from_numpy(scales),
+                      torch.from_numpy(minimums))
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -100,9 +138,13 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
 
 
 def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32,
-) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Read the config and dequantize every tensor to `dtype` (HF layout, see module doc)."""
+    path: str | Path, dtype: torch.dtype = torch.float32, *, keep_q4_1: bool = False,
+) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Q4_1Weight]]:
+    """Read the config and dequantize every tensor to `dtype` (HF layout, see module doc).
+
+    With `keep_q4_1`, the third item holds each Q4_1 tensor's native form as well (same
+    names, same un-permuted layout); otherwise it is empty.
+    """
     import gguf  # heavy import, only where a model is loaded
 
     reader = gguf.GGUFReader(str(path))
@@ -110,16 +152,23 @@ def load_gguf(
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     config = read_config(reader, shapes)
     weights: dict[str, torch.Tensor] = {}
+    native: dict[str, Q4_1Weight] = {}
     for tensor in reader.tensors:
+        heads = (config.num_heads if tensor.name.endswith("attn_q.weight") else
+                 config.num_kv_heads if tensor.name.endswith("attn_k.weight") else None)
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         array = np.asarray(array, dtype=np.float32).reshape(shapes[tensor.name])
-        if tensor.name.endswith("attn_q.weight"):
-            array = unpermute_qk(array, config.num_heads)
-        elif tensor.name.endswith("attn_k.weight"):
-            array = unpermute_qk(array, config.num_kv_heads)
+        if heads:
+            array = unpermute_qk(array, heads)
         if not array.flags.writeable:  # F32 tensors are read-only views of the memory map
             array = array.copy()
         weights[tensor.name] = torch.from_numpy(array).to(dtype)
+        if keep_q4_1 and tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+            q = parse_q4_1(tensor.data, shapes[tensor.name])
+            if heads:  # the permutation moves whole rows: codes, scales and minimums alike
+                q = Q4_1Weight(*(torch.from_numpy(unpermute_qk(t.numpy(), heads))
+                                 for t in (q.codes, q.scales, q.minimums)))
+            native[tensor.name] = q
     if config.tie_word_embeddings:
         weights["output.weight"] = weights["token_embd.weight"]
-    return config, weights
+    return config, weights, native

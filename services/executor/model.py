@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services.executor.gguf_loader import LlamaConfig, load_gguf
+from services.executor.gguf_loader import LlamaConfig, Q4_1Weight, load_gguf
 from services.executor.kv_cache import NULL_BLOCK_ID, KVCache
+from services.executor.linear import DenseLinear, Int4Linear, make_linear
 
 
 @dataclass
@@ -23,18 +24,22 @@ class AttentionLayout:
     """Padded torch layout of one group of sequences (decodes, or prefill chunks).
 
     Decodes and prefill chunks are attended to separately: padding a decode's single query to
-    a 500-token prefill chunk would multiply its work by 500.
+    a 500-token prefill chunk would multiply its work by 500. K/V are gathered whole blocks at
+    a time (`index_select` on the block axis copies rows, 5x faster than per-slot indexing).
     """
 
     token_index: torch.Tensor  # [Tg] flat indices of this group's tokens
     query_gather: torch.Tensor  # [Bg, max_q] flat index of each padded query (pads repeat)
     query_scatter: torch.Tensor  # [Tg] index of each token in the padded [Bg * max_q] queries
-    kv_slots: torch.Tensor  # [Bg, max_ctx] cache slot of each context position (pads: block 0)
-    attn_mask: torch.Tensor  # [Bg, 1, max_q, max_ctx] bool, True = may attend
+    kv_blocks: torch.Tensor  # [Bg * blocks] int64 block ids, row-major (pads: block 0)
+    context_width: int  # blocks * block_size: the padded context length L
+    attn_mask: torch.Tensor  # [Bg, 1, max_q, L] bool, True = may attend
     _folded_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def folded_mask(self, group: int) -> torch.Tensor:
-        """The mask for queries folded as [Bg, Hkv, group * max_q] (see paged_attention)."""
+        """The mask for queries folded as [Bg, Hkv, group * max_q] (see _attend)."""
+        if self.attn_mask.shape[2] == 1:
+            return self.attn_mask  # decodes: one query per sequence, the mask broadcasts
         if group not in self._folded_masks:
             self._folded_masks[group] = self.attn_mask.repeat(1, 1, group, 1)
         return self._folded_masks[group]
@@ -97,20 +102,21 @@ def _layout(seq_ids: list[int], query_lens: Sequence[int], context_lens: Sequenc
     ctx = torch.tensor([context_lens[b] for b in seq_ids], dtype=torch.int64,
                        device=device)  # [Bg]
     max_q, max_ctx = int(q_lens.max()), int(ctx.max())
+    num_blocks = -(-max_ctx // block_size)
+    width = num_blocks * block_size  # L
     starts = cu[ids]  # [Bg] flat offset of each sequence's first query
     local = torch.repeat_interleave(torch.arange(len(seq_ids), device=device), q_lens)  # [Tg]
     local_cu = F.pad(torch.cumsum(q_lens, 0), (1, 0))  # [Bg+1]
     index_in_seq = torch.arange(int(local_cu[-1]), device=device) - local_cu[local]  # [Tg]
     qi = torch.arange(max_q, device=device)  # [max_q]
-    kj = torch.arange(max_ctx, device=device)  # [max_ctx]
-    sub_table = table[ids][:, : -(-max_ctx // block_size)]  # [Bg, blocks]
-    q_pos = (ctx - q_lens)[:, None] + qi[None]  # [Bg, max_q]; pads run past ctx: no empty rows
+    kj = torch.arange(width, device=device)  # [L]
+    q_pos = (ctx - q_lens)[:, None] + qi[None]  # [Bg, max_q]; pads run past ctx
     attn_mask = (kj[None, None] <= q_pos[:, :, None]) & (kj[None, None] < ctx[:, None, None])
     return AttentionLayout(
         token_index=starts[local] + index_in_seq,
         query_gather=starts[:, None] + torch.minimum(qi[None], q_lens[:, None] - 1),
         query_scatter=local * max_q + index_in_seq,
-        kv_slots=sub_table[:, kj // block_size].long() * block_size + kj % block_size,
+        kv_blocks=table[ids][:, :num_blocks].reshape(-1).long(), context_width=width,
         attn_mask=attn_mask[:, None])
 
 
@@ -141,13 +147,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             layout: AttentionLayout, scale: float) -> torch.Tensor:
-    """Attention of one layout's tokens -> [Tg, H * Dh], in the layout's token order."""
+    """Attention of one layout's tokens -> [Tg, H * Dh], in the layout's token order.
+
+    For GQA the `group = H // Hkv` query heads sharing a KV head are folded into the query
+    axis, so K/V are never repeated.
+    """
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     num_seqs, max_q = layout.query_gather.shape
-    k = k_cache.view(-1, num_kv_heads, head_dim)[layout.kv_slots]  # [Bg, max_ctx, Hkv, Dh]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[layout.kv_slots]  # [Bg, max_ctx, Hkv, Dh]
+    shape = (num_seqs, layout.context_width, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, layout.kv_blocks).view(shape)  # [Bg, L, Hkv, Dh]
+    v = v_cache.index_select(0, layout.kv_blocks).view(shape)  # [Bg, L, Hkv, Dh]
     qp = q[layout.query_gather]  # [Bg, max_q, H, Dh]
     qp = qp.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qp = qp.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)  # [Bg, Hkv, g*max_q, Dh]
@@ -235,41 +246,53 @@ def select_ops(kernels: str | None, device: torch.device):
     raise ValueError(f"unknown kernels {kernels!r}: expected 'torch' or 'triton'")
 
 
+Linear = DenseLinear | Int4Linear
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [(H + 2 Hkv) * Dh, D], Q/K/V fused: one matmul instead of three
-    attn_output: torch.Tensor  # [D, H * Dh]
+    qkv: Linear  # [(H + 2 Hkv) * Dh, D], Q/K/V fused: one matmul instead of three
+    attn_output: Linear  # [D, H * Dh]
     ffn_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor  # [2 F, D], gate and up fused
-    down: torch.Tensor  # [D, F]
+    gate_up: Linear  # [2 F, D], gate and up fused
+    down: Linear  # [D, F]
 
 
 class LlamaModel:
     """Weights plus the forward; the KV cache is passed in (the runner owns it).
 
     `kernels` picks the backend of the non-matmul ops ("torch" or "triton"; None: by device).
+    With `q4_1` (native Q4_1 tensors by name, see gguf_loader), each layer matmul whose
+    weights are all Q4_1 runs the int4 kernel on small steps (see linear.py).
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *,
                  max_positions: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", kernels: str | None = None) -> None:
+                 device: torch.device | str = "cpu", kernels: str | None = None,
+                 q4_1: dict[str, Q4_1Weight] | None = None) -> None:
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.ops = select_ops(kernels, self.device)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
 
+        def linear(*names: str) -> Linear:
+            """One matmul over the row-stacked weights `names`."""
+            parts = [q4_1[n] for n in names if n in q4_1] if q4_1 else []
+            return make_linear(torch.cat([w(n) for n in names]),
+                               parts if len(parts) == len(names) else None)
+
         self.layers = []
         for i in range(config.num_layers):
             p = f"blk.{i}."
             self.layers.append(_Layer(
                 attn_norm=w(p + "attn_norm.weight"),
-                qkv=torch.cat([w(p + f"attn_{n}.weight") for n in "qkv"]),
-                attn_output=w(p + "attn_output.weight"),
+                qkv=linear(*(p + f"attn_{n}.weight" for n in "qkv")),
+                attn_output=linear(p + "attn_output.weight"),
                 ffn_norm=w(p + "ffn_norm.weight"),
-                gate_up=torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),
-                down=w(p + "ffn_down.weight")))
+                gate_up=linear(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                down=linear(p + "ffn_down.weight")))
         self.embed = w("token_embd.weight")  # [V, D]
         self.lm_head = self.embed if config.tie_word_embeddings else w("output.weight")
         self.output_norm = w("output_norm.weight")
@@ -281,7 +304,7 @@ class LlamaModel:
     def from_gguf(cls, path: str | Path, *, max_positions: int | None = None,
                   dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                   kernels: str | None = None) -> LlamaModel:
-        config, weights = load_gguf(path)
+        config, weights, _ = load_gguf(path)
         return cls(config, weights, max_positions=max_positions or config.context_length,
                    dtype=dtype, device=device, kernels=kernels)
 
@@ -299,13 +322,13 @@ class LlamaModel:
         delta: torch.Tensor | None = None  # [T, D]
         for index, layer in enumerate(self.layers):
             x, h = ops.add_rms_norm(h, delta, layer.attn_norm, eps)
-            qkv = F.linear(x, layer.qkv)  # [T, (H + 2 Hkv) * Dh]
+            qkv = layer.qkv(x)  # [T, (H + 2 Hkv) * Dh]
             k_cache, v_cache = kv_cache.layer(index)
             q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                                   cfg.num_heads)  # [T, H, Dh]
             attn = ops.attention(q, k_cache, v_cache, meta, self.scale)  # [T, H * Dh]
-            x, h = ops.add_rms_norm(h, F.linear(attn, layer.attn_output), layer.ffn_norm, eps)
-            delta = F.linear(ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)
+            x, h = ops.add_rms_norm(h, layer.attn_output(attn), layer.ffn_norm, eps)
+            delta = layer.down(ops.silu_mul(layer.gate_up(x)))
         # Only the positions that sample pay for the norm and the vocab projection.
         tail = None if delta is None else delta[logits_indices]
         h, _ = ops.add_rms_norm(h[logits_indices], tail, self.output_norm, eps)  # [S, D]

@@ -26,6 +26,7 @@ log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.executor")
 
 DTYPES = ("float32", "bfloat16", "float16")
+WEIGHT_FORMATS = ("auto", "dense", "q4_1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="path of a GGUF model (default: the pulled default model)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="compute dtype of weights and KV cache (default: float32)")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
+                        help="matmul weights: dense (dequantized to --dtype), or q4_1 (the "
+                             "GGUF's own 4-bit blocks through torch's CPU int4 kernel for "
+                             "decode-sized steps; needs a bfloat16/float16 --dtype on the CPU); "
+                             "auto picks q4_1 where it can run (default: auto)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the model runs; cuda uses the Triton kernels "
                              "(default: auto = cuda when available, else cpu)")
@@ -69,7 +75,8 @@ async def main(args: argparse.Namespace) -> None:
     await runtime.connect()
     runtime.install_signal_handlers()
     path = resolve_model(args.model)
-    log.info("loading model", path=str(path), dtype=args.dtype, device=args.device)
+    log.info("loading model", path=str(path), dtype=args.dtype, device=args.device,
+             weights=args.weights)
     kv_bytes = int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None
     device = args.device
     if device == "auto":
@@ -78,9 +85,10 @@ async def main(args: argparse.Namespace) -> None:
         ModelRunner, path, model_name=model_name_for(path), dtype=getattr(torch, args.dtype),
         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_bytes=kv_bytes,
         max_model_len=args.max_model_len, num_threads=args.threads or os.cpu_count(),
-        device=device)
+        device=device, weights=args.weights)
     info = runner.info()
-    log.info("model loaded", num_blocks=info.num_blocks, max_model_len=info.max_model_len)
+    log.info("model loaded", num_blocks=info.num_blocks, max_model_len=info.max_model_len,
+             weights=runner.weight_format)
 
     async def on_info(_: ExecutorInfoRequest, __: Msg) -> ExecutorInfo:
         return info

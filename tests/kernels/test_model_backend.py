@@ -36,7 +36,7 @@ BLOCK_TABLES = [[7, 2, 11], [5, 9], [1, 12, 4]]
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
     write_tiny_llama(path, TinySpec())
-    return load_gguf(path)
+    return load_gguf(path)[:2]
 
 
 def test_backend_is_chosen_by_device():

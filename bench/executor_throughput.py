@@ -1,13 +1,19 @@
-"""End-to-end generation throughput of the executor (`ModelRunner`) at several batch sizes.
+"""Generation throughput of the executor (`ModelRunner`, no bus) beside HF transformers.
 
 Drives `runner.step` the way the scheduler does: one prefill step for every prompt, then one
-decode step per token for the whole batch, greedy. Uses the default model (pulled with
-`llmbus model pull` when missing) unless --model is given. On CUDA the model takes the Triton
-kernels; --kernels torch measures the unfused path for comparison. Without CUDA it says so and
-exits 0, unless --device cpu is asked for.
+decode step per token for the whole batch, greedy with EOS suppressed (as HF's min_new_tokens
+does). HF `generate` runs the same prompts in the same process and run, so the ratio and the
+"same as HF" column (sequences whose greedy tokens equal HF's) compare like with like. Before
+the table it measures the machine: dense GEMM GFLOP/s per dtype and memory-copy GB/s, the
+ceilings any engine here works under; each row's GFLOP/s is what its decode achieved.
 
-    python bench/executor_throughput.py [--device cuda] [--dtype bfloat16]
-        [--batch-sizes 1,16,64] [--prompt-len 128] [--new-tokens 128] [--kernels triton]
+    python bench/executor_throughput.py [--device cpu|cuda] [--dtype float32,bfloat16]
+        [--weights auto|dense|q4_1] [--batch-sizes 1,16,64] [--prompt-len 128]
+        [--new-tokens 32] [--no-hf] [--kernels auto|torch|triton] [--threads N]
+
+Defaults: on the CPU, llmbus in float32 (dense, the exact path) and bfloat16 (Q4_1 weights
+for decode); on CUDA, bfloat16 with the Triton kernels. Without CUDA, --device cuda says so
+and exits 0.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +42,8 @@ def generate(runner, prompts: list[list[int]], new_tokens: int,
     tables: list[list[int]] = [[] for _ in prompts]
     computed = [0] * len(prompts)
     outputs: list[list[int]] = [[] for _ in prompts]
-    new = [NewRequestData(request_id=r, prompt_token_ids=p, params=SamplingParams(temperature=0))
+    params = SamplingParams(temperature=0, min_tokens=new_tokens)  # EOS suppressed, like HF
+    new = [NewRequestData(request_id=r, prompt_token_ids=p, params=params)
            for r, p in zip(ids, prompts, strict=True)]
     timings = []
     for step_id in range(new_tokens):
@@ -71,54 +79,166 @@ def model_path(arg: str | None) -> Path:
     return path
 
 
+def _seconds(fn, device: torch.device, repeat: int) -> float:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - started) / repeat
+
+
+def machine_ceilings(device: torch.device, dtypes: list[str]) -> dict[str, float]:
+    """Dense GEMM GFLOP/s per dtype at a decode-like shape, and memory-copy GB/s."""
+    ceilings = {}
+    m, k, n = 64, 576, 3072  # 64 rows through SmolLM2's gate/up projection
+    for name in dict.fromkeys(["float32", *dtypes]):
+        dtype = getattr(torch, name)
+        x = torch.randn(m, k, device=device).to(dtype)
+        w = torch.randn(n, k, device=device).to(dtype)
+        seconds = _seconds(lambda x=x, w=w: torch.nn.functional.linear(x, w), device, 50)
+        ceilings[name] = 2 * m * k * n / seconds / 1e9
+    src = torch.empty(64 * 2**20, dtype=torch.float32, device=device)  # 256 MiB, beyond caches
+    dst = torch.empty_like(src)
+    seconds = _seconds(lambda: dst.copy_(src), device, 5)
+    ceilings["copy_gbps"] = 2 * src.numel() * 4 / seconds / 1e9  # read + write
+    return ceilings
+
+
+def matmul_params(config) -> int:
+    """Weights one token multiplies by: every layer's projections plus the vocab head."""
+    d, f = config.hidden_size, config.intermediate_size
+    qkv = d * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    per_layer = qkv + config.num_heads * config.head_dim * d + 3 * d * f
+    return config.num_layers * per_layer + config.vocab_size * d
+
+
+@dataclass
+class Row:
+    batch: int
+    engine: str
+    prefill_s: float
+    decode_tok_s: float
+    outputs: list[list[int]]
+
+
+def run_llmbus(args, device, dtype: str, prompts_by_batch: dict[int, list[list[int]]],
+               path: Path) -> list[Row]:
+    from services.executor.model import select_ops
+    from services.executor.runner import ModelRunner
+
+    max_len = args.prompt_len + args.new_tokens
+    num_blocks = max(prompts_by_batch) * -(-max_len // BLOCK_SIZE) + 1
+    runner = ModelRunner(path, model_name="bench", dtype=getattr(torch, dtype),
+                         block_size=BLOCK_SIZE, num_blocks=num_blocks, num_threads=args.threads,
+                         device=device, weights=args.weights)
+    if args.kernels != "auto":
+        runner.model.ops = select_ops(args.kernels, device)
+    engine = f"llmbus {dtype} {runner.weight_format}" + \
+        (f" {runner.model.ops.name}" if device.type == "cuda" else "")
+    rows = []
+    for batch, prompts in prompts_by_batch.items():
+        generate(runner, prompts, min(4, args.new_tokens), f"warmup{batch}")  # allocator, caches
+        prefill_s, decode_s, outputs = generate(runner, prompts, args.new_tokens, f"b{batch}")
+        steps = max(1, args.new_tokens - 1)
+        rows.append(Row(batch, engine, prefill_s, batch * steps / decode_s, outputs))
+        print(f"  {engine}, batch {batch}: {rows[-1].decode_tok_s:.0f} tok/s", file=sys.stderr)
+    return rows
+
+
+def run_hf(args, device, prompts_by_batch: dict[int, list[list[int]]], path: Path,
+           eos_token_id: int) -> list[Row]:
+    from services.bench.hf_baseline import load_model, measure
+
+    model = load_model(path, args.hf_dtype, str(device))
+    rows = []
+    for batch, prompts in prompts_by_batch.items():
+        measure(model, prompts, min(4, args.new_tokens), eos_token_id)  # warm up
+        stats, outputs = measure(model, prompts, args.new_tokens, eos_token_id)
+        rows.append(Row(batch, f"HF {args.hf_dtype}", stats["prefill_ms"] / 1e3,
+                        1e3 * batch / stats["decode_step_ms"], outputs))
+        print(f"  HF, batch {batch}: {rows[-1].decode_tok_s:.0f} tok/s", file=sys.stderr)
+    del model
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
-                        default="bfloat16")
-    parser.add_argument("--batch-sizes", default="1,16,64")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--dtype", default=None,
+                        help="comma-separated llmbus compute dtypes (default: float32,bfloat16 "
+                             "on the CPU, bfloat16 on CUDA)")
     parser.add_argument("--weights", choices=["auto", "dense", "q4_1"], default="auto",
                         help="matmul weights (see `llmbus serve executor --help`)")
+    parser.add_argument("--batch-sizes", default="1,16,64")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    parser.add_argument("--hf-dtype", default="float32", help="HF's dtype (default: float32)")
+    parser.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
     parser.add_argument("--model", help="a GGUF file (default: the pulled default model)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench/executor_throughput.py: no CUDA device found; nothing to measure "
-              "(pass --device cpu to measure the CPU path).")
+              "(the default --device cpu measures the CPU path).")
         return 0
-    from services.executor.model import select_ops
-    from services.executor.runner import ModelRunner
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtypes = (args.dtype or ("bfloat16" if device.type == "cuda" else "float32,bfloat16"))
+    dtypes = dtypes.split(",")
+    path = model_path(args.model)
+    from services.executor.gguf_loader import load_gguf
+    from services.gguf_tokenizer import GGUFTokenizer
 
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    max_len = args.prompt_len + args.new_tokens
-    num_blocks = max(batch_sizes) * -(-max_len // BLOCK_SIZE) + 1
-    runner = ModelRunner(model_path(args.model), model_name="bench",
-                         dtype=getattr(torch, args.dtype), block_size=BLOCK_SIZE,
-                         num_blocks=num_blocks, num_threads=args.threads, device=device,
-                         weights=args.weights)
-    if args.kernels != "auto":
-        runner.model.ops = select_ops(args.kernels, device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"# {name}, {args.dtype}, {runner.weight_format} weights, kernels "
-          f"{runner.model.ops.name}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, threads {torch.get_num_threads()}")
-    print(f"{'batch':>5} {'prefill ms':>11} {'prefill tok/s':>14} {'ms/step':>8} "
-          f"{'decode tok/s':>13}")
+    config = load_gguf(path)[0]
+    eos = GGUFTokenizer.from_gguf(path).eos_token_id
     rng = random.Random(0)
-    vocab = runner.config.vocab_size
-    for batch in batch_sizes:
-        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)]
-                   for _ in range(batch)]
-        generate(runner, prompts, min(4, args.new_tokens), f"warmup{batch}")  # compile, cache
-        prefill_s, decode_s, _ = generate(runner, prompts, args.new_tokens, f"b{batch}")
-        steps = max(1, args.new_tokens - 1)
-        print(f"{batch:>5} {1e3 * prefill_s:>11.1f} {batch * args.prompt_len / prefill_s:>14.0f} "
-              f"{1e3 * decode_s / steps:>8.2f} {batch * steps / decode_s:>13.0f}")
+    prompts_by_batch = {
+        batch: [[rng.randrange(3, config.vocab_size) for _ in range(args.prompt_len)]
+                for _ in range(batch)]
+        for batch in (int(b) for b in args.batch_sizes.split(","))}
+
+    ceilings = machine_ceilings(device, dtypes)
+    rows = []
+    for dtype in dtypes:
+        rows += run_llmbus(args, device, dtype, prompts_by_batch, path)
+    hf = {} if args.no_hf else {r.batch: r for r in run_hf(args, device, prompts_by_batch, path,
+                                                           eos)}
+    print_report(args, device, rows, hf, ceilings, matmul_params(config))
     return 0
+
+
+def _same_as(row: Row, hf: Row | None) -> str:
+    if hf is None:
+        return "-"
+    same = sum(a == b for a, b in zip(row.outputs, hf.outputs, strict=True))
+    return f"{same}/{len(row.outputs)}"
+
+
+def print_report(args, device, rows: list[Row], hf: dict[int, Row], ceilings: dict[str, float],
+                 params: int) -> None:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    gemm = ", ".join(f"{k} {v:.0f}" for k, v in ceilings.items() if k != "copy_gbps")
+    print(f"# {name}, {torch.get_num_threads()} threads, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, greedy")
+    print(f"# machine: dense GEMM GFLOP/s ({gemm}) at 64x576 @ 576x3072; "
+          f"memory copy {ceilings['copy_gbps']:.1f} GB/s")
+    print(f"# decode GFLOP/s = 2 x {params / 1e6:.0f}M matmul weights x decode tok/s; "
+          "'same as HF' = sequences whose greedy tokens all equal HF's")
+    print(f"{'batch':>5}  {'engine':<24} {'prefill ms':>10} {'decode tok/s':>12} "
+          f"{'x HF':>6} {'GFLOP/s':>8} {'same as HF':>10}")
+    for row in sorted(rows + list(hf.values()), key=lambda r: (r.batch, r.engine)):
+        base = hf.get(row.batch)
+        ratio = f"{row.decode_tok_s / base.decode_tok_s:.2f}" if base else "-"
+        same = "-" if row is base else _same_as(row, base)
+        print(f"{row.batch:>5}  {row.engine:<24} {1e3 * row.prefill_s:>10.0f} "
+              f"{row.decode_tok_s:>12.0f} {ratio:>6} "
+              f"{2 * params * row.decode_tok_s / 1e9:>8.1f} {same:>10}")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,6 @@ step "end-to-end throughput, Triton kernels"
 
 step "end-to-end throughput, unfused torch ops"
 "$VENV/bin/python" bench/executor_throughput.py --device cuda --dtype "$DTYPE" \
-    --batch-sizes 1,16,64 --kernels torch
+    --batch-sizes 1,16,64 --kernels torch --no-hf
 
 step "done"

@@ -62,3 +62,24 @@ def test_greedy_tokens_match_transformers(hf, runner):
                 eos_token_id=list(eos_ids), pad_token_id=eos_ids[0])
         assert tokens == out[0, len(prompt):].tolist()
     assert ours[0] == [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is Paris."
+
+
+def test_bfloat16_q4_1_fast_path_answers_like_transformers(hf):
+    """The fast CPU path (bfloat16, the GGUF's Q4_1 blocks through the int4 kernel) is not
+    bit-exact, but on these prompts it starts its answers with HF float32's first tokens and
+    still answers the factual question right."""
+    tokenizer, model = hf
+    fast = ModelRunner(default_model_path(), model_name="default", num_blocks=64,
+                       max_model_len=512, dtype=torch.bfloat16, weights="q4_1")
+    prompts = [_chat_ids(tokenizer, p) for p in PROMPTS]
+    eos_ids = tuple(fast.info().eos_token_ids)
+    # decode steps (3 rows) take the int4 kernel, prefill steps (3 x 13 rows) the dense GEMM
+    ours = generate(fast, prompts, max_tokens=MAX_TOKENS, chunk_size=13,
+                    stop_token_ids=eos_ids)
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+                1, len(prompt), dtype=torch.long), max_new_tokens=4, do_sample=False,
+                eos_token_id=list(eos_ids), pad_token_id=eos_ids[0])
+        assert tokens[:4] == out[0, len(prompt):].tolist()
+    assert "Paris" in tokenizer.decode(ours[0])

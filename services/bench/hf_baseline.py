@@ -17,11 +17,25 @@ import time
 from pathlib import Path
 
 
-def measure(model, prompt_ids: list[list[int]], max_tokens: int, eos_token_id: int) -> dict:
-    """Prefill time (a 1-token generate) and a full generate of `max_tokens` past EOS."""
+def load_model(path: Path, dtype_name: str = "float32", device: str = "cpu"):
+    """HF transformers' LlamaForCausalLM from the GGUF (transformers dequantizes it)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=getattr(torch, dtype_name))
+    return model.to(device).eval()
+
+
+def measure(model, prompt_ids: list[list[int]], max_tokens: int,
+            eos_token_id: int) -> tuple[dict, list[list[int]]]:
+    """Prefill time (a 1-token generate) and a full greedy generate of `max_tokens` past EOS.
+
+    Returns the stats and the generated token ids of each prompt.
+    """
     import torch
 
-    batch = torch.tensor(prompt_ids)  # [B, S], all prompts the same length
+    batch = torch.tensor(prompt_ids, device=model.device)  # [B, S], all the same length
     kwargs = dict(do_sample=False, pad_token_id=eos_token_id, eos_token_id=eos_token_id,
                   attention_mask=torch.ones_like(batch))
     with torch.inference_mode():
@@ -33,10 +47,11 @@ def measure(model, prompt_ids: list[list[int]], max_tokens: int, eos_token_id: i
                              **kwargs)
         total = time.perf_counter() - start
     num_output = (out.shape[1] - batch.shape[1]) * batch.shape[0]
-    return {"batch_size": batch.shape[0], "input_len": batch.shape[1],
+    stats = {"batch_size": batch.shape[0], "input_len": batch.shape[1],
             "output_tokens": num_output, "duration_s": total,
             "output_throughput": num_output / total, "prefill_ms": prefill * 1000,
             "decode_step_ms": (total - prefill) / max(max_tokens - 1, 1) * 1000}
+    return stats, out[:, batch.shape[1]:].tolist()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,16 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.gguf) if args.gguf else default_model_path()
     tokenizer = GGUFTokenizer.from_gguf(path)
     start = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32)
-    model.eval()
+    model = load_model(path)
     load_s = time.perf_counter() - start
     runs = []
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
         dataset = random_dataset(tokenizer, num_requests=batch_size, input_len=args.input_len,
                                  seed=args.seed)
         prompt_ids = [tokenizer.encode(r.prompt or "") for r in dataset]
-        runs.append(measure(model, prompt_ids, args.max_tokens, tokenizer.eos_token_id))
+        runs.append(measure(model, prompt_ids, args.max_tokens, tokenizer.eos_token_id)[0])
         print(f"batch {batch_size}: {runs[-1]['output_throughput']:.1f} output tok/s",
               file=sys.stderr)
     result = {"transformers": transformers.__version__, "torch": torch.__version__,

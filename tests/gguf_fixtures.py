@@ -74,11 +74,12 @@ def tiny_weights(spec: TinySpec, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
-                     q4_1: bool = False) -> dict[str, np.ndarray]:
+                     quantized: bool = False) -> dict[str, np.ndarray]:
     """Write a llama GGUF (Q/K permuted like llama.cpp); returns the HF-layout weights.
 
-    Tensors are F32, except the layers' matmul weights with `q4_1`: those are stored as Q4_1
-    and returned dequantized, so references computed from the returned weights stay exact.
+    Tensors are F32. With `quantized`, as in llama.cpp's Q4_1 files: the layers' matmul
+    weights are Q4_1, the embedding and vocab head Q8_0; they are returned dequantized, so
+    references computed from the returned weights stay exact.
     """
     import gguf
 
@@ -104,8 +105,9 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
                  spec.num_kv_heads if name.endswith("attn_k.weight") else None)
         if heads:
             array = permute_qk(array, heads)
-        if q4_1 and name.startswith("blk.") and array.ndim == 2:
-            kind = gguf.GGMLQuantizationType.Q4_1
+        if quantized and array.ndim == 2:
+            kind = (gguf.GGMLQuantizationType.Q4_1 if name.startswith("blk.")
+                    else gguf.GGMLQuantizationType.Q8_0)
             raw = gguf.quants.quantize(array, kind)
             writer.add_tensor(name, raw, raw_dtype=kind)
             exact = gguf.quants.dequantize(raw, kind).reshape(array.shape)

@@ -70,7 +70,7 @@ def test_bfloat16_q4_1_fast_path_answers_like_transformers(hf):
     still answers the factual question right."""
     tokenizer, model = hf
     fast = ModelRunner(default_model_path(), model_name="default", num_blocks=64,
-                       max_model_len=512, dtype=torch.bfloat16, weights="q4_1")
+                       max_model_len=512, dtype=torch.bfloat16, weights="native")
     prompts = [_chat_ids(tokenizer, p) for p in PROMPTS]
     eos_ids = tuple(fast.info().eos_token_ids)
     # decode steps (3 rows) take the int4 kernel, prefill steps (3 x 13 rows) the dense GEMM

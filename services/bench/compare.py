@@ -50,6 +50,10 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf", default=None, help="model (default: the default model)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="compute threads given to every server (default: all cores)")
+    parser.add_argument("--llmbus-dtype", default="float32",
+                        choices=("float32", "bfloat16", "float16"),
+                        help="llmbus's --dtype; bfloat16 also takes the Q4_1 int4 decode path "
+                             "on the CPU (default: float32, the exact path)")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--c1-requests", type=int, default=8,
@@ -98,8 +102,9 @@ def server_spec(name: str, args: argparse.Namespace, gguf: Path) -> ServerSpec |
 
         return ServerSpec(
             name, [sys.executable, "-m", "services.cli", "up", "--port", str(port),
-                   "--model", str(gguf), "--threads", str(threads)], port, cwd=str(REPO),
-            info={"version": version("llmbus"), "threads": threads, "dtype": "float32",
+                   "--model", str(gguf), "--threads", str(threads),
+                   "--dtype", args.llmbus_dtype], port, cwd=str(REPO),
+            info={"version": version("llmbus"), "threads": threads, "dtype": args.llmbus_dtype,
                   "flags": "llmbus up (defaults: max-num-seqs 64, prefix caching on)"})
     if name == "llama-cpp":
         binary = peers_dir() / "llama-cpp" / "bin" / "llama-server"

@@ -4,8 +4,8 @@ Weights keep their GGUF names (`blk.{i}.attn_q.weight`, ...) in HF layout: `[out
 and K un-permuted from llama.cpp's interleaved rotary layout to the rotate_half convention, so
 one RoPE implementation matches HF transformers on the same file.
 
-`load_gguf(..., keep_q4_1=True)` also returns the Q4_1 tensors in their native form (4-bit
-codes plus a scale and a minimum per 32 weights), for the CPU's int4 matmul.
+`load_gguf(..., keep_native=True)` also returns the Q4_1 and Q8_0 matrices in their native form
+(codes plus a scale, and for Q4_1 a minimum, per 32 weights), for the quantized CPU matmuls.
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ class LlamaConfig:
     tie_word_embeddings: bool
 
 
-Q4_1_GROUP = 32  # weights per Q4_1 block: one float16 scale and one float16 minimum
-_Q4_1_BLOCK_BYTES = 4 + Q4_1_GROUP // 2
+QUANT_GROUP = 32  # weights per Q4_1 / Q8_0 block
+Q4_1_GROUP = QUANT_GROUP  # one float16 scale and one float16 minimum, 4-bit codes
+_Q4_1_BLOCK_BYTES = 4 + QUANT_GROUP // 2
+_Q8_0_BLOCK_BYTES = 2 + QUANT_GROUP  # one float16 scale, int8 codes
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,30 @@ def parse_q4_1(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
     codes = np.concatenate([packed & 0xF, packed >> 4], axis=-1).reshape(out, inp)
     return Q4_1Weight(torch.from_numpy(codes), torch.from_numpy(scales),
                       torch.from_numpy(minimums))
+
+
+@dataclass(frozen=True)
+class Q8_0Weight:
+    """A Q8_0 matrix [out, in]: weight = scale * code, per group of 32 inputs."""
+
+    codes: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out, in / 32] float32 (exact float16 values)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in], as llama.cpp and gguf-py compute it."""
+        return self.scales.repeat_interleave(QUANT_GROUP, dim=1) * self.codes.float()
+
+
+def parse_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> Q8_0Weight:
+    """Q8_0 bytes [out, in / 32 * 34] -> codes and per-group scales (float16 d, 32 int8)."""
+    out, inp = shape
+    blocks = np.ascontiguousarray(raw).reshape(out, inp // QUANT_GROUP, _Q8_0_BLOCK_BYTES)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(out, inp)
+    return Q8_0Weight(torch.from_numpy(codes), torch.from_numpy(scales))
+
+
+NativeWeight = Q4_1Weight | Q8_0Weight
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -138,21 +164,23 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
 
 
 def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32, *, keep_q4_1: bool = False,
-) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, Q4_1Weight]]:
+    path: str | Path, dtype: torch.dtype = torch.float32, *, keep_native: bool = False,
+) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, NativeWeight]]:
     """Read the config and dequantize every tensor to `dtype` (HF layout, see module doc).
 
-    With `keep_q4_1`, the third item holds each Q4_1 tensor's native form as well (same
-    names, same un-permuted layout); otherwise it is empty.
+    With `keep_native`, the third item holds each Q4_1 and Q8_0 matrix's native form as well
+    (same names, same un-permuted layout); otherwise it is empty.
     """
     import gguf  # heavy import, only where a model is loaded
 
+    parsers = {gguf.GGMLQuantizationType.Q4_1: parse_q4_1,
+               gguf.GGMLQuantizationType.Q8_0: parse_q8_0}
     reader = gguf.GGUFReader(str(path))
     # Reader shapes are ggml order (innermost first); numpy order is reversed.
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     config = read_config(reader, shapes)
     weights: dict[str, torch.Tensor] = {}
-    native: dict[str, Q4_1Weight] = {}
+    native: dict[str, NativeWeight] = {}
     for tensor in reader.tensors:
         heads = (config.num_heads if tensor.name.endswith("attn_q.weight") else
                  config.num_kv_heads if tensor.name.endswith("attn_k.weight") else None)
@@ -163,12 +191,15 @@ def load_gguf(
         if not array.flags.writeable:  # F32 tensors are read-only views of the memory map
             array = array.copy()
         weights[tensor.name] = torch.from_numpy(array).to(dtype)
-        if keep_q4_1 and tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:
-            q = parse_q4_1(tensor.data, shapes[tensor.name])
+        parse = parsers.get(tensor.tensor_type)
+        if keep_native and parse and len(shapes[tensor.name]) == 2:
+            q = parse(tensor.data, shapes[tensor.name])
             if heads:  # the permutation moves whole rows: codes, scales and minimums alike
-                q = Q4_1Weight(*(torch.from_numpy(unpermute_qk(t.numpy(), heads))
-                                 for t in (q.codes, q.scales, q.minimums)))
+                q = type(q)(*(torch.from_numpy(unpermute_qk(t.numpy(), heads))
+                              for t in vars(q).values()))
             native[tensor.name] = q
     if config.tie_word_embeddings:
         weights["output.weight"] = weights["token_embd.weight"]
+        if "token_embd.weight" in native:
+            native["output.weight"] = native["token_embd.weight"]
     return config, weights, native

@@ -2,17 +2,25 @@
 
 A decode step multiplies a few rows by every weight, so on the CPU it is bound by how many
 weight bytes stream from memory: Q4_1 codes are an eighth of float32 and a quarter of bfloat16.
-Larger steps (prefill chunks, big decode batches) are bound by arithmetic instead, where the
-dense bfloat16 GEMM is faster than unpacking 4-bit codes, so `Int4Linear` keeps both and picks
-by the number of rows.
+Two Q4_1 paths, by compute dtype:
+
+- float32: `Q4_1Float32Linear` (cpu_quant_matmul.py), llmbus's own kernel; the weights are
+  bit-identical to the dense float32 ones, so this is still the exact path. The vocab head,
+  usually Q8_0, takes the same kernel's Q8_0 form (`Q8_0Float32Linear`) in every dtype.
+- bfloat16 / float16: `Int4Linear`, torch's CPU int4 kernel. Larger steps (prefill chunks, big
+  decode batches) are bound by arithmetic instead, where the dense bfloat16 GEMM is faster than
+  unpacking 4-bit codes, so it keeps both and picks by the number of rows.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
-from services.executor.gguf_loader import Q4_1_GROUP, Q4_1Weight
+from services.executor.gguf_loader import Q4_1_GROUP, NativeWeight, Q4_1Weight, Q8_0Weight
 
 # Rows at or below which the int4 kernel beats dense bfloat16 on the CPU (measured with
 # bench/executor_throughput.py on 2 Zen 4 cores: int4 wins 2.2x at 1 row and 1.1x at 16,
@@ -20,6 +28,12 @@ from services.executor.gguf_loader import Q4_1_GROUP, Q4_1Weight
 INT4_MAX_ROWS = 32
 # Dtypes the CPU int4 kernel runs fast (its float32 path is a slow scalar loop).
 INT4_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class Linear(Protocol):
+    """y [rows, out] = x [rows, in] @ weight.T, whatever form the weight is kept in."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class DenseLinear:
@@ -57,10 +71,41 @@ class Int4Linear:
                                                  self.scales_zeros)
 
 
-def make_linear(dense: torch.Tensor, parts: list[Q4_1Weight] | None) -> DenseLinear | Int4Linear:
-    """An `Int4Linear` over the row-stacked `parts` when given (they must stack to `dense`)."""
-    if not parts:
+def native_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a quantized kernel exists here for layer matmuls in this compute dtype."""
+    if device.type != "cpu":
+        return False
+    if dtype == torch.float32:
+        from services.executor.cpu_quant_matmul import load_library
+
+        return load_library() is not None
+    return dtype in INT4_DTYPES
+
+
+def make_linear(dense: torch.Tensor, parts: list[NativeWeight] | None, *,
+                head: bool = False) -> Linear:
+    """A quantized linear over the row-stacked `parts` (native forms of `dense`'s rows) when
+    a kernel fits them, else a dense one; see the module doc for which kind.
+
+    Q8_0 kernels return float32, so they serve float32 models, and the vocab `head` of any.
+    """
+    from services.executor.cpu_quant_matmul import (
+        Q4_1Float32Linear,
+        Q8_0Float32Linear,
+        load_library,
+    )
+
+    def stacked(kind):  # one weight of `kind` from the row-stacked parts
+        return kind(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(kind)))
+
+    if not parts or dense.device.type != "cpu":
         return DenseLinear(dense)
-    q = Q4_1Weight(*(torch.cat([getattr(p, f) for p in parts])
-                     for f in ("codes", "scales", "minimums")))
-    return Int4Linear(q, dense)
+    lib = load_library() if dense.dtype == torch.float32 or head else None
+    if all(isinstance(p, Q8_0Weight) for p in parts) and lib:
+        return Q8_0Float32Linear(stacked(Q8_0Weight), lib, dense)
+    if all(isinstance(p, Q4_1Weight) for p in parts):
+        if dense.dtype in INT4_DTYPES:
+            return Int4Linear(stacked(Q4_1Weight), dense)
+        if lib:
+            return Q4_1Float32Linear(stacked(Q4_1Weight), lib, dense)
+    return DenseLinear(dense)

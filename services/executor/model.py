@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services.executor.gguf_loader import LlamaConfig, Q4_1Weight, load_gguf
+from services.executor.gguf_loader import LlamaConfig, NativeWeight, load_gguf
 from services.executor.kv_cache import NULL_BLOCK_ID, KVCache
-from services.executor.linear import DenseLinear, Int4Linear, make_linear
+from services.executor.linear import Linear, make_linear
 
 
 @dataclass
@@ -246,9 +246,6 @@ def select_ops(kernels: str | None, device: torch.device):
     raise ValueError(f"unknown kernels {kernels!r}: expected 'torch' or 'triton'")
 
 
-Linear = DenseLinear | Int4Linear
-
-
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor  # [D]
@@ -263,14 +260,14 @@ class LlamaModel:
     """Weights plus the forward; the KV cache is passed in (the runner owns it).
 
     `kernels` picks the backend of the non-matmul ops ("torch" or "triton"; None: by device).
-    With `q4_1` (native Q4_1 tensors by name, see gguf_loader), each layer matmul whose
-    weights are all Q4_1 runs the int4 kernel on small steps (see linear.py).
+    With `native` (quantized tensors by name, see gguf_loader), each matmul whose weights are
+    all there runs a quantized kernel on small steps (see linear.py).
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *,
                  max_positions: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", kernels: str | None = None,
-                 q4_1: dict[str, Q4_1Weight] | None = None) -> None:
+                 native: dict[str, NativeWeight] | None = None) -> None:
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.ops = select_ops(kernels, self.device)
 
@@ -279,7 +276,7 @@ class LlamaModel:
 
         def linear(*names: str) -> Linear:
             """One matmul over the row-stacked weights `names`."""
-            parts = [q4_1[n] for n in names if n in q4_1] if q4_1 else []
+            parts = [native[n] for n in names if n in native] if native else []
             return make_linear(torch.cat([w(n) for n in names]),
                                parts if len(parts) == len(names) else None)
 
@@ -294,8 +291,15 @@ class LlamaModel:
                 gate_up=linear(p + "ffn_gate.weight", p + "ffn_up.weight"),
                 down=linear(p + "ffn_down.weight")))
         self.embed = w("token_embd.weight")  # [V, D]
-        self.lm_head = self.embed if config.tie_word_embeddings else w("output.weight")
+        head = self.embed if config.tie_word_embeddings else w("output.weight")
+        head_native = (native or {}).get("output.weight")
+        self.lm_head = make_linear(head, [head_native] if head_native else None, head=True)
         self.output_norm = w("output_norm.weight")
+        kinds = {type(m).__name__ for layer in self.layers
+                 for m in (layer.qkv, layer.attn_output, layer.gate_up, layer.down)}
+        kinds.add(type(self.lm_head).__name__)
+        # "dense", or "native" when some matmul reads quantized blocks (for logs and benches)
+        self.weight_format = "dense" if kinds == {"DenseLinear"} else "native"
         cos, sin = rope_tables(config, max_positions)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)  # [P, Dh]
         self.scale = config.head_dim ** -0.5
@@ -332,4 +336,4 @@ class LlamaModel:
         # Only the positions that sample pay for the norm and the vocab projection.
         tail = None if delta is None else delta[logits_indices]
         h, _ = ops.add_rms_norm(h[logits_indices], tail, self.output_norm, eps)  # [S, D]
-        return F.linear(h, self.lm_head).float()  # [S, V]
+        return self.lm_head(h).float()  # [S, V]

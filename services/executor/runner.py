@@ -27,7 +27,7 @@ from services.executor.kv_cache import (
     default_budget_bytes,
     num_blocks_for_budget,
 )
-from services.executor.linear import INT4_DTYPES
+from services.executor.linear import native_kernels_run
 from services.executor.logprobs import token_logprobs
 from services.executor.model import LlamaModel, build_attention_metadata
 from services.executor.penalties import TokenCounts
@@ -57,21 +57,22 @@ class ModelRunner:
                  num_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  max_model_len: int | None = None, num_threads: int | None = None,
                  device: torch.device | str = "cpu", weights: str = "auto") -> None:
-        """`weights`: "dense", "q4_1" (see linear.py) or "auto" (q4_1 where it can run)."""
+        """`weights`: "dense", "native" (see linear.py) or "auto" (native where it runs)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_name, self.block_size = model_name, block_size
         self.device = torch.device(device)
-        if weights not in ("auto", "dense", "q4_1"):
-            raise ValueError(f"unknown weights {weights!r}: expected auto, dense or q4_1")
-        int4_runs = self.device.type == "cpu" and dtype in INT4_DTYPES
-        if weights == "q4_1" and not int4_runs:
-            raise ValueError(f"q4_1 weights need the CPU and a dtype in {INT4_DTYPES}, not "
-                             f"{self.device.type} {dtype}")
-        config, dense, q4_1 = load_gguf(model_path, keep_q4_1=weights != "dense" and int4_runs)
-        if weights == "q4_1" and not q4_1:
-            raise ValueError(f"q4_1 weights: {model_path} has no Q4_1 tensors")
-        self.weight_format = "q4_1" if q4_1 else "dense"
+        if weights not in ("auto", "dense", "native"):
+            raise ValueError(f"unknown weights {weights!r}: expected auto, dense or native")
+        native_runs = native_kernels_run(dtype, self.device)
+        if weights == "native" and not native_runs:
+            raise ValueError(f"native weights need a quantized kernel for {self.device.type} "
+                             f"{dtype}: the CPU, with bfloat16/float16, or float32 and a C++ "
+                             "compiler")
+        config, dense, native = load_gguf(model_path,
+                                          keep_native=weights != "dense" and native_runs)
+        if weights == "native" and not native:
+            raise ValueError(f"native weights: {model_path} has no Q4_1 or Q8_0 matrices")
         if max_model_len is not None and max_model_len > config.context_length:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
                              f"length {config.context_length}")
@@ -84,8 +85,9 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or config.context_length,
                                  (num_blocks - 1) * block_size)
         self.model = LlamaModel(config, dense, max_positions=self.max_model_len,
-                                dtype=dtype, device=self.device, q4_1=q4_1)
-        del dense, q4_1
+                                dtype=dtype, device=self.device, native=native)
+        self.weight_format = self.model.weight_format
+        del dense, native
         self.kv_cache = KVCache(config, num_blocks, block_size, dtype, self.device)
         self.requests: dict[str, _RequestState] = {}
         self.token_counts = TokenCounts(self.device)

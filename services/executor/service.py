@@ -26,7 +26,7 @@ log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.executor")
 
 DTYPES = ("float32", "bfloat16", "float16")
-WEIGHT_FORMATS = ("auto", "dense", "q4_1")
+WEIGHT_FORMATS = ("auto", "dense", "native")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,10 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="compute dtype of weights and KV cache (default: float32)")
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
-                        help="matmul weights: dense (dequantized to --dtype), or q4_1 (the "
-                             "GGUF's own 4-bit blocks through torch's CPU int4 kernel for "
-                             "decode-sized steps; needs a bfloat16/float16 --dtype on the CPU); "
-                             "auto picks q4_1 where it can run (default: auto)")
+                        help="matmul weights: dense (dequantized to --dtype), or native (the "
+                             "GGUF's own Q4_1/Q8_0 blocks, read by quantized CPU kernels for "
+                             "decode-sized steps: llmbus's exact float32 kernel, built with the "
+                             "system's C++ compiler, or torch's int4 kernel for bfloat16); auto "
+                             "= native where a kernel runs (default: auto)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the model runs; cuda uses the Triton kernels "
                              "(default: auto = cuda when available, else cpu)")

@@ -182,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     parser.add_argument("--hf-dtype", default="float32", help="HF's dtype (default: float32)")
-    parser.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto")
+    parser.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
+                        help="the model's non-matmul ops: auto = triton on CUDA, torch on the "
+                             "CPU")
     parser.add_argument("--model", help="a GGUF file (default: the pulled default model)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)

@@ -1,5 +1,5 @@
 """Matmuls over the GGUF's own quantized blocks (linear.py): torch's CPU int4 kernel for
-bfloat16/float16, and llmbus's exact float32 Q4_1/Q8_0 kernel (cpu_quant_matmul.py/.cpp)."""
+bfloat16/float16, and llmbus's exact float32 Q4_1/Q8_0 kernel (cpu_kernels/quant_matmul.py/.cpp)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.executor.cpu_quant_matmul import (
+from services.executor.cpu_kernels.library import build, load_library
+from services.executor.cpu_kernels.quant_matmul import (
     KERNEL_MAX_ROWS,
     Q4_1Float32Linear,
     Q8_0Float32Linear,
-    build,
-    load_library,
     pack_codes,
 )
 from services.executor.gguf_loader import Q4_1Weight, Q8_0Weight, load_gguf

@@ -4,7 +4,7 @@ A decode step multiplies a few rows by every weight, so on the CPU it is bound b
 weight bytes stream from memory: Q4_1 codes are an eighth of float32 and a quarter of bfloat16.
 Two Q4_1 paths, by compute dtype:
 
-- float32: `Q4_1Float32Linear` (cpu_quant_matmul.py), llmbus's own kernel; the weights are
+- float32: `Q4_1Float32Linear` (cpu_kernels/quant_matmul.py), llmbus's own kernel; the weights are
   bit-identical to the dense float32 ones, so this is still the exact path. The vocab head,
   usually Q8_0, takes the same kernel's Q8_0 form (`Q8_0Float32Linear`) in every dtype.
 - bfloat16 / float16: `Int4Linear`, torch's CPU int4 kernel. Larger steps (prefill chunks, big
@@ -76,7 +76,7 @@ def native_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cpu":
         return False
     if dtype == torch.float32:
-        from services.executor.cpu_quant_matmul import load_library
+        from services.executor.cpu_kernels.library import load_library
 
         return load_library() is not None
     return dtype in INT4_DTYPES
@@ -89,11 +89,8 @@ def make_linear(dense: torch.Tensor, parts: list[NativeWeight] | None, *,
 
     Q8_0 kernels return float32, so they serve float32 models, and the vocab `head` of any.
     """
-    from services.executor.cpu_quant_matmul import (
-        Q4_1Float32Linear,
-        Q8_0Float32Linear,
-        load_library,
-    )
+    from services.executor.cpu_kernels.library import load_library
+    from services.executor.cpu_kernels.quant_matmul import Q4_1Float32Linear, Q8_0Float32Linear
 
     def stacked(kind):  # one weight of `kind` from the row-stacked parts
         return kind(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(kind)))

@@ -1,103 +1,22 @@
-"""Exact float32 matmuls over GGUF Q4_1 / Q8_0 blocks (cpu_quant_matmul.cpp), via ctypes.
+"""Exact float32 matmuls over GGUF Q4_1 / Q8_0 blocks (quant_matmul.cpp).
 
 torch has no fast float32 matmul over 4- or 8-bit weights (its int4 kernel's float32 path is a
-scalar loop), so the executor carries its own: a small C++ file compiled with the system's C++
-compiler for this very CPU (-march=native) and cached under the llmbus cache directory, keyed
-by the source, the flags and the CPU. No torch headers, so the build takes about a second.
-Where no compiler works, `load_library()` returns None and the executor stays dense.
+scalar loop), so the executor carries its own; see quant_matmul.cpp for why the weights stay
+bit-identical to the dequantized float32 ones.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
-import structlog
 import torch
 import torch.nn.functional as F
 
 from services.executor.gguf_loader import QUANT_GROUP, Q4_1Weight, Q8_0Weight
-from services.model_files import cache_root
 
-log = structlog.get_logger()
-
-SOURCE = Path(__file__).with_name("cpu_quant_matmul.cpp")
 # Rows at or below which the kernel beats the dense float32 GEMM (measured over SmolLM2's 120
 # layer matmuls on 2 Zen 4 cores: 5.5x at 1 row, 1.7x at 16, 1.2x at 32, 0.85x at 48).
 KERNEL_MAX_ROWS = 32
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-
-
-def _cpu_identity() -> str:
-    """What -march=native depends on: the CPU's model and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    lines = [line for line in text.splitlines()
-             if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(dict.fromkeys(lines))
-
-
-def _library_path(compiler: str) -> Path:
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(),
-                 _cpu_identity().encode()):
-        key.update(part)
-    return cache_root() / "kernels" / f"cpu_quant_matmul-{key.hexdigest()[:16]}.so"
-
-
-def build(compiler: str | None = None) -> Path:
-    """Compile the kernel unless the cache has it; the path of the shared library.
-
-    Raises RuntimeError with the compiler's output when the build fails.
-    """
-    compiler = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not compiler:
-        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
-    path = _library_path(compiler)
-    if path.is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: executors starting together never see half a file.
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    try:
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)],
-                                capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed:\n{result.stderr[-4000:]}")
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    return path
-
-
-@functools.cache
-def load_library() -> ctypes.CDLL | None:
-    """The built kernel, or None (logged once) where it cannot be built or loaded."""
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        log.warning("float32 quantized-matmul kernel unavailable; using dense weights",
-                    error=str(exc)[:500])
-        return None
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name, argtypes, restype in (
-            ("q4_1_matmul_f32", [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32], i32),
-            ("q4_1_dequantize_f32", [ptr, ptr, ptr, i64, i64, ptr, i32], None),
-            ("q8_0_matmul_f32", [ptr, i64, i64, ptr, ptr, i64, ptr, i32], i32),
-            ("q8_0_dequantize_f32", [ptr, ptr, i64, i64, ptr, i32], None)):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
-    return lib
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -111,7 +30,7 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
 class _QuantizedFloat32Linear:
     """y = x @ weight.T in float32 over a quantized weight, for steps of few rows.
 
-    The weights are bit-identical to the dense float32 ones (see cpu_quant_matmul.cpp). Steps
+    The weights are bit-identical to the dense float32 ones (see quant_matmul.cpp). Steps
     of up to KERNEL_MAX_ROWS rows run the kernel; bigger ones (prefill, big decode batches)
     are bound by arithmetic, where the BLAS GEMM on `dense` is faster, so both are kept.
     Subclasses name the kernel's weight arguments.

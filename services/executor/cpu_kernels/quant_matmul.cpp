@@ -18,7 +18,7 @@
 // Structure: output rows are taken TILE_N at a time (threads split them). Each tile is
 // dequantized once into a small float32 scratch (L1/L2-resident), then every TILE_M-row slice
 // of x is multiplied against it with TILE_M x TILE_N vector accumulators held in registers.
-// Built at run time by cpu_quant_matmul.py with -O3 -march=native -fopenmp; the OpenMP runtime
+// Built at run time by library.py with -O3 -march=native -fopenmp; the OpenMP runtime
 // is the one torch already loaded (same soname), so there is one thread pool, not two.
 
 #include <cstdint>

@@ -1,0 +1,9 @@
+"""C++ kernels for the executor's CPU path, where torch has no fast equivalent.
+
+Each `*.cpp` here is plain C++ (no torch headers) with `extern "C"` entry points on raw
+pointers; `library.py` compiles them together for this CPU on first use and loads the result
+with ctypes. Every kernel has a torch reference in its tests.
+
+- `quant_matmul`: float32 matmuls over GGUF Q4_1 / Q8_0 blocks, weights bit-identical to the
+  dequantized ones
+"""

@@ -1,0 +1,98 @@
+"""Build the CPU kernels (the `*.cpp` files beside this one) into one library, load it.
+
+Compiled with the system's C++ compiler for this very CPU (-march=native) and cached under the
+llmbus cache directory, keyed by the sources, the flags, the compiler and the CPU. No torch
+headers, so the build takes about a second. Where no compiler works, `load_library()` logs
+why and returns None, and the executor keeps to torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import structlog
+
+from services.model_files import cache_root
+
+log = structlog.get_logger()
+
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+_ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+# Every entry point: (argument types, return type), declared once for ctypes.
+SIGNATURES = {
+    "q4_1_matmul_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32], _i32),
+    "q4_1_dequantize_f32": ([_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i32], None),
+    "q8_0_matmul_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i32], _i32),
+    "q8_0_dequantize_f32": ([_ptr, _ptr, _i64, _i64, _ptr, _i32], None),
+}
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in text.splitlines()
+             if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(lines))
+
+
+def _library_path(compiler: str) -> Path:
+    key = hashlib.sha256()
+    for source in SOURCES:
+        key.update(source.name.encode() + source.read_bytes())
+    for part in (" ".join(FLAGS), compiler, _cpu_identity()):
+        key.update(part.encode())
+    return cache_root() / "kernels" / f"llmbus-cpu-{key.hexdigest()[:16]}.so"
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the kernels unless the cache has them; the path of the shared library.
+
+    Raises RuntimeError with the compiler's output when the build fails.
+    """
+    compiler = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
+    path = _library_path(compiler)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: executors starting together never see half a file.
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial)],
+                                capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed:\n{result.stderr[-4000:]}")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The built kernels, or None (logged once) where they cannot be built or loaded."""
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        log.warning("CPU kernels unavailable; the executor keeps to torch ops",
+                    error=str(exc)[:500])
+        return None
+    for name, (argtypes, restype) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib

@@ -231,3 +231,33 @@ def test_sampler_filters():
     assert set(draws[:, 3].tolist()) == {0, 1, 2, 3, 4}  # hot: everything appears
     assert set(draws[:, 4].tolist()) == {1}  # top_p=0: the most likely token only
     assert set(draws[:, 5].tolist()) == {1, 2}  # top_k=3 then top_p: 0.67 + 0.24 > 0.8
+
+
+def test_small_steps_run_on_fewer_threads(tiny, monkeypatch):
+    """Steps of at most SMALL_STEP_TOKENS tokens take small_step_threads, bigger ones all."""
+    from services.executor import runner as runner_module
+    from services.executor.service import default_small_step_threads
+
+    before = torch.get_num_threads()
+    try:
+        runner = ModelRunner(tiny[0], model_name="tiny", block_size=BLOCK_SIZE, num_blocks=64,
+                             num_threads=2, small_step_threads=1)
+        small = runner_module.SMALL_STEP_TOKENS
+        plan = StepPlan(step_id=0, new_requests=[
+            NewRequestData(request_id="a", prompt_token_ids=list(range(3, 3 + small + 1)),
+                           params=GREEDY)],
+            scheduled=[ScheduledRequest(request_id="a", start=0, num_tokens=small + 1,
+                                        new_block_ids=[1, 2, 3])])
+        assert runner.step(plan).error == ""
+        assert torch.get_num_threads() == 2  # a big step: every thread
+        decode = StepPlan(step_id=1, scheduled=[
+            ScheduledRequest(request_id="a", start=small + 1, num_tokens=1)])
+        assert runner.step(decode).error == ""
+        assert torch.get_num_threads() == 1  # a single decode: one core left to the stack
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert default_small_step_threads(2) == 1
+    assert default_small_step_threads(1) == 1
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert default_small_step_threads(16) == 16

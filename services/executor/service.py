@@ -55,9 +55,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context window (default: the model's)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: all cores)")
+    parser.add_argument("--small-step-threads", type=int, default=None,
+                        help="threads for steps of at most 4 tokens, e.g. single-stream "
+                             "decode (default: --threads minus one on machines of up to 4 "
+                             "cores, which leaves a core to the other services, else "
+                             "--threads)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to keep serving steps while the scheduler "
                              "finishes its requests (default: 30)")
+
+
+def default_small_step_threads(threads: int) -> int:
+    """One core left to the rest of the stack where cores are few (see runner.py)."""
+    return max(1, threads - 1) if (os.cpu_count() or 1) <= 4 else threads
 
 
 def _record_residency(request_id: str, started_ns: int, traceparent: str) -> None:
@@ -82,10 +92,12 @@ async def main(args: argparse.Namespace) -> None:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    threads = args.threads or os.cpu_count() or 1
     runner = await asyncio.to_thread(
         ModelRunner, path, model_name=model_name_for(path), dtype=getattr(torch, args.dtype),
         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_bytes=kv_bytes,
-        max_model_len=args.max_model_len, num_threads=args.threads or os.cpu_count(),
+        max_model_len=args.max_model_len, num_threads=threads,
+        small_step_threads=args.small_step_threads or default_small_step_threads(threads),
         device=device, weights=args.weights)
     info = runner.info()
     log.info("model loaded", num_blocks=info.num_blocks, max_model_len=info.max_model_len,

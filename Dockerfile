@@ -1,6 +1,9 @@
 # One image for every stage; compose.yaml picks the service with `llmbus serve NAME`.
 FROM python:3.11-slim
 WORKDIR /app
+# g++ builds the executor's CPU kernels on first use (without it the executor stays dense).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
 COPY bus ./bus
 COPY services ./services

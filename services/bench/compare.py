@@ -105,7 +105,8 @@ def server_spec(name: str, args: argparse.Namespace, gguf: Path) -> ServerSpec |
                    "--model", str(gguf), "--threads", str(threads),
                    "--dtype", args.llmbus_dtype], port, cwd=str(REPO),
             info={"version": version("llmbus"), "threads": threads, "dtype": args.llmbus_dtype,
-                  "flags": "llmbus up (defaults: max-num-seqs 64, prefix caching on)"})
+                  "flags": "llmbus up (defaults: native weights, max-num-seqs 64, "
+                           "prefix caching on)"})
     if name == "llama-cpp":
         binary = peers_dir() / "llama-cpp" / "bin" / "llama-server"
         if not binary.exists():

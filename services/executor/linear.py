@@ -1,4 +1,4 @@
-"""The model's matmuls: dense, or 4-bit weights read straight from the GGUF's Q4_1 blocks.
+"""The model's matmuls: dense, or weights read straight from the GGUF's quantized blocks.
 
 A decode step multiplies a few rows by every weight, so on the CPU it is bound by how many
 weight bytes stream from memory: Q4_1 codes are an eighth of float32 and a quarter of bfloat16.

@@ -110,7 +110,7 @@ def _layout(seq_ids: list[int], query_lens: Sequence[int], context_lens: Sequenc
     index_in_seq = torch.arange(int(local_cu[-1]), device=device) - local_cu[local]  # [Tg]
     qi = torch.arange(max_q, device=device)  # [max_q]
     kj = torch.arange(width, device=device)  # [L]
-    q_pos = (ctx - q_lens)[:, None] + qi[None]  # [Bg, max_q]; pads run past ctx
+    q_pos = (ctx - q_lens)[:, None] + qi[None]  # [Bg, max_q]; pads run past ctx: no empty rows
     attn_mask = (kj[None, None] <= q_pos[:, :, None]) & (kj[None, None] < ctx[:, None, None])
     return AttentionLayout(
         token_index=starts[local] + index_in_seq,

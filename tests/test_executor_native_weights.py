@@ -117,6 +117,8 @@ def test_float32_kernel_matches_the_dequantized_matmul(rows, out_in, kind):
     assert got.dtype == torch.float32 and got.shape == (rows, out)
     want = x.double() @ q.dequantize().double().T
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    if rows <= KERNEL_MAX_ROWS:  # the one-row path and the tile path sum in the same order
+        assert torch.equal(linear(x[:1]), got[:1])
 
 
 def test_make_linear_picks_the_kernel_by_dtype_and_format():

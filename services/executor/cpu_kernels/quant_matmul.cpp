@@ -34,68 +34,93 @@ constexpr int GROUP = 32;
 constexpr int TILE_N = 4;
 constexpr int TILE_M = 4;
 
-// Q4_1 rows [n0, n0 + rows) -> float32 [rows, K]. codes: [N, K / 2] bytes, low nibbles are
-// inputs 0..15 of each group, high nibbles 16..31; mins: the per-group minimums.
+// Q4_1: codes [N, K / 2] bytes, low nibbles are inputs 0..15 of each group, high nibbles
+// 16..31; mins: the per-group minimums.
 struct Q4_1 {
     const uint8_t* codes;
     const float* scales;
     const float* mins;
 
-    void dequantize_rows(int64_t K, int64_t n0, int rows, float* out) const {
-        const int64_t groups = K / GROUP;
-        for (int r = 0; r < rows; ++r) {
-            const uint8_t* row_codes = codes + (n0 + r) * (K / 2);
-            const float* d = scales + (n0 + r) * groups;
-            const float* m = mins + (n0 + r) * groups;
-            float* w = out + r * K;
-            for (int64_t g = 0; g < groups; ++g) {
-                const uint8_t* c = row_codes + g * (GROUP / 2);
 #if defined(__AVX512F__)
-                const __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)c));
-                const __m512 lo =
-                    _mm512_cvtepi32_ps(_mm512_and_si512(packed, _mm512_set1_epi32(15)));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(packed, 4));
-                const __m512 dv = _mm512_set1_ps(d[g]), mv = _mm512_set1_ps(m[g]);
-                _mm512_storeu_ps(w + g * GROUP, _mm512_fmadd_ps(dv, lo, mv));
-                _mm512_storeu_ps(w + g * GROUP + 16, _mm512_fmadd_ps(dv, hi, mv));
-#else
-                for (int j = 0; j < GROUP / 2; ++j) {
-                    w[g * GROUP + j] = d[g] * float(c[j] & 15) + m[g];
-                    w[g * GROUP + j + 16] = d[g] * float(c[j] >> 4) + m[g];
-                }
-#endif
-            }
-        }
+    // Weights 0..15 (lo) and 16..31 (hi) of group g of row n.
+    void group(int64_t K, int64_t n, int64_t g, __m512& lo, __m512& hi) const {
+        const int64_t i = n * (K / GROUP) + g;
+        const uint8_t* c = codes + n * (K / 2) + g * (GROUP / 2);
+        const __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)c));
+        const __m512 d = _mm512_set1_ps(scales[i]), m = _mm512_set1_ps(mins[i]);
+        lo = _mm512_fmadd_ps(
+            d, _mm512_cvtepi32_ps(_mm512_and_si512(packed, _mm512_set1_epi32(15))), m);
+        hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(packed, 4)), m);
     }
+#else
+    float weight(int64_t K, int64_t n, int64_t k) const {
+        const int64_t i = n * (K / GROUP) + k / GROUP, j = k % GROUP;
+        const uint8_t c = codes[n * (K / 2) + (k / GROUP) * (GROUP / 2) + j % (GROUP / 2)];
+        return scales[i] * float(j < GROUP / 2 ? c & 15 : c >> 4) + mins[i];
+    }
+#endif
 };
 
-// Q8_0 rows [n0, n0 + rows) -> float32 [rows, K]. codes: [N, K] int8.
+// Q8_0: codes [N, K] int8.
 struct Q8_0 {
     const int8_t* codes;
     const float* scales;
 
-    void dequantize_rows(int64_t K, int64_t n0, int rows, float* out) const {
-        const int64_t groups = K / GROUP;
-        for (int r = 0; r < rows; ++r) {
-            const int8_t* row_codes = codes + (n0 + r) * K;
-            const float* d = scales + (n0 + r) * groups;
-            float* w = out + r * K;
-            for (int64_t g = 0; g < groups; ++g) {
-                const int8_t* c = row_codes + g * GROUP;
 #if defined(__AVX512F__)
-                const __m512 dv = _mm512_set1_ps(d[g]);
-                for (int half = 0; half < 2; ++half) {
-                    const __m512 q = _mm512_cvtepi32_ps(
-                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(c + 16 * half))));
-                    _mm512_storeu_ps(w + g * GROUP + 16 * half, _mm512_mul_ps(dv, q));
-                }
+    void group(int64_t K, int64_t n, int64_t g, __m512& lo, __m512& hi) const {
+        const int8_t* c = codes + n * K + g * GROUP;
+        const __m512 d = _mm512_set1_ps(scales[n * (K / GROUP) + g]);
+        lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                  _mm_loadu_si128((const __m128i*)c))));
+        hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                  _mm_loadu_si128((const __m128i*)(c + 16)))));
+    }
 #else
-                for (int j = 0; j < GROUP; ++j) w[g * GROUP + j] = d[g] * float(c[j]);
+    float weight(int64_t K, int64_t n, int64_t k) const {
+        return scales[n * (K / GROUP) + k / GROUP] * float(codes[n * K + k]);
+    }
 #endif
-            }
+};
+
+// Rows [n0, n0 + rows) of W -> float32 [rows, K].
+template <class Format>
+void dequantize_rows(const Format& f, int64_t K, int64_t n0, int rows, float* out) {
+    for (int r = 0; r < rows; ++r) {
+        float* w = out + r * K;
+#if defined(__AVX512F__)
+        for (int64_t g = 0; g < K / GROUP; ++g) {
+            __m512 lo, hi;
+            f.group(K, n0 + r, g, lo, hi);
+            _mm512_storeu_ps(w + g * GROUP, lo);
+            _mm512_storeu_ps(w + g * GROUP + 16, hi);
+        }
+#else
+        for (int64_t k = 0; k < K; ++k) w[k] = f.weight(K, n0 + r, k);
+#endif
+    }
+}
+
+#if defined(__AVX512F__)
+// y[0, n0 : n0 + NR] for a single row of x: the weights are dequantized in registers and
+// never stored. Each lane sums the same products in the same order as micro_tile's, so one
+// row gives the same bits either way.
+template <int NR, class Format>
+void single_row_tile(const Format& f, const float* x, int64_t K, float* y, int64_t n0) {
+    __m512 acc[NR];
+    for (int j = 0; j < NR; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < K / GROUP; ++g) {
+        const __m512 xlo = _mm512_loadu_ps(x + g * GROUP);
+        const __m512 xhi = _mm512_loadu_ps(x + g * GROUP + 16);
+        for (int j = 0; j < NR; ++j) {
+            __m512 lo, hi;
+            f.group(K, n0 + j, g, lo, hi);
+            acc[j] = _mm512_fmadd_ps(xlo, lo, acc[j]);
+            acc[j] = _mm512_fmadd_ps(xhi, hi, acc[j]);
         }
     }
-};
+    for (int j = 0; j < NR; ++j) y[n0 + j] = _mm512_reduce_add_ps(acc[j]);
+}
+#endif
 
 // y[m0 : m0 + MR, n0 : n0 + NR] from x rows m0.. and the dequantized tile w [NR, K].
 template <int MR, int NR>
@@ -156,7 +181,18 @@ int matmul(const Format& format, const float* x, int64_t M, int64_t K, int64_t N
             if (w == nullptr) continue;
             const int64_t n0 = t * TILE_N;
             const int rows = int(N - n0 < TILE_N ? N - n0 : TILE_N);
-            format.dequantize_rows(K, n0, rows, w);
+#if defined(__AVX512F__)
+            if (M == 1) {  // one decode: nothing to reuse a dequantized tile for
+                switch (rows) {
+                    case 4: single_row_tile<4>(format, x, K, y, n0); break;
+                    case 3: single_row_tile<3>(format, x, K, y, n0); break;
+                    case 2: single_row_tile<2>(format, x, K, y, n0); break;
+                    default: single_row_tile<1>(format, x, K, y, n0); break;
+                }
+                continue;
+            }
+#endif
+            dequantize_rows(format, K, n0, rows, w);
             switch (rows) {
                 case 4: rows_tile<4>(x, M, K, w, y, N, n0); break;
                 case 3: rows_tile<3>(x, M, K, w, y, N, n0); break;
@@ -175,7 +211,7 @@ void dequantize(const Format& format, int64_t N, int64_t K, float* out, int num_
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
         const int64_t n0 = t * TILE_N;
-        format.dequantize_rows(K, n0, int(N - n0 < TILE_N ? N - n0 : TILE_N), out + n0 * K);
+        dequantize_rows(format, K, n0, int(N - n0 < TILE_N ? N - n0 : TILE_N), out + n0 * K);
     }
 }
 

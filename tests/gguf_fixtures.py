@@ -74,12 +74,12 @@ def tiny_weights(spec: TinySpec, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
-                     quantized: bool = False) -> dict[str, np.ndarray]:
+                     quantized: str | None = None) -> dict[str, np.ndarray]:
     """Write a llama GGUF (Q/K permuted like llama.cpp); returns the HF-layout weights.
 
-    Tensors are F32. With `quantized`, as in llama.cpp's Q4_1 files: the layers' matmul
-    weights are Q4_1, the embedding and vocab head Q8_0; they are returned dequantized, so
-    references computed from the returned weights stay exact.
+    Tensors are F32. With `quantized` ("Q4_1", "Q4_0" or "Q8_0"), as in llama.cpp's files of
+    that type: the layers' matmul weights take that format, the embedding and vocab head Q8_0;
+    they are returned dequantized, so references computed from them stay exact.
     """
     import gguf
 
@@ -106,8 +106,7 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
         if heads:
             array = permute_qk(array, heads)
         if quantized and array.ndim == 2:
-            kind = (gguf.GGMLQuantizationType.Q4_1 if name.startswith("blk.")
-                    else gguf.GGMLQuantizationType.Q8_0)
+            kind = gguf.GGMLQuantizationType[quantized if name.startswith("blk.") else "Q8_0"]
             raw = gguf.quants.quantize(array, kind)
             writer.add_tensor(name, raw, raw_dtype=kind)
             exact = gguf.quants.dequantize(raw, kind).reshape(array.shape)

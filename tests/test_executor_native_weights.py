@@ -29,7 +29,7 @@ needs_kernel = pytest.mark.skipif(load_library() is None,
 @pytest.fixture(scope="module")
 def tiny_quantized(tmp_path_factory):
     path = tmp_path_factory.mktemp("quantized") / "tiny-q4_1.gguf"
-    return path, write_tiny_llama(path, SPEC, quantized=True)
+    return path, write_tiny_llama(path, SPEC, quantized="Q4_1")
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +55,18 @@ def random_q8_0(out: int, inp: int, seed: int = 0) -> Q8_0Weight:
     return Q8_0Weight(codes, scales)
 
 
-def test_native_weights_dequantize_exactly_to_gguf_values(tiny_quantized):
-    path, written = tiny_quantized
+@pytest.mark.parametrize("layer_format", ["Q4_1", "Q4_0", "Q8_0"])
+def test_native_weights_dequantize_exactly_to_gguf_values(layer_format, tmp_path):
+    """Q4_0 arrives in Q4_1 form (minimum -8 d); every format dequantizes to gguf-py's bits."""
+    path = tmp_path / f"tiny-{layer_format}.gguf"
+    written = write_tiny_llama(path, SPEC, quantized=layer_format)
     _, dense, native = load_gguf(path, keep_native=True)
     matrices = {n for n, w in written.items() if w.ndim == 2}
     assert set(native) == matrices  # norms stay F32
     for name in matrices:
         q = native[name]
-        kind = Q4_1Weight if name.startswith("blk.") else Q8_0Weight
+        kind = (Q8_0Weight if layer_format == "Q8_0" or not name.startswith("blk.")
+                else Q4_1Weight)
         assert isinstance(q, kind), name
         # Q and K rows went through the rotary un-permute: codes, scales and minimums alike
         assert torch.equal(q.dequantize(), dense[name]), name
@@ -157,13 +161,17 @@ def test_bfloat16_native_runner_generates_like_the_dense_runner(tiny_quantized):
 
 
 @needs_kernel
-def test_float32_native_runner_is_the_exact_path(tiny_quantized):
-    """Same weights as dense float32, bit for bit: the same greedy tokens."""
-    path, _ = tiny_quantized
+@pytest.mark.parametrize("layer_format", ["Q4_1", "Q4_0", "Q8_0"])
+def test_float32_native_runner_is_the_exact_path(layer_format, tmp_path):
+    """Same weights as dense float32, bit for bit: the same greedy tokens, whatever the file's
+    layer format."""
+    path = tmp_path / f"tiny-{layer_format}.gguf"
+    write_tiny_llama(path, SPEC, quantized=layer_format)
     runners = {w: ModelRunner(path, model_name="t", block_size=BLOCK_SIZE, num_blocks=128,
                               weights=w) for w in ("native", "dense")}
     model = runners["native"].model
-    assert isinstance(model.layers[1].gate_up, Q4_1Float32Linear)
+    layer_kind = Q8_0Float32Linear if layer_format == "Q8_0" else Q4_1Float32Linear
+    assert isinstance(model.layers[1].gate_up, layer_kind)
     assert isinstance(model.lm_head, Q8_0Float32Linear)
     prompts = [[5, 9, 13, 200, 31], [7, 7, 100], list(range(3, 40))]
     outputs = {w: generate(r, prompts, max_tokens=12, chunk_size=8) for w, r in runners.items()}
@@ -184,7 +192,7 @@ def test_kernel_build_is_cached_and_reports_compiler_errors(tmp_path, monkeypatc
 
 def test_weights_option_is_checked(tiny_quantized, tiny_f32):
     path, _ = tiny_quantized
-    with pytest.raises(ValueError, match="no Q4_1 or Q8_0"):
+    with pytest.raises(ValueError, match="no Q4_0, Q4_1 or Q8_0"):
         ModelRunner(tiny_f32, model_name="t", dtype=torch.bfloat16, num_blocks=16,
                     weights="native")
     with pytest.raises(ValueError, match="unknown weights"):

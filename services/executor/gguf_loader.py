@@ -4,8 +4,8 @@ Weights keep their GGUF names (`blk.{i}.attn_q.weight`, ...) in HF layout: `[out
 and K un-permuted from llama.cpp's interleaved rotary layout to the rotate_half convention, so
 one RoPE implementation matches HF transformers on the same file.
 
-`load_gguf(..., keep_native=True)` also returns the Q4_1 and Q8_0 matrices in their native form
-(codes plus a scale, and for Q4_1 a minimum, per 32 weights), for the quantized CPU matmuls.
+`load_gguf(..., keep_native=True)` also returns the Q4_0, Q4_1 and Q8_0 matrices in their native
+form (codes plus a scale, and for Q4_1 a minimum, per 32 weights), for the quantized CPU matmuls.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ QUANT_GROUP = 32  # weights per Q4_1 / Q8_0 block
 Q4_1_GROUP = QUANT_GROUP  # one float16 scale and one float16 minimum, 4-bit codes
 _Q4_1_BLOCK_BYTES = 4 + QUANT_GROUP // 2
 _Q8_0_BLOCK_BYTES = 2 + QUANT_GROUP  # one float16 scale, int8 codes
+_Q4_0_BLOCK_BYTES = 2 + QUANT_GROUP // 2  # one float16 scale, 4-bit codes
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,21 @@ def parse_q4_1(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
     codes = np.concatenate([packed & 0xF, packed >> 4], axis=-1).reshape(out, inp)
     return Q4_1Weight(torch.from_numpy(codes), torch.from_numpy(scales),
                       torch.from_numpy(minimums))
+
+
+def parse_q4_0(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
+    """Q4_0 bytes -> the same weights in Q4_1 form: d * (code - 8) = d * code + (-8 d), with
+    -8 d exact in float32, so every kernel for Q4_1 serves Q4_0 unchanged, bit for bit.
+
+    Each 18-byte block is float16 d, then 16 bytes of codes in Q4_1's nibble order.
+    """
+    out, inp = shape
+    blocks = np.ascontiguousarray(raw).reshape(out, inp // QUANT_GROUP, _Q4_0_BLOCK_BYTES)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = blocks[..., 2:]
+    codes = np.concatenate([packed & 0xF, packed >> 4], axis=-1).reshape(out, inp)
+    return Q4_1Weight(torch.from_numpy(codes), torch.from_numpy(scales),
+                      torch.from_numpy(-8 * scales))
 
 
 @dataclass(frozen=True)
@@ -168,12 +184,13 @@ def load_gguf(
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, NativeWeight]]:
     """Read the config and dequantize every tensor to `dtype` (HF layout, see module doc).
 
-    With `keep_native`, the third item holds each Q4_1 and Q8_0 matrix's native form as well
-    (same names, same un-permuted layout); otherwise it is empty.
+    With `keep_native`, the third item holds each Q4_0, Q4_1 and Q8_0 matrix's native form as
+    well (same names, same un-permuted layout; Q4_0 in Q4_1 form); otherwise it is empty.
     """
     import gguf  # heavy import, only where a model is loaded
 
-    parsers = {gguf.GGMLQuantizationType.Q4_1: parse_q4_1,
+    parsers = {gguf.GGMLQuantizationType.Q4_0: parse_q4_0,
+               gguf.GGMLQuantizationType.Q4_1: parse_q4_1,
                gguf.GGMLQuantizationType.Q8_0: parse_q8_0}
     reader = gguf.GGUFReader(str(path))
     # Reader shapes are ggml order (innermost first); numpy order is reversed.

@@ -4,8 +4,9 @@ A decode step multiplies a few rows by every weight, so on the CPU it is bound b
 weight bytes stream from memory: Q4_1 codes are an eighth of float32 and a quarter of bfloat16.
 Two Q4_1 paths, by compute dtype:
 
-- float32: `Q4_1Float32Linear` (cpu_kernels/quant_matmul.py), llmbus's own kernel; the weights are
-  bit-identical to the dense float32 ones, so this is still the exact path. The vocab head,
+- float32: `Q4_1Float32Linear` (cpu_kernels/quant_matmul.py, Q4_0 too, in Q4_1 form), llmbus's
+  own kernel; the weights are bit-identical to the dense float32 ones, so this is still the
+  exact path. Q8_0 layers take `Q8_0Float32Linear`. The vocab head,
   usually Q8_0, takes the same kernel's Q8_0 form (`Q8_0Float32Linear`) in every dtype.
 - bfloat16 / float16: `Int4Linear`, torch's CPU int4 kernel. Larger steps (prefill chunks, big
   decode batches) are bound by arithmetic instead, where the dense bfloat16 GEMM is faster than

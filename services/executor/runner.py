@@ -86,7 +86,7 @@ class ModelRunner:
         config, dense, native = load_gguf(model_path,
                                           keep_native=weights != "dense" and native_runs)
         if weights == "native" and not native:
-            raise ValueError(f"native weights: {model_path} has no Q4_1 or Q8_0 matrices")
+            raise ValueError(f"native weights: {model_path} has no Q4_0, Q4_1 or Q8_0 matrices")
         if max_model_len is not None and max_model_len > config.context_length:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
                              f"length {config.context_length}")

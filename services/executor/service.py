@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compute dtype of weights and KV cache (default: float32)")
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
                         help="matmul weights: dense (dequantized to --dtype), or native (the "
-                             "GGUF's own Q4_1/Q8_0 blocks, read by quantized CPU kernels for "
+                             "GGUF's own Q4_0/Q4_1/Q8_0 blocks, read by quantized CPU kernels for "
                              "decode-sized steps: llmbus's exact float32 kernel, built with the "
                              "system's C++ compiler, or torch's int4 kernel for bfloat16); auto "
                              "= native where a kernel runs (default: auto)")

@@ -11,9 +11,9 @@ ceilings any engine here works under; each row's GFLOP/s is what its decode achi
         [--weights auto|dense|native] [--batch-sizes 1,16,64] [--prompt-len 128]
         [--new-tokens 32] [--no-hf] [--kernels auto|torch|triton] [--threads N]
 
-Defaults: on the CPU, llmbus in float32 (dense, the exact path) and bfloat16 (Q4_1 weights
-for decode); on CUDA, bfloat16 with the Triton kernels. Without CUDA, --device cuda says so
-and exits 0.
+Defaults: on the CPU, llmbus in float32 (the exact path) and bfloat16, each with its native
+quantized weights for decode (--weights auto); on CUDA, bfloat16 with the Triton kernels.
+Without CUDA, --device cuda says so and exits 0.
 """
 
 from __future__ import annotations

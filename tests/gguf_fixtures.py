@@ -83,8 +83,6 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
     """
     import gguf
 
-    from services.executor.gguf_loader import unpermute_qk
-
     weights = tiny_weights(spec, seed)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-random-llama")
@@ -100,17 +98,17 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
     writer.add_token_list([f"<t{i}>" for i in range(spec.vocab_size)])
     writer.add_bos_token_id(spec.bos_token_id)
     writer.add_eos_token_id(spec.eos_token_id)
-    for name, array in weights.items():
+    for name, hf_array in weights.items():
         heads = (spec.num_heads if name.endswith("attn_q.weight") else
                  spec.num_kv_heads if name.endswith("attn_k.weight") else None)
-        if heads:
-            array = permute_qk(array, heads)
+        array = permute_qk(hf_array, heads) if heads else hf_array
         if quantized and array.ndim == 2:
             kind = gguf.GGMLQuantizationType[quantized if name.startswith("blk.") else "Q8_0"]
-            raw = gguf.quants.quantize(array, kind)
-            writer.add_tensor(name, raw, raw_dtype=kind)
-            exact = gguf.quants.dequantize(raw, kind).reshape(array.shape)
-            weights[name] = unpermute_qk(exact, heads) if heads else exact
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+            # Blocks run along rows and the rotary permutation moves whole rows, so the exact
+            # HF-layout values are those of the unpermuted array's own blocks.
+            weights[name] = gguf.quants.dequantize(gguf.quants.quantize(hf_array, kind), kind) \
+                .reshape(hf_array.shape)
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()

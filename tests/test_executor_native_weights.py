@@ -123,6 +123,8 @@ def test_float32_kernel_matches_the_dequantized_matmul(rows, out_in, kind):
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     if rows <= KERNEL_MAX_ROWS:  # the one-row path and the tile path sum in the same order
         assert torch.equal(linear(x[:1]), got[:1])
+    with pytest.raises(ValueError, match="expected a CPU input"):
+        linear(torch.randn(rows, inp + 32))  # would read past the end of each weight row
 
 
 def test_make_linear_picks_the_kernel_by_dtype_and_format():
@@ -190,10 +192,15 @@ def test_kernel_build_is_cached_and_reports_compiler_errors(tmp_path, monkeypatc
     assert build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
 
 
-def test_weights_option_is_checked(tiny_quantized, tiny_f32):
+def test_weights_option_is_checked(tiny_quantized, tiny_f32, tmp_path):
     path, _ = tiny_quantized
     with pytest.raises(ValueError, match="no Q4_0, Q4_1 or Q8_0"):
         ModelRunner(tiny_f32, model_name="t", dtype=torch.bfloat16, num_blocks=16,
+                    weights="native")
+    q8_layers = tmp_path / "tiny-q8_0.gguf"
+    write_tiny_llama(q8_layers, SPEC, quantized="Q8_0")
+    with pytest.raises(ValueError, match="no kernel here reads"):  # Q8_0 layers: float32 only
+        ModelRunner(q8_layers, model_name="t", dtype=torch.bfloat16, num_blocks=16,
                     weights="native")
     with pytest.raises(ValueError, match="unknown weights"):
         ModelRunner(path, model_name="t", num_blocks=16, weights="int3")

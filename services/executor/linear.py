@@ -11,6 +11,11 @@ Two Q4_1 paths, by compute dtype:
 - bfloat16 / float16: `Int4Linear`, torch's CPU int4 kernel. Larger steps (prefill chunks, big
   decode batches) are bound by arithmetic instead, where the dense bfloat16 GEMM is faster than
   unpacking 4-bit codes, so it keeps both and picks by the number of rows.
+
+Every quantized linear switches to its dense twin above a row count, and in bfloat16 the two
+differ by rounding (the vocab head too: float32 Q8_0 weights below, bfloat16 above). So in
+bfloat16 a sequence's logits depend slightly on how many tokens share its step; the float32
+path has the same weights on both sides and differs only in summation order.
 """
 
 from __future__ import annotations

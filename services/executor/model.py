@@ -295,11 +295,12 @@ class LlamaModel:
         head_native = (native or {}).get("output.weight")
         self.lm_head = make_linear(head, [head_native] if head_native else None, head=True)
         self.output_norm = w("output_norm.weight")
-        kinds = {type(m).__name__ for layer in self.layers
-                 for m in (layer.qkv, layer.attn_output, layer.gate_up, layer.down)}
-        kinds.add(type(self.lm_head).__name__)
+        layer_kinds = {type(m).__name__ for layer in self.layers
+                       for m in (layer.qkv, layer.attn_output, layer.gate_up, layer.down)}
+        self.native_layers = layer_kinds != {"DenseLinear"}  # some layer reads quantized blocks
         # "dense", or "native" when some matmul reads quantized blocks (for logs and benches)
-        self.weight_format = "dense" if kinds == {"DenseLinear"} else "native"
+        self.weight_format = ("native" if self.native_layers
+                              or type(self.lm_head).__name__ != "DenseLinear" else "dense")
         cos, sin = rope_tables(config, max_positions)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)  # [P, Dh]
         self.scale = config.head_dim ** -0.5

@@ -101,6 +101,10 @@ class ModelRunner:
         self.model = LlamaModel(config, dense, max_positions=self.max_model_len,
                                 dtype=dtype, device=self.device, native=native)
         self.weight_format = self.model.weight_format
+        if weights == "native" and not self.model.native_layers:
+            raise ValueError(f"native weights: no kernel here reads {model_path}'s layer "
+                             f"formats in {dtype} (float32 reads Q4_0/Q4_1/Q8_0, bfloat16 "
+                             "and float16 Q4_0/Q4_1)")
         del dense, native
         self.kv_cache = KVCache(config, num_blocks, block_size, dtype, self.device)
         self.requests: dict[str, _RequestState] = {}

@@ -31,9 +31,10 @@ _ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # Every entry point: (argument types, return type), declared once for ctypes.
 SIGNATURES = {
     "q4_1_matmul_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i32], _i32),
-    "q4_1_dequantize_f32": ([_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i32], None),
+    "q4_1_dequantize_f32": ([_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i32], _i32),
     "q8_0_matmul_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i32], _i32),
-    "q8_0_dequantize_f32": ([_ptr, _ptr, _i64, _i64, _ptr, _i32], None),
+    "q8_0_dequantize_f32": ([_ptr, _ptr, _i64, _i64, _ptr, _i32], _i32),
+    "llmbus_cpu_has_avx512": ([], _i32),
 }
 
 
@@ -80,12 +81,16 @@ def build(compiler: str | None = None) -> Path:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+    for stale in path.parent.glob("llmbus-cpu-*.so"):  # builds of older sources or flags
+        if stale != path:
+            stale.unlink(missing_ok=True)  # a process that mapped it keeps its copy
     return path
 
 
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
-    """The built kernels, or None (logged once) where they cannot be built or loaded."""
+    """The built kernels, or None (logged once) where they cannot be built or loaded, or where
+    this CPU lacks AVX-512 (the kernels were tuned for it; elsewhere torch's BLAS is as fast)."""
     try:
         lib = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
@@ -95,4 +100,7 @@ def load_library() -> ctypes.CDLL | None:
     for name, (argtypes, restype) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
+    if not lib.llmbus_cpu_has_avx512():
+        log.info("CPU kernels not used: no AVX-512 on this CPU; the executor keeps to torch ops")
+        return None
     return lib

@@ -206,20 +206,33 @@ int matmul(const Format& format, const float* x, int64_t M, int64_t K, int64_t N
 }
 
 template <class Format>
-void dequantize(const Format& format, int64_t N, int64_t K, float* out, int num_threads) {
+int dequantize(const Format& format, int64_t N, int64_t K, float* out, int num_threads) {
+    if (K % GROUP != 0) return -1;
     const int64_t tiles = (N + TILE_N - 1) / TILE_N;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
         const int64_t n0 = t * TILE_N;
         dequantize_rows(format, K, n0, int(N - n0 < TILE_N ? N - n0 : TILE_N), out + n0 * K);
     }
+    return 0;
 }
 
 }  // namespace
 
 // Each matmul returns 0, or -1 when K is not a multiple of 32 or the scratch cannot be had.
-// Each dequantize writes the float32 weight [N, K] as the matmul sees it (for tests).
+// Each dequantize writes the float32 weight [N, K] as the matmul sees it (for tests), or
+// returns -1 when K is not a multiple of 32.
 extern "C" {
+
+// 1 when built with AVX-512: the tiling and KERNEL_MAX_ROWS were tuned for it; the portable
+// loops are correct but not faster than torch's BLAS, so the executor only uses an AVX-512 build.
+int llmbus_cpu_has_avx512(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 int q4_1_matmul_f32(const float* x, int64_t M, int64_t K, const uint8_t* codes,
                     const float* scales, const float* mins, int64_t N, float* y,
@@ -227,9 +240,9 @@ int q4_1_matmul_f32(const float* x, int64_t M, int64_t K, const uint8_t* codes,
     return matmul(Q4_1{codes, scales, mins}, x, M, K, N, y, num_threads);
 }
 
-void q4_1_dequantize_f32(const uint8_t* codes, const float* scales, const float* mins,
-                         int64_t N, int64_t K, float* out, int num_threads) {
-    dequantize(Q4_1{codes, scales, mins}, N, K, out, num_threads);
+int q4_1_dequantize_f32(const uint8_t* codes, const float* scales, const float* mins,
+                        int64_t N, int64_t K, float* out, int num_threads) {
+    return dequantize(Q4_1{codes, scales, mins}, N, K, out, num_threads);
 }
 
 int q8_0_matmul_f32(const float* x, int64_t M, int64_t K, const int8_t* codes,
@@ -237,9 +250,9 @@ int q8_0_matmul_f32(const float* x, int64_t M, int64_t K, const int8_t* codes,
     return matmul(Q8_0{codes, scales}, x, M, K, N, y, num_threads);
 }
 
-void q8_0_dequantize_f32(const int8_t* codes, const float* scales, int64_t N, int64_t K,
-                         float* out, int num_threads) {
-    dequantize(Q8_0{codes, scales}, N, K, out, num_threads);
+int q8_0_dequantize_f32(const int8_t* codes, const float* scales, int64_t N, int64_t K,
+                        float* out, int num_threads) {
+    return dequantize(Q8_0{codes, scales}, N, K, out, num_threads);
 }
 
 }  // extern "C"

@@ -47,8 +47,9 @@ class _QuantizedFloat32Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """float32 [rows, out] for a kernel step; `dense`'s dtype for a big one."""
-        if x.device.type != "cpu" or x.dim() != 2:
-            raise ValueError(f"expected a 2-D CPU input, got {x.dim()}-D {x.device.type}")
+        if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"expected a CPU input [rows, {self.in_features}], got "
+                             f"{tuple(x.shape)} on {x.device.type}")
         rows = x.shape[0]
         if rows > KERNEL_MAX_ROWS:
             return F.linear(x.to(self.dense.dtype), self.dense)
@@ -63,8 +64,10 @@ class _QuantizedFloat32Linear:
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] exactly as the kernel sees it."""
         out = torch.empty(self.out_features, self.in_features)
-        self._dequantize(*self._weight_args(), self.out_features, self.in_features,
-                         out.data_ptr(), torch.get_num_threads())
+        status = self._dequantize(*self._weight_args(), self.out_features, self.in_features,
+                                  out.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"{type(self).__name__}: the dequantize kernel failed ({status})")
         return out
 
 

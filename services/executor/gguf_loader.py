@@ -41,7 +41,7 @@ class LlamaConfig:
     tie_word_embeddings: bool
 
 
-QUANT_GROUP = 32  # weights per Q4_1 / Q8_0 block
+QUANT_GROUP = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
 Q4_1_GROUP = QUANT_GROUP  # one float16 scale and one float16 minimum, 4-bit codes
 _Q4_1_BLOCK_BYTES = 4 + QUANT_GROUP // 2
 _Q8_0_BLOCK_BYTES = 2 + QUANT_GROUP  # one float16 scale, int8 codes
@@ -63,6 +63,16 @@ class Q4_1Weight:
         return scales * self.codes.float() + minimums
 
 
+def _float16_field(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The float16 at byte `offset` of every block [out, groups, bytes] -> float32 [out, groups]."""
+    return blocks[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """16 code bytes per group -> 32 codes: low nibbles are inputs 0..15, high ones 16..31."""
+    return np.concatenate([packed & 0xF, packed >> 4], axis=-1).reshape(shape)
+
+
 def parse_q4_1(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
     """Q4_1 bytes [out, in / 32 * 20] -> codes and per-group scale/minimum.
 
@@ -71,12 +81,9 @@ def parse_q4_1(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
     """
     out, inp = shape
     blocks = np.ascontiguousarray(raw).reshape(out, inp // Q4_1_GROUP, _Q4_1_BLOCK_BYTES)
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    minimums = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    packed = blocks[..., 4:]
-    codes = np.concatenate([packed & 0xF, packed >> 4], axis=-1).reshape(out, inp)
-    return Q4_1Weight(torch.from_numpy(codes), torch.from_numpy(scales),
-                      torch.from_numpy(minimums))
+    return Q4_1Weight(torch.from_numpy(_nibbles(blocks[..., 4:], shape)),
+                      torch.from_numpy(_float16_field(blocks, 0)),
+                      torch.from_numpy(_float16_field(blocks, 2)))
 
 
 def parse_q4_0(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
@@ -87,11 +94,9 @@ def parse_q4_0(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
     """
     out, inp = shape
     blocks = np.ascontiguousarray(raw).reshape(out, inp // QUANT_GROUP, _Q4_0_BLOCK_BYTES)
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    packed = blocks[..., 2:]
-    codes = np.concatenate([packed & 0xF, packed >> 4], axis=-1).reshape(out, inp)
-    return Q4_1Weight(torch.from_numpy(codes), torch.from_numpy(scales),
-                      torch.from_numpy(-8 * scales))
+    scales = _float16_field(blocks, 0)
+    return Q4_1Weight(torch.from_numpy(_nibbles(blocks[..., 2:], shape)),
+                      torch.from_numpy(scales), torch.from_numpy(-8 * scales))
 
 
 @dataclass(frozen=True)
@@ -110,9 +115,8 @@ def parse_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> Q8_0Weight:
     """Q8_0 bytes [out, in / 32 * 34] -> codes and per-group scales (float16 d, 32 int8)."""
     out, inp = shape
     blocks = np.ascontiguousarray(raw).reshape(out, inp // QUANT_GROUP, _Q8_0_BLOCK_BYTES)
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     codes = blocks[..., 2:].copy().view(np.int8).reshape(out, inp)
-    return Q8_0Weight(torch.from_numpy(codes), torch.from_numpy(scales))
+    return Q8_0Weight(torch.from_numpy(codes), torch.from_numpy(_float16_field(blocks, 0)))
 
 
 NativeWeight = Q4_1Weight | Q8_0Weight

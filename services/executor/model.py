@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from services.executor.gguf_loader import LlamaConfig, NativeWeight, load_gguf
 from services.executor.kv_cache import NULL_BLOCK_ID, KVCache
-from services.executor.linear import Linear, make_linear
+from services.executor.linear import DenseLinear, Linear, make_linear
 
 
 @dataclass
@@ -295,12 +295,13 @@ class LlamaModel:
         head_native = (native or {}).get("output.weight")
         self.lm_head = make_linear(head, [head_native] if head_native else None, head=True)
         self.output_norm = w("output_norm.weight")
-        layer_kinds = {type(m).__name__ for layer in self.layers
-                       for m in (layer.qkv, layer.attn_output, layer.gate_up, layer.down)}
-        self.native_layers = layer_kinds != {"DenseLinear"}  # some layer reads quantized blocks
-        # "dense", or "native" when some matmul reads quantized blocks (for logs and benches)
+        # Whether some layer matmul reads quantized blocks; "native" then, or for the head alone
+        # (for logs and benches).
+        self.native_layers = any(not isinstance(m, DenseLinear) for layer in self.layers
+                                 for m in (layer.qkv, layer.attn_output, layer.gate_up,
+                                           layer.down))
         self.weight_format = ("native" if self.native_layers
-                              or type(self.lm_head).__name__ != "DenseLinear" else "dense")
+                              or not isinstance(self.lm_head, DenseLinear) else "dense")
         cos, sin = rope_tables(config, max_positions)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)  # [P, Dh]
         self.scale = config.head_dim ** -0.5

@@ -33,17 +33,18 @@ class _QuantizedFloat32Linear:
     The weights are bit-identical to the dense float32 ones (see quant_matmul.cpp). Steps
     of up to KERNEL_MAX_ROWS rows run the kernel; bigger ones (prefill, big decode batches)
     are bound by arithmetic, where the BLAS GEMM on `dense` is faster, so both are kept.
-    Subclasses name the kernel's weight arguments.
+    Subclasses hand over the kernel pair and the weight tensors it takes, in its order.
     """
 
-    def __init__(self, shape: tuple[int, int], lib: ctypes.CDLL, dense: torch.Tensor) -> None:
+    def __init__(self, shape: tuple[int, int], dense: torch.Tensor,
+                 weights: tuple[torch.Tensor, ...], matmul, dequantize) -> None:
         self.out_features, self.in_features = shape
         if tuple(dense.shape) != tuple(shape):
             raise ValueError(f"dense weight {tuple(dense.shape)} does not match {tuple(shape)}")
-        self.dense, self._lib = dense, lib
-
-    def _weight_args(self) -> tuple[int, ...]:
-        raise NotImplementedError
+        self.dense = dense
+        self._weights = weights  # kept alive: the kernel reads them through raw pointers
+        self._weight_ptrs = tuple(t.data_ptr() for t in weights)
+        self._matmul, self._dequantize = matmul, dequantize
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """float32 [rows, out] for a kernel step; `dense`'s dtype for a big one."""
@@ -55,7 +56,7 @@ class _QuantizedFloat32Linear:
             return F.linear(x.to(self.dense.dtype), self.dense)
         x = x.float().contiguous()
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        status = self._matmul(x.data_ptr(), rows, self.in_features, *self._weight_args(),
+        status = self._matmul(x.data_ptr(), rows, self.in_features, *self._weight_ptrs,
                               self.out_features, y.data_ptr(), torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"{type(self).__name__}: the kernel failed ({status})")
@@ -64,7 +65,7 @@ class _QuantizedFloat32Linear:
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] exactly as the kernel sees it."""
         out = torch.empty(self.out_features, self.in_features)
-        status = self._dequantize(*self._weight_args(), self.out_features, self.in_features,
+        status = self._dequantize(*self._weight_ptrs, self.out_features, self.in_features,
                                   out.data_ptr(), torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"{type(self).__name__}: the dequantize kernel failed ({status})")
@@ -75,14 +76,10 @@ class Q4_1Float32Linear(_QuantizedFloat32Linear):
     """Layer matmuls: Q4_1 codes, 5 bits per weight."""
 
     def __init__(self, q: Q4_1Weight, lib: ctypes.CDLL, dense: torch.Tensor) -> None:
-        super().__init__(tuple(q.codes.shape), lib, dense)
-        self.codes = pack_codes(q.codes)  # [N, K/2] uint8
-        self.scales = q.scales.contiguous()  # [N, K/32] float32
-        self.minimums = q.minimums.contiguous()  # [N, K/32] float32
-        self._matmul, self._dequantize = lib.q4_1_matmul_f32, lib.q4_1_dequantize_f32
-
-    def _weight_args(self) -> tuple[int, ...]:
-        return self.codes.data_ptr(), self.scales.data_ptr(), self.minimums.data_ptr()
+        weights = (pack_codes(q.codes),  # [N, K/2] uint8
+                   q.scales.contiguous(), q.minimums.contiguous())  # [N, K/32] float32 each
+        super().__init__(tuple(q.codes.shape), dense, weights, lib.q4_1_matmul_f32,
+                         lib.q4_1_dequantize_f32)
 
 
 class Q8_0Float32Linear(_QuantizedFloat32Linear):
@@ -90,10 +87,6 @@ class Q8_0Float32Linear(_QuantizedFloat32Linear):
     steps whatever `dense`'s dtype (the executor wants float32 logits anyway)."""
 
     def __init__(self, q: Q8_0Weight, lib: ctypes.CDLL, dense: torch.Tensor) -> None:
-        super().__init__(tuple(q.codes.shape), lib, dense)
-        self.codes = q.codes.contiguous()  # [N, K] int8
-        self.scales = q.scales.contiguous()  # [N, K/32] float32
-        self._matmul, self._dequantize = lib.q8_0_matmul_f32, lib.q8_0_dequantize_f32
-
-    def _weight_args(self) -> tuple[int, ...]:
-        return self.codes.data_ptr(), self.scales.data_ptr()
+        weights = (q.codes.contiguous(), q.scales.contiguous())  # [N, K] int8, [N, K/32] f32
+        super().__init__(tuple(q.codes.shape), dense, weights, lib.q8_0_matmul_f32,
+                         lib.q8_0_dequantize_f32)

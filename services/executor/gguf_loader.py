@@ -185,11 +185,13 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
 
 def load_gguf(
     path: str | Path, dtype: torch.dtype = torch.float32, *, keep_native: bool = False,
+    dense_for_native: bool = True,
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, NativeWeight]]:
     """Read the config and dequantize every tensor to `dtype` (HF layout, see module doc).
 
     With `keep_native`, the third item holds each Q4_0, Q4_1 and Q8_0 matrix's native form as
     well (same names, same un-permuted layout; Q4_0 in Q4_1 form); otherwise it is empty.
+    Without `dense_for_native`, a matrix with a native form has no dense copy in the second.
     """
     import gguf  # heavy import, only where a model is loaded
 
@@ -205,22 +207,25 @@ def load_gguf(
     for tensor in reader.tensors:
         heads = (config.num_heads if tensor.name.endswith("attn_q.weight") else
                  config.num_kv_heads if tensor.name.endswith("attn_k.weight") else None)
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        array = np.asarray(array, dtype=np.float32).reshape(shapes[tensor.name])
-        if heads:
-            array = unpermute_qk(array, heads)
-        if not array.flags.writeable:  # F32 tensors are read-only views of the memory map
-            array = array.copy()
-        weights[tensor.name] = torch.from_numpy(array).to(dtype)
         parse = parsers.get(tensor.tensor_type)
-        if keep_native and parse and len(shapes[tensor.name]) == 2:
+        native_form = keep_native and parse is not None and len(shapes[tensor.name]) == 2
+        if dense_for_native or not native_form:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            array = np.asarray(array, dtype=np.float32).reshape(shapes[tensor.name])
+            if heads:
+                array = unpermute_qk(array, heads)
+            if not array.flags.writeable:  # F32 tensors are read-only views of the memory map
+                array = array.copy()
+            weights[tensor.name] = torch.from_numpy(array).to(dtype)
+        if native_form:
             q = parse(tensor.data, shapes[tensor.name])
             if heads:  # the permutation moves whole rows: codes, scales and minimums alike
                 q = type(q)(*(torch.from_numpy(unpermute_qk(t.numpy(), heads))
                               for t in vars(q).values()))
             native[tensor.name] = q
     if config.tie_word_embeddings:
-        weights["output.weight"] = weights["token_embd.weight"]
+        if "token_embd.weight" in weights:
+            weights["output.weight"] = weights["token_embd.weight"]
         if "token_embd.weight" in native:
             native["output.weight"] = native["token_embd.weight"]
     return config, weights, native

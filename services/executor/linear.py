@@ -82,9 +82,9 @@ def native_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cpu":
         return False
     if dtype == torch.float32:
-        from services.executor.cpu_kernels.library import load_library
+        from services.executor.cpu_kernels.library import load_library, quant_matmul_runs
 
-        return load_library() is not None
+        return quant_matmul_runs(load_library())
     return dtype in INT4_DTYPES
 
 
@@ -95,7 +95,7 @@ def make_linear(dense: torch.Tensor, parts: list[NativeWeight] | None, *,
 
     Q8_0 kernels return float32, so they serve float32 models, and the vocab `head` of any.
     """
-    from services.executor.cpu_kernels.library import load_library
+    from services.executor.cpu_kernels.library import load_library, quant_matmul_runs
     from services.executor.cpu_kernels.quant_matmul import Q4_1Float32Linear, Q8_0Float32Linear
 
     def stacked(kind):  # one weight of `kind` from the row-stacked parts
@@ -104,6 +104,7 @@ def make_linear(dense: torch.Tensor, parts: list[NativeWeight] | None, *,
     if not parts or dense.device.type != "cpu":
         return DenseLinear(dense)
     lib = load_library() if dense.dtype == torch.float32 or head else None
+    lib = lib if quant_matmul_runs(lib) else None
     if all(isinstance(p, Q8_0Weight) for p in parts) and lib:
         return Q8_0Float32Linear(stacked(Q8_0Weight), lib, dense)
     if all(isinstance(p, Q4_1Weight) for p in parts):

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from services.executor.gguf_loader import LlamaConfig, NativeWeight, load_gguf
+from services.executor.gguf_loader import LlamaConfig, NativeWeight
 from services.executor.kv_cache import NULL_BLOCK_ID, KVCache
 from services.executor.linear import DenseLinear, Linear, make_linear
 
@@ -124,8 +123,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              slot_mapping: torch.Tensor) -> None:
     """Store the step's K/V ([T, Hkv, Dh]) into caches [num_blocks, block_size, Hkv, Dh]."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k
-    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -157,8 +156,9 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = num_heads // num_kv_heads
     num_seqs, max_q = layout.query_gather.shape
     shape = (num_seqs, layout.context_width, num_kv_heads, head_dim)
-    k = k_cache.index_select(0, layout.kv_blocks).view(shape)  # [Bg, L, Hkv, Dh]
-    v = v_cache.index_select(0, layout.kv_blocks).view(shape)  # [Bg, L, Hkv, Dh]
+    # A float16 cache under float32 compute (the ONNX Runtime path) is widened after the gather.
+    k = k_cache.index_select(0, layout.kv_blocks).view(shape).to(q.dtype)  # [Bg, L, Hkv, Dh]
+    v = v_cache.index_select(0, layout.kv_blocks).view(shape).to(q.dtype)  # [Bg, L, Hkv, Dh]
     qp = q[layout.query_gather]  # [Bg, max_q, H, Dh]
     qp = qp.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qp = qp.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)  # [Bg, Hkv, g*max_q, Dh]
@@ -302,17 +302,13 @@ class LlamaModel:
                                            layer.down))
         self.weight_format = ("native" if self.native_layers
                               or not isinstance(self.lm_head, DenseLinear) else "dense")
-        cos, sin = rope_tables(config, max_positions)
-        self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)  # [P, Dh]
+        self.set_max_positions(max_positions)
         self.scale = config.head_dim ** -0.5
 
-    @classmethod
-    def from_gguf(cls, path: str | Path, *, max_positions: int | None = None,
-                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                  kernels: str | None = None) -> LlamaModel:
-        config, weights, _ = load_gguf(path)
-        return cls(config, weights, max_positions=max_positions or config.context_length,
-                   dtype=dtype, device=device, kernels=kernels)
+    def set_max_positions(self, max_positions: int) -> None:
+        """Size the rotary tables for positions [0, max_positions)."""
+        cos, sin = rope_tables(self.config, max_positions)
+        self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KVCache,

@@ -64,11 +64,18 @@ class ModelRunner:
                  num_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  max_model_len: int | None = None, num_threads: int | None = None,
                  small_step_threads: int | None = None,
-                 device: torch.device | str = "cpu", weights: str = "auto") -> None:
-        """`weights`: "dense", "native" (see linear.py) or "auto" (native where it runs).
+                 device: torch.device | str = "cpu", weights: str = "auto",
+                 backend: str = "torch", precision: str = "exact") -> None:
+        """`backend`: "torch" (the reference; Triton kernels on CUDA) or "onnxruntime" (CPU:
+        quantized matmuls in ONNX Runtime, see onnx_model.py).
+
+        `weights` (torch backend): "dense", "native" (see linear.py) or "auto" (native where it
+        runs). `precision` (onnxruntime backend): "exact" (float32 activations and KV cache,
+        the GGUF's weight values) or "fast" (int8 activations in the matmuls, float16 KV).
 
         `small_step_threads`: CPU threads for steps of at most SMALL_STEP_TOKENS tokens (None:
-        `num_threads`), see SMALL_STEP_TOKENS.
+        `num_threads`), see SMALL_STEP_TOKENS; torch backend only (ONNX Runtime's thread pool
+        has one size).
         """
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -76,17 +83,14 @@ class ModelRunner:
         self.small_step_threads = small_step_threads or self.num_threads
         self.model_name, self.block_size = model_name, block_size
         self.device = torch.device(device)
-        if weights not in ("auto", "dense", "native"):
-            raise ValueError(f"unknown weights {weights!r}: expected auto, dense or native")
-        native_runs = native_kernels_run(dtype, self.device)
-        if weights == "native" and not native_runs:
-            raise ValueError(f"native weights need a quantized kernel for {self.device.type} "
-                             f"{dtype}: the CPU, with bfloat16/float16, or float32 and a C++ "
-                             "compiler")
-        config, dense, native = load_gguf(model_path,
-                                          keep_native=weights != "dense" and native_runs)
-        if weights == "native" and not native:
-            raise ValueError(f"native weights: {model_path} has no Q4_0, Q4_1 or Q8_0 matrices")
+        self.backend = backend
+        if backend == "onnxruntime":
+            config, kv_dtype = self._load_onnx(model_path, dtype, precision)
+            self.small_step_threads = self.num_threads
+        elif backend == "torch":
+            config, kv_dtype = self._load_torch(model_path, dtype, weights), dtype
+        else:
+            raise ValueError(f"unknown backend {backend!r}: expected torch or onnxruntime")
         if max_model_len is not None and max_model_len > config.context_length:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
                              f"length {config.context_length}")
@@ -94,23 +98,56 @@ class ModelRunner:
         if num_blocks is None:
             budget = (kv_cache_bytes if kv_cache_bytes is not None
                       else default_budget_bytes(self.device))
-            num_blocks = num_blocks_for_budget(config, block_size, dtype, budget)
+            num_blocks = num_blocks_for_budget(config, block_size, kv_dtype, budget)
         # One request can never hold more than every block but the null one.
         self.max_model_len = min(max_model_len or config.context_length,
                                  (num_blocks - 1) * block_size)
-        self.model = LlamaModel(config, dense, max_positions=self.max_model_len,
-                                dtype=dtype, device=self.device, native=native)
+        self.model.set_max_positions(self.max_model_len)
+        self.kv_cache = KVCache(config, num_blocks, block_size, kv_dtype, self.device)
+        self.requests: dict[str, _RequestState] = {}
+        self.token_counts = TokenCounts(self.device)
+        self.shared_generator = torch.Generator(device=self.device)
+        self.shared_generator.seed()
+
+    def _load_torch(self, model_path: str | Path, dtype: torch.dtype, weights: str):
+        if weights not in ("auto", "dense", "native"):
+            raise ValueError(f"unknown weights {weights!r}: expected auto, dense or native")
+        native_runs = native_kernels_run(dtype, self.device)
+        if weights == "native" and not native_runs:
+            raise ValueError(f"native weights need a quantized kernel for {self.device.type} "
+                             f"{dtype}: the CPU, with bfloat16/float16, or float32 with "
+                             "AVX-512 and a C++ compiler (elsewhere: --backend onnxruntime)")
+        config, dense, native = load_gguf(model_path,
+                                          keep_native=weights != "dense" and native_runs)
+        if weights == "native" and not native:
+            raise ValueError(f"native weights: {model_path} has no Q4_0, Q4_1 or Q8_0 matrices")
+        self.model = LlamaModel(config, dense, max_positions=1, dtype=dtype,
+                                device=self.device, native=native)
         self.weight_format = self.model.weight_format
         if weights == "native" and not self.model.native_layers:
             raise ValueError(f"native weights: no kernel here reads {model_path}'s layer "
                              f"formats in {dtype} (float32 reads Q4_0/Q4_1/Q8_0, bfloat16 "
                              "and float16 Q4_0/Q4_1)")
-        del dense, native
-        self.kv_cache = KVCache(config, num_blocks, block_size, dtype, self.device)
-        self.requests: dict[str, _RequestState] = {}
-        self.token_counts = TokenCounts(self.device)
-        self.shared_generator = torch.Generator(device=self.device)
-        self.shared_generator.seed()
+        return config
+
+    def _load_onnx(self, model_path: str | Path, dtype: torch.dtype, precision: str):
+        from services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
+
+        if self.device.type != "cpu":
+            raise ValueError("the onnxruntime backend runs on the CPU; use --backend torch on "
+                             f"{self.device.type}")
+        if dtype != torch.float32:
+            raise ValueError(f"the onnxruntime backend computes in float32, not {dtype}; "
+                             "--exact or not chooses its precision")
+        if precision not in ("exact", "fast"):
+            raise ValueError(f"unknown precision {precision!r}: expected exact or fast")
+        config, dense, native = load_gguf(model_path, keep_native=True, dense_for_native=False)
+        exact = precision == "exact"
+        self.model = OnnxLlamaModel(
+            config, dense, native, max_positions=1, num_threads=self.num_threads,
+            accuracy_level=ACCURACY_EXACT if exact else ACCURACY_FAST)
+        self.weight_format = self.model.weight_format
+        return config, torch.float32 if exact else torch.float16
 
     def info(self) -> ExecutorInfo:
         return ExecutorInfo(

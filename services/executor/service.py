@@ -27,6 +27,7 @@ _tracer = trace.get_tracer("llmbus.executor")
 
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("auto", "dense", "native")
+BACKENDS = ("auto", "torch", "onnxruntime")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,14 +35,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="name of the engine this executor serves (default: engine0)")
     parser.add_argument("--model", default=None,
                         help="path of a GGUF model (default: the pulled default model)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="onnxruntime: the model's matmuls on the GGUF's own 4/8-bit blocks "
+                             "in ONNX Runtime (its kernels pick AVX2, AVX-512, VNNI or AMX at "
+                             "run time) and llmbus's C++ paged attention; torch: the reference "
+                             "(plain torch on the CPU, Triton kernels on CUDA). auto = "
+                             "onnxruntime on the CPU, torch on CUDA (default: auto)")
+    parser.add_argument("--exact", action="store_true",
+                        help="onnxruntime backend: float32 activations and KV cache on the "
+                             "GGUF's exact weight values, so greedy output equals HF "
+                             "transformers token for token. Default: int8 activations in the "
+                             "matmuls and a float16 KV cache, as llama.cpp computes (perplexity "
+                             "within 1%% of exact, checked by a test)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="compute dtype of weights and KV cache (default: float32)")
+                        help="torch backend: compute dtype of weights and KV cache; bfloat16 "
+                             "only on CPUs with native bfloat16 (AVX-512-BF16 or AMX) or CUDA "
+                             "(default: float32)")
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
-                        help="matmul weights: dense (dequantized to --dtype), or native (the "
-                             "GGUF's own Q4_0/Q4_1/Q8_0 blocks, read by quantized CPU kernels for "
-                             "decode-sized steps: llmbus's exact float32 kernel, built with the "
-                             "system's C++ compiler, or torch's int4 kernel for bfloat16); auto "
-                             "= native where a kernel runs (default: auto)")
+                        help="torch backend: matmul weights dense (dequantized to --dtype), or "
+                             "native (the GGUF's own Q4_0/Q4_1/Q8_0 blocks, read by llmbus's "
+                             "exact float32 AVX-512 kernel or torch's int4 kernel for bfloat16, "
+                             "on decode-sized steps); auto = native where a kernel runs "
+                             "(default: auto)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the model runs; cuda uses the Triton kernels "
                              "(default: auto = cuda when available, else cpu)")
@@ -54,11 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context window (default: the model's)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: all cores)")
+                        help="compute threads (default: all cores)")
     parser.add_argument("--small-step-threads", type=int, default=None,
-                        help="threads for steps of at most 4 tokens, e.g. single-stream "
-                             "decode (default: --threads minus one on machines of up to 4 "
-                             "cores, which leaves a core to the other services, else "
+                        help="torch backend: threads for steps of at most 4 tokens, e.g. "
+                             "single-stream decode (default: --threads minus one on machines "
+                             "of up to 4 cores, which leaves a core to the other services, else "
                              "--threads)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to keep serving steps while the scheduler "
@@ -70,6 +85,15 @@ def default_small_step_threads(threads: int) -> int:
     return max(1, threads - 1) if (os.cpu_count() or 1) <= 4 else threads
 
 
+def _cuda_available() -> bool:
+    """Whether CUDA can run, without importing torch where no NVIDIA driver is present."""
+    if not os.path.exists("/proc/driver/nvidia") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _record_residency(request_id: str, started_ns: int, traceparent: str) -> None:
     """The request's time in this executor, as a span of its own trace (steps link to it)."""
     _tracer.start_span("executor.request", context=context_from_traceparent(traceparent),
@@ -77,7 +101,34 @@ def _record_residency(request_id: str, started_ns: int, traceparent: str) -> Non
                        attributes={"llmbus.request_id": request_id}).end()
 
 
+def resolve_backend(args: argparse.Namespace, cuda_available: bool) -> tuple[str, str]:
+    """(device, backend) from the options; raises ValueError for combinations that cannot run
+    (or would run slower than float32: emulated bfloat16)."""
+    from services.cpu_features import cpu_model, has_native_bfloat16
+
+    device = args.device if args.device != "auto" else ("cuda" if cuda_available else "cpu")
+    backend = args.backend if args.backend != "auto" else (
+        "onnxruntime" if device == "cpu" and args.dtype == "float32" else "torch")
+    if backend == "onnxruntime" and args.dtype != "float32":
+        raise ValueError(f"--dtype {args.dtype} is for the torch backend; the onnxruntime "
+                         "backend computes in float32 (add --exact for its exact mode)")
+    if device == "cpu" and args.dtype == "bfloat16" and not has_native_bfloat16():
+        raise ValueError(f"--dtype bfloat16: this CPU ({cpu_model()}) has no native bfloat16 "
+                         "(AVX-512-BF16 or AMX), so torch would emulate it, slower than "
+                         "float32; use the default onnxruntime backend instead")
+    return device, backend
+
+
 async def main(args: argparse.Namespace) -> None:
+    try:
+        device, backend = resolve_backend(
+            args, cuda_available=args.device == "auto" and _cuda_available())
+    except ValueError as exc:
+        raise SystemExit(f"llmbus executor: {exc}") from None
+    if backend == "onnxruntime":
+        # The attention kernel's OpenMP threads share the cores with ONNX Runtime's pool: once
+        # done they must sleep, not spin (read when OpenMP starts, i.e. when torch loads).
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch  # only the executor pays for importing torch
 
     from services.executor.runner import ModelRunner
@@ -86,22 +137,21 @@ async def main(args: argparse.Namespace) -> None:
     await runtime.connect()
     runtime.install_signal_handlers()
     path = resolve_model(args.model)
-    log.info("loading model", path=str(path), dtype=args.dtype, device=args.device,
-             weights=args.weights)
+    precision = "exact" if args.exact else "fast"
+    log.info("loading model", path=str(path), backend=backend, precision=precision,
+             dtype=args.dtype, device=device, weights=args.weights)
     kv_bytes = int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     threads = args.threads or os.cpu_count() or 1
     runner = await asyncio.to_thread(
         ModelRunner, path, model_name=model_name_for(path), dtype=getattr(torch, args.dtype),
         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_bytes=kv_bytes,
         max_model_len=args.max_model_len, num_threads=threads,
         small_step_threads=args.small_step_threads or default_small_step_threads(threads),
-        device=device, weights=args.weights)
+        device=device, weights=args.weights, backend=backend, precision=precision)
     info = runner.info()
     log.info("model loaded", num_blocks=info.num_blocks, max_model_len=info.max_model_len,
-             weights=runner.weight_format)
+             backend=backend, weights=runner.weight_format,
+             kv_cache_dtype=str(runner.kv_cache.k.dtype).removeprefix("torch."))
 
     async def on_info(_: ExecutorInfoRequest, __: Msg) -> ExecutorInfo:
         return info

@@ -2,8 +2,11 @@
 
 Compiled with the system's C++ compiler for this very CPU (-march=native) and cached under the
 llmbus cache directory, keyed by the sources, the flags, the compiler and the CPU. No torch
-headers, so the build takes about a second. Where no compiler works, `load_library()` logs
+headers, so the build takes a few seconds. Where no compiler works, `load_library()` logs
 why and returns None, and the executor keeps to torch.
+
+`LLMBUS_CPU_ISA=avx2` builds for x86-64-v3 (AVX2, FMA, F16C) instead, and `avx512` for
+x86-64-v4, so that an AVX-512 machine can run and test the code an AVX2-only one gets.
 """
 
 from __future__ import annotations
@@ -25,7 +28,22 @@ from services.model_files import cache_root
 log = structlog.get_logger()
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=generic"),
+             "avx512": ("-march=x86-64-v4", "-mtune=generic")}
+
+
+def isa() -> str:
+    """The instruction-set level the kernels are built for (LLMBUS_CPU_ISA, default native)."""
+    name = os.environ.get("LLMBUS_CPU_ISA", "native") or "native"
+    if name not in ISA_FLAGS:
+        raise ValueError(f"LLMBUS_CPU_ISA={name!r}: expected one of {', '.join(ISA_FLAGS)}")
+    return name
+
+
+def flags() -> tuple[str, ...]:
+    return (*BASE_FLAGS, *ISA_FLAGS[isa()])
+
 
 _ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 # Every entry point: (argument types, return type), declared once for ctypes.
@@ -35,7 +53,11 @@ SIGNATURES = {
     "q8_0_matmul_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i32], _i32),
     "q8_0_dequantize_f32": ([_ptr, _ptr, _i64, _i64, _ptr, _i32], _i32),
     "llmbus_cpu_has_avx512": ([], _i32),
+    "paged_attention_f32": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
+                             _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
+                             _i32], _i32),
 }
+SIGNATURES["paged_attention_f16"] = SIGNATURES["paged_attention_f32"]
 
 
 def _cpu_identity() -> str:
@@ -53,9 +75,9 @@ def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
     for source in SOURCES:
         key.update(source.name.encode() + source.read_bytes())
-    for part in (" ".join(FLAGS), compiler, _cpu_identity()):
+    for part in (" ".join(flags()), compiler, _cpu_identity()):
         key.update(part.encode())
-    return cache_root() / "kernels" / f"llmbus-cpu-{key.hexdigest()[:16]}.so"
+    return cache_root() / "kernels" / f"llmbus-cpu-{isa()}-{key.hexdigest()[:16]}.so"
 
 
 def build(compiler: str | None = None) -> Path:
@@ -74,14 +96,14 @@ def build(compiler: str | None = None) -> Path:
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial)],
+        result = subprocess.run([compiler, *flags(), *map(str, SOURCES), "-o", str(partial)],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed:\n{result.stderr[-4000:]}")
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
-    for stale in path.parent.glob("llmbus-cpu-*.so"):  # builds of older sources or flags
+    for stale in path.parent.glob(f"llmbus-cpu-{isa()}-*.so"):  # older sources or flags
         if stale != path:
             stale.unlink(missing_ok=True)  # a process that mapped it keeps its copy
     return path
@@ -89,8 +111,7 @@ def build(compiler: str | None = None) -> Path:
 
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
-    """The built kernels, or None (logged once) where they cannot be built or loaded, or where
-    this CPU lacks AVX-512 (the kernels were tuned for it; elsewhere torch's BLAS is as fast)."""
+    """The built kernels, or None (logged once) where they cannot be built or loaded."""
     try:
         lib = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
@@ -100,7 +121,11 @@ def load_library() -> ctypes.CDLL | None:
     for name, (argtypes, restype) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
-    if not lib.llmbus_cpu_has_avx512():
-        log.info("CPU kernels not used: no AVX-512 on this CPU; the executor keeps to torch ops")
-        return None
     return lib
+
+
+def quant_matmul_runs(lib: ctypes.CDLL | None) -> bool:
+    """The quantized float32 matmuls were tuned with AVX-512 intrinsics; built without it they
+    are scalar loops, slower than torch's BLAS, and stay unused (ONNX Runtime's MatMulNBits is
+    the portable quantized path)."""
+    return lib is not None and bool(lib.llmbus_cpu_has_avx512())

@@ -1,0 +1,165 @@
+"""The model on ONNX Runtime: quantized dense work in ONNX graphs, paged attention in torch.
+
+Same contract as `model.LlamaModel.forward`, so the runner drives either. Per step: embed the
+tokens (from the GGUF's own codes), then for each layer run the graph up to its QKV, write
+RoPE'd K/V into the paged cache and attend (torch, the reference ops), and hand the attention
+output to the next graph; last, the head graph on the rows that sample. Inputs and outputs
+are bound to torch tensors' memory (IOBinding), so nothing is copied across the boundary.
+
+All sessions share one ONNX Runtime thread pool (a process-wide setting, made once), so
+threads of idle sessions never compete with the running one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from services.executor.cpu_kernels.library import load_library
+from services.executor.cpu_kernels.paged_attention import PagedAttention
+from services.executor.gguf_loader import QUANT_GROUP, LlamaConfig, NativeWeight, Q8_0Weight
+from services.executor.kv_cache import KVCache
+from services.executor.model import AttentionMetadata, TorchOps, rope_tables
+from services.executor.onnx_graphs import MatrixSource, head_graph, layer_graphs
+
+ACCURACY_EXACT = 0  # float32 activations: the weights are the GGUF's values, the exact path
+ACCURACY_FAST = 4  # int8 activations per block, like llama.cpp's
+
+
+@functools.cache
+def _shared_thread_pool(num_threads: int) -> int:
+    """Create ONNX Runtime's process-wide pools once; later calls must ask for the same size."""
+    ort.capi._pybind_state.set_global_thread_pool_sizes(num_threads, 1)
+    return num_threads
+
+
+def _session(model_bytes: bytes, num_threads: int) -> ort.InferenceSession:
+    if _shared_thread_pool(num_threads) != num_threads:
+        raise ValueError("one process serves one ONNX Runtime thread-pool size")
+    options = ort.SessionOptions()
+    options.use_per_session_threads = False
+    # The attention kernel's OpenMP threads run between the graphs: pool threads that kept
+    # spinning after a run would take their cores.
+    options.add_session_config_entry("session.force_spinning_stop", "1")
+    options.log_severity_level = 3
+    return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+class _Embedding:
+    """Token rows from a Q8_0 table (scale * code, exact in float32) or a dense one."""
+
+    def __init__(self, native: NativeWeight | None, dense: torch.Tensor | None) -> None:
+        self.q8 = native if isinstance(native, Q8_0Weight) else None
+        self.dense = None if self.q8 is not None else dense
+        if self.q8 is None and dense is None:
+            raise ValueError("the embedding needs a Q8_0 or a dense table")
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D] float32
+        if self.dense is not None:
+            return self.dense[ids]
+        codes = self.q8.codes[ids].view(len(ids), -1, QUANT_GROUP).float()  # [T, D/32, 32]
+        return (codes * self.q8.scales[ids][..., None]).view(len(ids), -1)
+
+
+class _Graph:
+    """One session and its reusable binding; `run` binds torch tensors in place."""
+
+    def __init__(self, session: ort.InferenceSession) -> None:
+        self.session = session
+        self.binding = session.io_binding()
+        self.output_widths = {o.name: o.shape[1] for o in session.get_outputs()}
+
+    def run(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+        b = self.binding
+        for name, t in inputs.items():
+            b.bind_input(name, "cpu", 0, np.float32, tuple(t.shape), t.data_ptr())
+        for name, t in outputs.items():
+            b.bind_output(name, "cpu", 0, np.float32, tuple(t.shape), t.data_ptr())
+        self.session.run_with_iobinding(b)
+
+
+class OnnxLlamaModel:
+    """Weights in ONNX Runtime sessions plus the forward; the KV cache is passed in.
+
+    `native` holds the quantized matrices by GGUF name, `dense` every other tensor (norms,
+    and matrices without a native form), float32 in HF layout (see gguf_loader).
+    """
+
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    def __init__(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
+                 native: dict[str, NativeWeight], *, max_positions: int,
+                 accuracy_level: int = ACCURACY_FAST, num_threads: int = 1) -> None:
+        if accuracy_level not in (ACCURACY_EXACT, ACCURACY_FAST):
+            raise ValueError(f"accuracy_level {accuracy_level}: expected 0 (exact) or 4 (fast)")
+        self.config, self.accuracy_level = config, accuracy_level
+        lib = load_library()  # None without a C++ compiler: torch attention then
+        self.paged_attention = PagedAttention(lib, num_threads) if lib else None
+
+        def matrix(name: str) -> MatrixSource:
+            if name in native:
+                return MatrixSource(native[name], None)
+            return MatrixSource(None, dense[name].float().numpy())
+
+        names = [f"blk.{i}.{n}.weight" for i in range(config.num_layers)
+                 for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                           "ffn_down")]
+        matrices = {n: matrix(n) for n in names}
+        norms = {n: t.float().numpy() for n, t in dense.items() if n.endswith("norm.weight")}
+        self.layers = [_Graph(_session(g.SerializeToString(), num_threads))
+                       for g in layer_graphs(config, matrices, norms, accuracy_level)]
+        head = head_graph(config, matrix("output.weight"), norms["output_norm.weight"],
+                          accuracy_level)
+        self.head = _Graph(_session(head.SerializeToString(), num_threads))
+        self.embed = _Embedding(native.get("token_embd.weight"), dense.get("token_embd.weight"))
+        self.native_layers = any(n in native for n in names)
+        self.weight_format = "native" if self.native_layers else "dense"
+        self.set_max_positions(max_positions)
+        self.scale = config.head_dim ** -0.5
+
+    def set_max_positions(self, max_positions: int) -> None:
+        """Size the rotary tables for positions [0, max_positions)."""
+        self.cos, self.sin = rope_tables(self.config, max_positions)  # [P, Dh]
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """RoPE, the K/V write and attention of one layer: qkv [T, (H + 2 Hkv) Dh] ->
+        [T, H * Dh]; the C++ kernel where it was built, else the torch reference."""
+        if self.paged_attention is not None:
+            return self.paged_attention(qkv, cos, sin, k_cache, v_cache, meta,
+                                        self.config.num_heads, self.scale)
+        q = TorchOps.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                   self.config.num_heads)  # [T, H, Dh]
+        return TorchOps.attention(q, k_cache, v_cache, meta, self.scale)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: KVCache,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T]; logits_indices [S] -> float32 logits [S, V].
+
+        Writes this step's K/V into `kv_cache` at `meta.slot_mapping`.
+        """
+        cfg = self.config
+        num_tokens = input_ids.shape[0]
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, Dh]
+        hidden = self.embed(input_ids)  # [T, D], the residual stream
+        spare = torch.empty_like(hidden)  # graphs write the new residual beside the old one
+        qkv = torch.empty(num_tokens, self.layers[0].output_widths["qkv"])
+        self.layers[0].run({"hidden": hidden}, {"qkv": qkv})
+        for index, graph in enumerate(self.layers[1:]):
+            k_cache, v_cache = kv_cache.layer(index)
+            attn = self.attend(qkv, cos, sin, k_cache, v_cache, meta)  # [T, H * Dh]
+            outputs = {"hidden_out": spare}
+            if "qkv" in graph.output_widths:
+                outputs["qkv"] = qkv
+            graph.run({"hidden": hidden, "attn": attn.contiguous()}, outputs)
+            hidden, spare = spare, hidden
+        rows = hidden[logits_indices].contiguous()  # [S, D]
+        logits = torch.empty(rows.shape[0], cfg.vocab_size)
+        self.head.run({"hidden": rows}, {"logits": logits})
+        return logits

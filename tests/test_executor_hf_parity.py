@@ -1,6 +1,7 @@
 """Greedy float32 decoding through ModelRunner equals HF transformers on the default model.
 
-Design invariant 3: the same GGUF, loaded by both, gives the same tokens.
+Design invariant 3: the same GGUF, loaded by both, gives the same tokens: on the torch
+backend and on ONNX Runtime's exact mode alike.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.cpu_features import has_native_bfloat16
 from services.executor.runner import ModelRunner
 from services.model_files import default_model_path
 from tests.gguf_fixtures import generate
@@ -26,20 +28,14 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def hf():
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, torch_dtype=torch.float32)
-    model.eval()
-    return tokenizer, model
+def hf(hf_reference):
+    return hf_reference
 
 
-@pytest.fixture(scope="module")
-def runner():
+@pytest.fixture(scope="module", params=["torch", "onnxruntime"])
+def runner(request):
     return ModelRunner(default_model_path(), model_name="default", num_blocks=64,
-                       max_model_len=512)
+                       max_model_len=512, backend=request.param, precision="exact")
 
 
 def _chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -64,16 +60,27 @@ def test_greedy_tokens_match_transformers(hf, runner):
     assert ours[0] == [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is Paris."
 
 
-def test_bfloat16_q4_1_fast_path_answers_like_transformers(hf):
-    """The fast CPU path (bfloat16, the GGUF's Q4_1 blocks through the int4 kernel) is not
-    bit-exact, but on these prompts it starts its answers with HF float32's first tokens and
-    still answers the factual question right."""
+FAST_PATHS = {
+    "onnxruntime-fast": dict(backend="onnxruntime", precision="fast"),
+    "torch-bfloat16": pytest.param(
+        dict(dtype=torch.bfloat16, weights="native"),
+        marks=pytest.mark.skipif(not has_native_bfloat16(), reason="this CPU has no native "
+                                 "bfloat16 (AVX-512-BF16 or AMX); torch would emulate it")),
+}
+
+
+@pytest.mark.parametrize("options", FAST_PATHS.values(), ids=FAST_PATHS.keys())
+def test_fast_paths_answer_like_transformers(hf, options):
+    """The fast CPU paths (int8 activations and a float16 KV cache on ONNX Runtime; bfloat16
+    with the GGUF's Q4_1 blocks through torch's int4 kernel) are not bit-exact, but on these
+    prompts they start their answers with HF float32's first tokens and still answer the
+    factual question right."""
     tokenizer, model = hf
     fast = ModelRunner(default_model_path(), model_name="default", num_blocks=64,
-                       max_model_len=512, dtype=torch.bfloat16, weights="native")
+                       max_model_len=512, **options)
     prompts = [_chat_ids(tokenizer, p) for p in PROMPTS]
     eos_ids = tuple(fast.info().eos_token_ids)
-    # decode steps (3 rows) take the int4 kernel, prefill steps (3 x 13 rows) the dense GEMM
+    # bfloat16: decode steps (3 rows) take the int4 kernel, prefill steps (3 x 13) dense GEMMs
     ours = generate(fast, prompts, max_tokens=MAX_TOKENS, chunk_size=13,
                     stop_token_ids=eos_ids)
     for prompt, tokens in zip(prompts, ours, strict=True):

@@ -161,5 +161,6 @@ class OnnxLlamaModel:
             hidden, spare = spare, hidden
         rows = hidden[logits_indices].contiguous()  # [S, D]
         logits = torch.empty(rows.shape[0], cfg.vocab_size)
-        self.head.run({"hidden": rows}, {"logits": logits})
+        if rows.shape[0]:  # a step of prefill chunks alone samples nothing
+            self.head.run({"hidden": rows}, {"logits": logits})
         return logits

@@ -33,16 +33,12 @@ ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=
              "avx512": ("-march=x86-64-v4", "-mtune=generic")}
 
 
-def isa() -> str:
+def default_isa() -> str:
     """The instruction-set level the kernels are built for (LLMBUS_CPU_ISA, default native)."""
     name = os.environ.get("LLMBUS_CPU_ISA", "native") or "native"
     if name not in ISA_FLAGS:
         raise ValueError(f"LLMBUS_CPU_ISA={name!r}: expected one of {', '.join(ISA_FLAGS)}")
     return name
-
-
-def flags() -> tuple[str, ...]:
-    return (*BASE_FLAGS, *ISA_FLAGS[isa()])
 
 
 _ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -71,16 +67,16 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(lines))
 
 
-def _library_path(compiler: str) -> Path:
+def _library_path(compiler: str, isa: str) -> Path:
     key = hashlib.sha256()
     for source in SOURCES:
         key.update(source.name.encode() + source.read_bytes())
-    for part in (" ".join(flags()), compiler, _cpu_identity()):
+    for part in (" ".join(ISA_FLAGS[isa]), " ".join(BASE_FLAGS), compiler, _cpu_identity()):
         key.update(part.encode())
-    return cache_root() / "kernels" / f"llmbus-cpu-{isa()}-{key.hexdigest()[:16]}.so"
+    return cache_root() / "kernels" / f"llmbus-cpu-{isa}-{key.hexdigest()[:16]}.so"
 
 
-def build(compiler: str | None = None) -> Path:
+def build(compiler: str | None = None, isa: str | None = None) -> Path:
     """Compile the kernels unless the cache has them; the path of the shared library.
 
     Raises RuntimeError with the compiler's output when the build fails.
@@ -88,7 +84,8 @@ def build(compiler: str | None = None) -> Path:
     compiler = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         raise RuntimeError("no C++ compiler found (install g++, or set CXX)")
-    path = _library_path(compiler)
+    isa = isa or default_isa()
+    path = _library_path(compiler, isa)
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,24 +93,25 @@ def build(compiler: str | None = None) -> Path:
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        result = subprocess.run([compiler, *flags(), *map(str, SOURCES), "-o", str(partial)],
-                                capture_output=True, text=True, timeout=300)
+        command = [compiler, *BASE_FLAGS, *ISA_FLAGS[isa], *map(str, SOURCES), "-o", str(partial)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed:\n{result.stderr[-4000:]}")
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
-    for stale in path.parent.glob(f"llmbus-cpu-{isa()}-*.so"):  # older sources or flags
+    for stale in path.parent.glob(f"llmbus-cpu-{isa}-*.so"):  # older sources or flags
         if stale != path:
             stale.unlink(missing_ok=True)  # a process that mapped it keeps its copy
     return path
 
 
 @functools.cache
-def load_library() -> ctypes.CDLL | None:
-    """The built kernels, or None (logged once) where they cannot be built or loaded."""
+def load_library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernels built for `isa` (default: LLMBUS_CPU_ISA, else native), or None (logged
+    once) where they cannot be built or loaded."""
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(isa=isa)))
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         log.warning("CPU kernels unavailable; the executor keeps to torch ops",
                     error=str(exc)[:500])

@@ -1,0 +1,88 @@
+"""The C++ paged attention (cpu_kernels/paged_attention.cpp) against its torch reference
+(`TorchOps.rope_write_kv` then `TorchOps.attention`), for every ISA build this CPU can run:
+an AVX-512 machine also checks the AVX2 build that AVX2-only machines get."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.cpu_features import cpu_flags
+from services.executor.cpu_kernels.library import load_library
+from services.executor.cpu_kernels.paged_attention import PagedAttention
+from services.executor.model import TorchOps, build_attention_metadata
+
+ISA_NEEDS = {"native": set(), "avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw",
+                                                                      "avx512vl", "avx512dq"}}
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not needs <= cpu_flags(),
+                                                   reason=f"this CPU lacks {needs}"))
+        for isa, needs in ISA_NEEDS.items()]
+# (atol, rtol) against the float32 reference; float16 caches round K and V
+TOLERANCES = {torch.float32: (2e-5, 1e-5), torch.float16: (5e-3, 5e-3)}
+
+
+def _case(query_lens, context_lens, *, num_heads, num_kv_heads, head_dim, block_size, seed=0):
+    """Random qkv, rotary rows and a cache whose blocks are scattered (shuffled block ids)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = []
+    for n in blocks_per_seq:
+        tables.append(ids[:n])
+        ids = ids[n:]
+    meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
+    num_tokens = sum(query_lens)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    angles = torch.rand(num_tokens, head_dim // 2, generator=gen) * 6
+    emb = torch.cat([angles, angles], dim=-1)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    return meta, qkv, emb.cos(), emb.sin(), caches
+
+
+CASES = {  # (query_lens, context_lens, heads, kv heads, head dim, block size)
+    "one decode": ([1], [1], 4, 2, 16, 4),
+    "decodes of mixed lengths": ([1, 1, 1, 1], [5, 17, 64, 3], 9, 3, 64, 16),
+    "decodes beside prefill chunks": ([1, 7, 1, 12], [33, 7, 40, 30], 8, 2, 32, 4),
+    "no GQA, odd sizes": ([1, 1, 5], [131, 2, 9], 6, 6, 48, 8),
+    "long context": ([1, 1], [1030, 517], 9, 3, 64, 16),
+    "head dim 128, wide group": ([1, 3], [70, 70], 16, 2, 128, 16),
+}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_torch_reference(isa, kv_dtype, case):
+    query_lens, context_lens, heads, kv_heads, head_dim, block_size = case
+    lib = load_library(isa)
+    if lib is None:
+        pytest.skip("no C++ compiler here")
+    meta, qkv, cos, sin, (k, v) = _case(query_lens, context_lens, num_heads=heads,
+                                        num_kv_heads=kv_heads, head_dim=head_dim,
+                                        block_size=block_size)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    k_ref, v_ref = k.float(), v.float()
+    q_ref = TorchOps.rope_write_kv(qkv, cos, sin, k_ref, v_ref, meta.slot_mapping, heads)
+    expected = TorchOps.attention(q_ref, k_ref, v_ref, meta, head_dim ** -0.5)
+
+    out = PagedAttention(lib, num_threads=2)(qkv, cos, sin, k, v, meta, heads, head_dim ** -0.5)
+    atol, rtol = TOLERANCES[kv_dtype]
+    # the cache got the roped K and V of every token, rounded to its dtype
+    torch.testing.assert_close(k.float(), k_ref.to(kv_dtype).float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(v.float(), v_ref.to(kv_dtype).float(), atol=0, rtol=0)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+
+
+def test_rejects_what_it_cannot_run():
+    lib = load_library()
+    if lib is None:
+        pytest.skip("no C++ compiler here")
+    meta, qkv, cos, sin, (k, v) = _case([1], [4], num_heads=4, num_kv_heads=2, head_dim=16,
+                                        block_size=4)
+    attention = PagedAttention(lib, num_threads=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        attention(qkv, cos, sin, k, v, meta, 3, 0.25)  # 3 query heads: qkv is 4 + 2 x 2 wide
+    with pytest.raises(ValueError, match="float32/float16 cache"):
+        attention(qkv, cos, sin, k.bfloat16(), v.bfloat16(), meta, 4, 0.25)

@@ -1,0 +1,135 @@
+"""The ONNX Runtime backend (onnx_graphs.py, onnx_model.py) on tiny random llamas: exact mode
+equals the float64 reference and the torch runner, for every weight format it reads; fast mode
+stays close; quantized weights stay quantized."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto
+
+from services.executor.gguf_loader import load_gguf
+from services.executor.kv_cache import KVCache
+from services.executor.onnx_graphs import MatrixSource, layer_graphs
+from services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
+from services.executor.runner import ModelRunner
+from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama
+from tests.test_executor_model import _run, reference_logits
+
+SPEC = TinySpec()
+BLOCK_SIZE = 4
+FORMATS = [None, "Q4_1", "Q4_0", "Q8_0"]  # None: float32 tensors
+
+
+@pytest.fixture(scope="module", params=FORMATS, ids=lambda f: f or "F32")
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("onnx") / f"tiny-{request.param or 'f32'}.gguf"
+    return path, write_tiny_llama(path, SPEC, quantized=request.param)
+
+
+def _model(path, accuracy_level):
+    config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
+    return config, OnnxLlamaModel(config, dense, native, max_positions=128,
+                                  accuracy_level=accuracy_level, num_threads=2)
+
+
+def _two_steps(model, config, kv_dtype=torch.float32):
+    """Prefixes in one step, the rest (chunks and single tokens) in a second step over the same
+    paged cache; returns (our logits, reference logits) of every token, steps concatenated."""
+    rng = random.Random(0)
+    lengths, splits = [1, 4, 7, 13, 22, 31], [0, 3, 6, 5, 21, 16]
+    prompts = [[rng.randrange(SPEC.vocab_size) for _ in range(n)] for n in lengths]
+    free = list(range(1, 64))
+    rng.shuffle(free)  # scattered block ids
+    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in lengths]
+    cache = KVCache(config, num_blocks=64, block_size=BLOCK_SIZE, dtype=kv_dtype)
+    first = [(p, 0, s, t) for p, s, t in zip(prompts, splits, tables, strict=True) if s > 0]
+    second = [(p, s, len(p), t) for p, s, t in zip(prompts, splits, tables, strict=True)
+              if s < len(p)]
+    ours = torch.cat([_run(model, cache, first), _run(model, cache, second)])
+    return prompts, splits, ours
+
+
+def test_exact_forward_matches_the_float64_reference(tiny):
+    path, weights = tiny
+    config, model = _model(path, ACCURACY_EXACT)
+    prompts, splits, ours = _two_steps(model, config)
+    references = [reference_logits(weights, SPEC, p).float() for p in prompts]
+    expected = torch.cat([r[:s] for r, s in zip(references, splits, strict=True) if s > 0]
+                         + [r[s:] for r, s in zip(references, splits, strict=True) if s < len(r)])
+    torch.testing.assert_close(ours, expected, atol=1e-3, rtol=1e-4)
+
+
+def test_fast_forward_stays_close_to_exact(tiny):
+    """int8 activations and a float16 KV cache: the logits move by a small fraction of their
+    spread, and the top token rarely changes."""
+    path, _ = tiny
+    config, exact = _model(path, ACCURACY_EXACT)
+    _, fast = _model(path, ACCURACY_FAST)
+    _, _, expected = _two_steps(exact, config)
+    _, _, ours = _two_steps(fast, config, kv_dtype=torch.float16)
+    assert (ours - expected).abs().mean() < 0.05 * expected.std()
+    assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_runner_generates_like_the_torch_runner(tiny, precision):
+    """Greedy tokens through ModelRunner, prefill in chunks, blocks scattered: exact mode
+    equals the torch runner token for token; fast mode keeps most of them."""
+    path, _ = tiny
+    prompts = [[5, 9, 13, 200, 31], [7, 7, 100], list(range(3, 40))]
+    runners = {"torch": ModelRunner(path, model_name="t", block_size=BLOCK_SIZE, num_blocks=128,
+                                    weights="dense"),
+               "onnx": ModelRunner(path, model_name="t", block_size=BLOCK_SIZE, num_blocks=128,
+                                   backend="onnxruntime", precision=precision)}
+    assert runners["onnx"].kv_cache.k.dtype == (torch.float32 if precision == "exact"
+                                                else torch.float16)
+    outputs = {name: generate(r, prompts, max_tokens=12, chunk_size=8, shuffle_blocks=3)
+               for name, r in runners.items()}
+    if precision == "exact":
+        assert outputs["onnx"] == outputs["torch"]
+    else:
+        same = sum(a == b for o, t in zip(outputs["onnx"], outputs["torch"], strict=True)
+                   for a, b in zip(o, t, strict=True))
+        assert same >= 0.5 * sum(map(len, outputs["torch"]))
+
+
+def test_quantized_weights_have_no_dense_copy(tmp_path):
+    """A Q4_1 file's layer matrices exist only as 4-bit codes with small scale tables; no
+    float initializer as large as a weight matrix."""
+    path = tmp_path / "tiny-q4_1.gguf"
+    write_tiny_llama(path, SPEC, quantized="Q4_1")
+    config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
+    assert not any(name.startswith("blk.") and name.endswith(("_q.weight", "_up.weight"))
+                   for name in dense)
+    matrices = {n: MatrixSource(w, None) for n, w in native.items()}
+    norms = {n: t.numpy() for n, t in dense.items()}
+    smallest = SPEC.hidden_size * SPEC.hidden_size
+    for graph in layer_graphs(config, matrices, norms, ACCURACY_FAST):
+        floats = [int(np.prod(i.dims)) for i in graph.graph.initializer
+                  if i.data_type == TensorProto.FLOAT]
+        assert max(floats) < smallest / 4
+        assert sum(n.op_type == "MatMulNBits" for n in graph.graph.node) >= 1
+
+
+def test_backend_options_are_checked(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, SPEC, quantized="Q4_1")
+    with pytest.raises(ValueError, match="computes in float32"):
+        ModelRunner(path, model_name="t", num_blocks=16, backend="onnxruntime",
+                    dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown precision"):
+        ModelRunner(path, model_name="t", num_blocks=16, backend="onnxruntime",
+                    precision="medium")
+    with pytest.raises(ValueError, match="unknown backend"):
+        ModelRunner(path, model_name="t", num_blocks=16, backend="tvm")
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        ModelRunner(path, model_name="t", num_blocks=16, backend="onnxruntime", device="cuda")
+    # the same budget holds twice the blocks with a float16 cache
+    budget = 1 << 20
+    blocks = {p: ModelRunner(path, model_name="t", kv_cache_bytes=budget, backend="onnxruntime",
+                             precision=p).kv_cache.num_blocks for p in ("exact", "fast")}
+    assert blocks["fast"] == 2 * blocks["exact"]

@@ -1,0 +1,41 @@
+"""Design invariant 3: the fast default is measured against the exact mode. Perplexity on a
+fixed text (tests/data/perplexity_text.txt, ~2,300 tokens) through each backend's own forward,
+prefill in chunks over the paged cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.executor.gguf_loader import load_gguf
+from services.executor.kv_cache import KVCache
+from services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
+from services.executor.perplexity import perplexity
+from services.gguf_tokenizer import GGUFTokenizer
+from services.model_files import default_model_path
+
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(not default_model_path().is_file(), reason="default model not pulled"),
+]
+
+TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
+
+
+def test_fast_mode_perplexity_is_within_one_percent_of_exact():
+    path = default_model_path()
+    token_ids = GGUFTokenizer.from_gguf(path).encode(TEXT.read_text())
+    assert len(token_ids) >= 2000
+    config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
+    num_blocks = len(token_ids) // 16 + 2
+    results = {}
+    for name, level, kv_dtype in (("exact", ACCURACY_EXACT, torch.float32),
+                                  ("fast", ACCURACY_FAST, torch.float16)):
+        model = OnnxLlamaModel(config, dense, native, max_positions=len(token_ids),
+                               accuracy_level=level, num_threads=2)
+        results[name] = perplexity(model, KVCache(config, num_blocks, 16, kv_dtype), token_ids)
+    # a plausible value for a 135M model on plain English prose: the text and path are sane
+    assert 5 < results["exact"] < 40
+    assert abs(results["fast"] / results["exact"] - 1) < 0.01, results

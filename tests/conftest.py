@@ -77,11 +77,16 @@ def otlp() -> OtlpReceiver:
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> RunningStack:
-    """The shared stack: requires an API key and exports traces to a real OTLP receiver."""
+    """The shared stack: requires an API key and exports traces to a real OTLP receiver.
+
+    It runs the executor's exact mode, whose greedy output the e2e tests compare with HF
+    transformers (design invariant 3); the stacks of the fault, replica and launcher tests run
+    the fast default."""
     if not default_model_path().is_file():
         pytest.skip("default model not pulled (`llmbus model pull`)")
-    running = start_stack(tmp_path_factory.mktemp("stack"), "--api-key", API_KEY, env={
-        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    running = start_stack(tmp_path_factory.mktemp("stack"), "--api-key", API_KEY, "--exact",
+                          env=env)
     yield running
     stop_stack(running)
 

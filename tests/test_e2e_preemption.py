@@ -19,9 +19,10 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def small_stack(stack, tmp_path_factory):
-    # 40 blocks of 16 tokens: about 10 of the 32 requests fit at once.
+    # 40 blocks of 16 tokens: about 10 of the 32 requests fit at once. Exact mode, as the
+    # shared stack it is compared with.
     running = start_stack(tmp_path_factory.mktemp("small"), "--num-blocks", "41",
-                          "--max-num-seqs", "32")
+                          "--max-num-seqs", "32", "--exact")
     yield running
     stop_stack(running)
 

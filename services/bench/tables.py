@@ -29,6 +29,12 @@ def workload_rows(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, floa
     for workload in summary["workloads"]:
         row = rows.setdefault(workload["name"], {})
         for name, record in summary["servers"].items():
+            if name == "llmbus-inprocess":
+                if workload["concurrency"] == 1 and workload["dataset"] == "random":
+                    row[name] = {"tput": record["output_throughput"],
+                                 "ttft": record["ttft_ms_p50"], "itl": record["tpot_ms_p50"],
+                                 "tpot": record["tpot_ms_p50"], "failed": 0}
+                continue
             if name == "hf":
                 runs = [r for r in record["runs"] if workload["dataset"] == "random"
                         and r["batch_size"] == workload["concurrency"]
@@ -87,8 +93,15 @@ def server_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def cpu_line(summary: dict[str, Any]) -> str:
+    cpu = summary.get("cpu")
+    if not cpu:
+        return "CPU: not recorded"
+    return f"CPU: {cpu['model']}, {cpu['cores']} cores; flags: {', '.join(cpu['flags'])}"
+
+
 def render_all(summary: dict[str, Any], _workload_names: list[str] | None = None) -> str:
-    parts = ["## Ratios (peer / llmbus)", "", ratio_table(summary), "",
+    parts = [cpu_line(summary), "", "## Ratios (peer / llmbus)", "", ratio_table(summary), "",
              "## Absolute numbers", "", absolute_table(summary), "",
              "## Servers", "", server_table(summary)]
     for name, why in summary.get("skipped", {}).items():

@@ -41,9 +41,6 @@ def _session(model_bytes: bytes, num_threads: int) -> ort.InferenceSession:
         raise ValueError("one process serves one ONNX Runtime thread-pool size")
     options = ort.SessionOptions()
     options.use_per_session_threads = False
-    # The attention kernel's OpenMP threads run between the graphs: pool threads that kept
-    # spinning after a run would take their cores.
-    options.add_session_config_entry("session.force_spinning_stop", "1")
     options.log_severity_level = 3
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
 

@@ -13,9 +13,10 @@
 // KV head are done together) with an online softmax, so nothing is copied and the cache can be
 // float16 (half the bytes) with float32 arithmetic.
 //
-// No intrinsics: loops are written for the compiler's vectorizer, and library.py builds this
-// file for the CPU it runs on (-march=native) or for a named ISA level (LLMBUS_CPU_ISA), so the
-// same source serves AVX2 and AVX-512 machines.
+// Eight-float vectors (GCC's vector extension) plus two AVX intrinsics (a lane-sum tree, F16C
+// widening), with plain fallbacks; library.py builds this file for the CPU it runs on
+// (-march=native) or for a named ISA level (LLMBUS_CPU_ISA), so the same source serves AVX2
+// and AVX-512 machines.
 //
 // Layouts (row-major):
 //   qkv     [T, (H + 2 Hkv) * Dh] float32   Q heads, then K heads, then V heads
@@ -31,7 +32,7 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -40,6 +41,7 @@ namespace {
 constexpr int MAX_HEAD_DIM = 256;
 constexpr int MAX_GROUP = 16;
 constexpr int MAX_BLOCK = 64;  // tokens per cache block
+constexpr int64_t MIN_WORK_PER_THREAD = 1 << 20;  // multiply-adds
 
 template <typename KV>
 struct Cache {
@@ -55,25 +57,6 @@ struct Cache {
         return ((block * block_size + pos % block_size) * num_kv_heads + h) * head_dim;
     }
 };
-
-// dst[0:n] = float(src[0:n]). The vectorizer does not widen _Float16 on its own; F16C does 8
-// at a time (AVX2 machines have it too), AVX-512F 16.
-inline void widen(const float* src, int64_t n, float* dst) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
-}
-
-inline void widen(const _Float16* src, int64_t n, float* dst) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + i))));
-#endif
-#if defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
-#endif
-    for (; i < n; ++i) dst[i] = float(src[i]);
-}
 
 // x[0:Dh] <- x * cos + rotate_half(x) * sin, as HF's apply_rotary_pos_emb.
 inline void rope(const float* x, const float* cos, const float* sin, int64_t dh, float* out) {
@@ -110,7 +93,8 @@ void rope_and_store(const float* qkv, int64_t t, int64_t num_heads, const Cache<
 // with r in [-ln2/2, ln2/2] and a degree-6 polynomial, within 2 ulp of expf; below -87 it is 0.
 inline float exp_nonpositive(float x) {
     x = x < -87.f ? -87.f : x;
-    const float n = __builtin_roundf(x * 1.44269504f);
+    // round to nearest by the 1.5 * 2^23 trick: no libm call, so the loop vectorizes
+    const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
     const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
     float p = 1.3888889e-3f;
     p = p * r + 8.3333333e-3f;
@@ -125,37 +109,92 @@ inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+// Eight floats, one AVX register: GCC's vector extension, so the same code is AVX2 on an AVX2
+// build and AVX-512VL on an AVX-512 one.
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+    v8 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline v8 load8(const _Float16* p) {
+#if defined(__F16C__)
+    return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+    v8 v;
+    for (int i = 0; i < 8; ++i) v[i] = float(p[i]);
+    return v;
+#endif
+}
+
+// r[j] = the sum of a[j]'s eight lanes, for eight vectors at once (a transpose-and-add tree).
+inline v8 lane_sums(const v8* a) {
+#if defined(__AVX__)
+    const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]);
+    const __m256 t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]);
+    const __m256 t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1);  // 128-bit halves: lanes 0-3 / 4-7 of a[0..3]
+    const __m256 u1 = _mm256_hadd_ps(t2, t3);  // the same for a[4..7]
+    return (v8)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                             _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+    v8 r;
+    for (int j = 0; j < 8; ++j) {
+        float sum = 0.f;
+        for (int i = 0; i < 8; ++i) sum += a[j][i];
+        r[j] = sum;
+    }
+    return r;
+#endif
+}
+
 // Attention of the `group` query heads [group, Dh] (scaled already) sharing KV head `h`, over
 // positions [0, num_keys) of sequence `seq` -> out [group, Dh]. One cache block at a time:
-// scores for its keys, one rescale of the running sums per block (online softmax), then P @ V.
+// scores of its keys eight at a time (each key row read once for all query heads), one rescale
+// of the running sums per block (online softmax), then P @ V. Needs Dh % 8 == 0.
 template <typename KV>
 void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int64_t h,
             int64_t num_keys, float* out) {
-    const int64_t dh = c.head_dim, bs = c.block_size, stride = c.num_kv_heads * dh;
-    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP * MAX_HEAD_DIM];
-    float scores[MAX_GROUP * MAX_BLOCK];
+    constexpr int MAX_CHUNKS = MAX_HEAD_DIM / 8;
+    const int64_t dh = c.head_dim, chunks = dh / 8, bs = c.block_size;
+    const int64_t stride = c.num_kv_heads * dh;
+    v8 qv[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    float s[MAX_GROUP][MAX_BLOCK + 8];
     for (int64_t g = 0; g < group; ++g) {
         m[g] = -INFINITY;
         l[g] = 0.f;
-        for (int64_t i = 0; i < dh; ++i) acc[g * dh + i] = 0.f;
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+            qv[g][ch] = load8(q + g * dh + ch * 8);
+            acc[g][ch] = v8{};
+        }
     }
     for (int64_t first = 0; first < num_keys; first += bs) {
         const int64_t n = num_keys - first < bs ? num_keys - first : bs;
         const int64_t r = c.row(seq, first, h);  // rows of one block are `stride` apart
         const KV* kb = c.k + r;
         const KV* vb = c.v + r;
-        for (int64_t j = 0; j < n; ++j) {
-            float kf[MAX_HEAD_DIM];
-            widen(kb + j * stride, dh, kf);
+        for (int64_t j0 = 0; j0 < n; j0 += 8) {
+            v8 kf[8][MAX_CHUNKS];
+            for (int64_t jj = 0; jj < 8; ++jj)
+                for (int64_t ch = 0; ch < chunks; ++ch)
+                    kf[jj][ch] = j0 + jj < n ? load8(kb + (j0 + jj) * stride + ch * 8) : v8{};
             for (int64_t g = 0; g < group; ++g) {
-                float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t i = 0; i < dh; ++i) s += q[g * dh + i] * kf[i];
-                scores[g * MAX_BLOCK + j] = s;
+                v8 part[8];
+                for (int64_t jj = 0; jj < 8; ++jj) {
+                    v8 sum = qv[g][0] * kf[jj][0];
+                    for (int64_t ch = 1; ch < chunks; ++ch) sum += qv[g][ch] * kf[jj][ch];
+                    part[jj] = sum;
+                }
+                const v8 scores = lane_sums(part);
+                __builtin_memcpy(&s[g][j0], &scores, sizeof scores);
             }
         }
         for (int64_t g = 0; g < group; ++g) {
-            float* sg = scores + g * MAX_BLOCK;
+            float* sg = s[g];
             float top = m[g];
             for (int64_t j = 0; j < n; ++j) top = sg[j] > top ? sg[j] : top;
             const float shrink = exp_nonpositive(m[g] - top);  // 0 on the first block
@@ -167,23 +206,24 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
             }
             l[g] = l[g] * shrink + sum;
             m[g] = top;
-            float* a = acc + g * dh;
-#pragma omp simd
-            for (int64_t i = 0; i < dh; ++i) a[i] *= shrink;
+            for (int64_t ch = 0; ch < chunks; ++ch) acc[g][ch] *= shrink;
         }
         for (int64_t j = 0; j < n; ++j) {
-            float vf[MAX_HEAD_DIM];
-            widen(vb + j * stride, dh, vf);
+            v8 vf[MAX_CHUNKS];
+            for (int64_t ch = 0; ch < chunks; ++ch) vf[ch] = load8(vb + j * stride + ch * 8);
             for (int64_t g = 0; g < group; ++g) {
-                const float p = scores[g * MAX_BLOCK + j];
-                float* a = acc + g * dh;
-#pragma omp simd
-                for (int64_t i = 0; i < dh; ++i) a[i] += p * vf[i];
+                const float p = s[g][j];
+                for (int64_t ch = 0; ch < chunks; ++ch) acc[g][ch] += p * vf[ch];
             }
         }
     }
-    for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < dh; ++i) out[g * dh + i] = acc[g * dh + i] / l[g];
+    for (int64_t g = 0; g < group; ++g) {
+        const float inv = 1.f / l[g];
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+            const v8 o = acc[g][ch] * inv;
+            __builtin_memcpy(out + g * dh + ch * 8, &o, sizeof o);
+        }
+    }
 }
 
 template <typename KV>
@@ -193,20 +233,29 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
         const int64_t* ctx, int64_t num_seqs, int64_t block_size, int64_t max_query_len,
         float scale, float* q_out, float* out, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
-    if (head_dim > MAX_HEAD_DIM || head_dim % 2 || group > MAX_GROUP ||
+    if (head_dim > MAX_HEAD_DIM || head_dim % 8 || group > MAX_GROUP ||
         num_heads % num_kv_heads || block_size > MAX_BLOCK)
         return 1;
     const Cache<KV> c{k_cache, v_cache, block_size, num_kv_heads, head_dim, tables, max_blocks};
     // Work items of the attention: (token, KV head) of the sequences done here.
+    // Head-major, so that sequences sharing prefix blocks read them while they are in cache.
     std::vector<int64_t> items;
-    for (int64_t b = 0; b < num_seqs; ++b)
-        if (starts[b + 1] - starts[b] <= max_query_len)
-            for (int64_t t = starts[b]; t < starts[b + 1]; ++t)
-                for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back((t << 16) | h);
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+        for (int64_t b = 0; b < num_seqs; ++b)
+            if (starts[b + 1] - starts[b] <= max_query_len)
+                for (int64_t t = starts[b]; t < starts[b + 1]; ++t) items.push_back((t << 16) | h);
     std::vector<int64_t> seq_of(num_tokens);
     for (int64_t b = 0; b < num_seqs; ++b)
         for (int64_t t = starts[b]; t < starts[b + 1]; ++t) seq_of[t] = b;
     const int64_t num_items = int64_t(items.size());
+    // Waking a second thread costs tens of microseconds; a small step (one short decode) is
+    // done sooner alone.
+    int64_t work = num_tokens * num_heads * head_dim;
+    for (int64_t w = 0; w < num_items; ++w) {
+        const int64_t b = seq_of[items[w] >> 16];
+        work += (ctx[b] - (starts[b + 1] - (items[w] >> 16)) + 1) * group * head_dim;
+    }
+    if (work < MIN_WORK_PER_THREAD) num_threads = 1;
 
 #pragma omp parallel num_threads(num_threads)
     {

@@ -52,6 +52,17 @@ def num_blocks_for_budget(
     return max(2, budget_bytes // bytes_per_block(config, block_size, dtype))
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """Zeros whose pages the OS maps on first write, on the CPU: numpy's calloc gets fresh
+    zero pages without touching them, so a cache sized for 32k tokens costs memory only for
+    the blocks in use (torch.zeros writes every page up front)."""
+    if torch.device(device).type != "cpu" or dtype == torch.bfloat16:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    return torch.from_numpy(np.zeros(shape, dtype=torch.empty(0, dtype=dtype).numpy().dtype))
+
+
 class KVCache:
     """K and V for every layer: `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`.
 
@@ -66,8 +77,8 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         # zeros (not empty): padded gathers read the null block, and 0 * NaN would poison them.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = _zeros(shape, dtype, device)
+        self.v = _zeros(shape, dtype, device)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         # each: [num_blocks, block_size, num_kv_heads, head_dim]

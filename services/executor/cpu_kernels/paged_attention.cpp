@@ -177,6 +177,14 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
         const int64_t r = c.row(seq, first, h);  // rows of one block are `stride` apart
         const KV* kb = c.k + r;
         const KV* vb = c.v + r;
+        if (h == 0 && first + bs < num_keys) {  // the next block, every head: 2 x 6 KB here
+            const int64_t next = c.row(seq, first + bs, 0);
+            const int64_t bytes = bs * stride * int64_t(sizeof(KV));
+            for (int64_t at = 0; at < bytes; at += 64) {
+                __builtin_prefetch((const char*)(c.k + next) + at);
+                __builtin_prefetch((const char*)(c.v + next) + at);
+            }
+        }
         for (int64_t j0 = 0; j0 < n; j0 += 8) {
             v8 kf[8][MAX_CHUNKS];
             for (int64_t jj = 0; jj < 8; ++jj)
@@ -238,12 +246,14 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
         return 1;
     const Cache<KV> c{k_cache, v_cache, block_size, num_kv_heads, head_dim, tables, max_blocks};
     // Work items of the attention: (token, KV head) of the sequences done here.
-    // Head-major, so that sequences sharing prefix blocks read them while they are in cache.
+    // Token-major, and one thread takes a token's KV heads together (the schedule's chunk):
+    // a cache block holds every head's rows, so its memory streams in once and the other
+    // heads' rows come from L2. Decode is bound by this memory traffic, not by arithmetic.
     std::vector<int64_t> items;
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-        for (int64_t b = 0; b < num_seqs; ++b)
-            if (starts[b + 1] - starts[b] <= max_query_len)
-                for (int64_t t = starts[b]; t < starts[b + 1]; ++t) items.push_back((t << 16) | h);
+    for (int64_t b = 0; b < num_seqs; ++b)
+        if (starts[b + 1] - starts[b] <= max_query_len)
+            for (int64_t t = starts[b]; t < starts[b + 1]; ++t)
+                for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back((t << 16) | h);
     std::vector<int64_t> seq_of(num_tokens);
     for (int64_t b = 0; b < num_seqs; ++b)
         for (int64_t t = starts[b]; t < starts[b + 1]; ++t) seq_of[t] = b;
@@ -263,7 +273,7 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tokens; ++t)
             rope_and_store(qkv, t, num_heads, c, cos, sin, slots, q_out);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, num_kv_heads)
         for (int64_t w = 0; w < num_items; ++w) {
             const int64_t t = items[w] >> 16, h = items[w] & 0xFFFF, b = seq_of[t];
             const int64_t pos = ctx[b] - (starts[b + 1] - t);  // this query's position

@@ -99,7 +99,7 @@ def machine_ceilings(device: torch.device, dtypes: list[str]) -> dict[str, float
     """Dense GEMM GFLOP/s per dtype at a decode-like shape, and memory-copy GB/s."""
     ceilings = {}
     m, k, n = 64, 576, 3072  # 64 rows through SmolLM2's gate/up projection
-    for name in dict.fromkeys(["float32", *dtypes]):
+    for name in dict.fromkeys(["float32", *(d for d in dtypes if hasattr(torch, d))]):
         dtype = getattr(torch, name)
         x = torch.randn(m, k, device=device).to(dtype)
         w = torch.randn(n, k, device=device).to(dtype)
@@ -131,14 +131,18 @@ class Row:
 
 def run_llmbus(args, device, dtype: str, prompts_by_batch: dict[int, list[list[int]]],
                path: Path) -> list[Row]:
+    """`dtype`: a torch backend dtype, or onnxruntime-fast / onnxruntime-exact."""
     from services.executor.model import select_ops
     from services.executor.runner import ModelRunner
 
     max_len = args.prompt_len + args.new_tokens
     num_blocks = max(prompts_by_batch) * -(-max_len // BLOCK_SIZE) + 1
-    runner = ModelRunner(path, model_name="bench", dtype=getattr(torch, dtype),
-                         block_size=BLOCK_SIZE, num_blocks=num_blocks, num_threads=args.threads,
-                         device=device, weights=args.weights)
+    if dtype.startswith("onnxruntime-"):
+        options = dict(backend="onnxruntime", precision=dtype.removeprefix("onnxruntime-"))
+    else:
+        options = dict(dtype=getattr(torch, dtype), weights=args.weights)
+    runner = ModelRunner(path, model_name="bench", block_size=BLOCK_SIZE, num_blocks=num_blocks,
+                         num_threads=args.threads, device=device, **options)
     if args.kernels != "auto":
         runner.model.ops = select_ops(args.kernels, device)
     engine = f"llmbus {dtype} {runner.weight_format}" + \
@@ -173,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--dtype", default=None,
-                        help="comma-separated llmbus compute dtypes (default: float32,bfloat16 "
-                             "on the CPU, bfloat16 on CUDA)")
+                        help="comma-separated llmbus engines: torch dtypes (float32, bfloat16, "
+                             "float16) and onnxruntime-fast / onnxruntime-exact (default: "
+                             "onnxruntime-fast,onnxruntime-exact,float32 on the CPU, plus "
+                             "bfloat16 where the CPU has it natively; bfloat16 on CUDA)")
     parser.add_argument("--weights", choices=["auto", "dense", "native"], default="auto",
                         help="matmul weights (see `llmbus serve executor --help`)")
     parser.add_argument("--batch-sizes", default="1,16,64")
@@ -195,8 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtypes = (args.dtype or ("bfloat16" if device.type == "cuda" else "float32,bfloat16"))
-    dtypes = dtypes.split(",")
+    from services.cpu_features import has_native_bfloat16
+
+    cpu_default = "onnxruntime-fast,onnxruntime-exact,float32" + (
+        ",bfloat16" if has_native_bfloat16() else "")
+    dtypes = (args.dtype or ("bfloat16" if device.type == "cuda" else cpu_default)).split(",")
     path = model_path(args.model)
     from services.executor.gguf_loader import load_gguf
     from services.gguf_tokenizer import GGUFTokenizer

@@ -1,10 +1,11 @@
-"""The model on ONNX Runtime: quantized dense work in ONNX graphs, paged attention in torch.
+"""The model on ONNX Runtime: quantized dense work in ONNX graphs, paged attention between.
 
 Same contract as `model.LlamaModel.forward`, so the runner drives either. Per step: embed the
 tokens (from the GGUF's own codes), then for each layer run the graph up to its QKV, write
-RoPE'd K/V into the paged cache and attend (torch, the reference ops), and hand the attention
-output to the next graph; last, the head graph on the rows that sample. Inputs and outputs
-are bound to torch tensors' memory (IOBinding), so nothing is copied across the boundary.
+RoPE'd K/V into the paged cache and attend (llmbus's C++ kernel, cpu_kernels/paged_attention;
+the torch reference ops where no compiler built it), and hand the attention output to the next
+graph; last, the head graph on the rows that sample. Inputs and outputs are bound to torch
+tensors' memory (IOBinding), so nothing is copied across the boundary.
 
 Threads: every graph has two sessions, one single-threaded for small steps and one with the
 executor's threads for the rest; their pools never spin (see `_session`).

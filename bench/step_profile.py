@@ -1,0 +1,111 @@
+"""Where one decode step's time goes, in-process: ONNX Runtime graphs, attention, the rest of
+the forward (embedding, rotary rows, the head's row gather), and everything outside the forward
+(sampling, logprobs, metadata, request bookkeeping).
+
+    python bench/step_profile.py [--batch 1,16] [--context 300,1060] [--exact] [--threads 2]
+
+Each case prefills `batch` requests of `context` tokens, then times decode steps of one token
+per request through `ModelRunner.step`, the executor service's whole per-step work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the executor service sets it
+
+
+class _Timed:
+    """Wraps a callable, adding its wall time to `total`."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.total = fn, 0.0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.total += time.perf_counter() - start
+
+
+def profile(runner, batch: int, context: int, num_steps: int) -> dict[str, float]:
+    """ms per decode step: total, forward, onnx graphs, attention."""
+    from bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+    from services.executor import onnx_model
+
+    model = runner.model
+    graphs = list({id(g): g for g in model.graphs + model.small_step_graphs}.values())
+    for graph in graphs:
+        graph.run = _Timed(graph.run)
+    model.attend = attend = _Timed(model.attend)
+    model.forward = forward = _Timed(model.forward)
+    params = SamplingParams(temperature=0.0, max_tokens=context + num_steps, ignore_eos=True)
+    blocks_each = -(-(context + num_steps) // runner.block_size)
+    ids = [f"p{batch}-{context}-{b}" for b in range(batch)]
+    runner.step(StepPlan(step_id=0, new_requests=[
+        NewRequestData(ids[b], [1000 + (b * 7 + i) % 40000 for i in range(context)], params)
+        for b in range(batch)], scheduled=[
+        ScheduledRequest(ids[b], 0, context,
+                         list(range(1 + b * blocks_each, 1 + (b + 1) * blocks_each)))
+        for b in range(batch)]))
+    for timed in (*[g.run for g in graphs], attend, forward):
+        timed.total = 0.0
+    start = time.perf_counter()
+    for i in range(num_steps):
+        result = runner.step(StepPlan(step_id=1 + i, scheduled=[
+            ScheduledRequest(request_id, context + i, 1) for request_id in ids]))
+        if result.error:
+            raise RuntimeError(result.error)
+    total = time.perf_counter() - start
+    runner.step(StepPlan(step_id=num_steps + 1, finished_request_ids=ids))
+    onnx_total = sum(g.run.total for g in graphs)
+    for graph in graphs:
+        graph.run = graph.run.fn
+    del model.attend, model.forward  # back to the class's methods
+    assert isinstance(model, onnx_model.OnnxLlamaModel)
+    per_step = 1000 / num_steps
+    return {"step": total * per_step, "forward": forward.total * per_step,
+            "onnx": onnx_total * per_step, "attention": attend.total * per_step}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", default="1,16")
+    parser.add_argument("--context", default="300,1060")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--exact", action="store_true")
+    args = parser.parse_args()
+
+    from services.cpu_features import cpu_label
+    from services.executor.runner import ModelRunner
+    from services.model_files import default_model_path
+
+    batches = [int(b) for b in args.batch.split(",")]
+    contexts = [int(c) for c in args.context.split(",")]
+    blocks = max(batches) * (-(-(max(contexts) + args.steps) // 16)) + 2
+    runner = ModelRunner(default_model_path(), model_name="profile", num_threads=args.threads,
+                         num_blocks=blocks, backend="onnxruntime",
+                         precision="exact" if args.exact else "fast")
+    print(f"# {cpu_label()}; {args.threads} threads; "
+          f"{'exact' if args.exact else 'fast'} mode; ms per decode step")
+    print("| batch | context | step | onnx graphs (matmuls, norms, SwiGLU) | attention (RoPE, "
+          "KV write, attend) | rest of forward | outside forward (sampling, bookkeeping) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for batch in batches:
+        for context in contexts:
+            p = profile(runner, batch, context, args.steps)
+            print(f"| {batch} | {context} | {p['step']:.1f} | {p['onnx']:.1f} | "
+                  f"{p['attention']:.1f} | {p['forward'] - p['onnx'] - p['attention']:.1f} | "
+                  f"{p['step'] - p['forward']:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,8 @@
 # One image for every stage; compose.yaml picks the service with `llmbus serve NAME`.
 FROM python:3.11-slim
 WORKDIR /app
-# g++ builds the executor's CPU kernels on first use (without it the executor stays dense).
+# g++ builds the executor's CPU kernels (paged attention) on first use; without it the executor
+# uses torch's attention.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./

@@ -237,7 +237,9 @@ def _same_as(row: Row, hf: Row | None) -> str:
 
 def print_report(args, device, rows: list[Row], hf: dict[int, Row], ceilings: dict[str, float],
                  params: int) -> None:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    from services.cpu_features import cpu_label
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_label()
     gemm = ", ".join(f"{k} {v:.0f}" for k, v in ceilings.items() if k != "copy_gbps")
     print(f"# {name}, {torch.get_num_threads()} threads, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, greedy")
@@ -245,13 +247,13 @@ def print_report(args, device, rows: list[Row], hf: dict[int, Row], ceilings: di
           f"memory copy {ceilings['copy_gbps']:.1f} GB/s")
     print(f"# decode GFLOP/s = 2 x {params / 1e6:.0f}M matmul weights x decode tok/s; "
           "'same as HF' = sequences whose greedy tokens all equal HF's")
-    print(f"{'batch':>5}  {'engine':<24} {'prefill ms':>10} {'decode tok/s':>12} "
+    print(f"{'batch':>5}  {'engine':<28} {'prefill ms':>10} {'decode tok/s':>12} "
           f"{'x HF':>6} {'GFLOP/s':>8} {'same as HF':>10}")
     for row in sorted(rows + list(hf.values()), key=lambda r: (r.batch, r.engine)):
         base = hf.get(row.batch)
         ratio = f"{row.decode_tok_s / base.decode_tok_s:.2f}" if base else "-"
         same = "-" if row is base else _same_as(row, base)
-        print(f"{row.batch:>5}  {row.engine:<24} {1e3 * row.prefill_s:>10.0f} "
+        print(f"{row.batch:>5}  {row.engine:<28} {1e3 * row.prefill_s:>10.0f} "
               f"{row.decode_tok_s:>12.0f} {ratio:>6} "
               f"{2 * params * row.decode_tok_s / 1e9:>8.1f} {same:>10}")
 

@@ -21,15 +21,18 @@ ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not needs <= cpu_flags(),
 TOLERANCES = {torch.float32: (2e-5, 1e-5), torch.float16: (5e-3, 5e-3)}
 
 
-def _case(query_lens, context_lens, *, num_heads, num_kv_heads, head_dim, block_size, seed=0):
-    """Random qkv, rotary rows and a cache whose blocks are scattered (shuffled block ids)."""
+def _case(query_lens, context_lens, *, num_heads, num_kv_heads, head_dim, block_size,
+          shared_blocks=0, seed=0):
+    """Random qkv, rotary rows and a cache whose blocks are scattered (shuffled block ids);
+    every sequence's first `shared_blocks` blocks are the same ones (a cached prefix)."""
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-c // block_size) for c in context_lens]
-    num_blocks = sum(blocks_per_seq) + 3
+    blocks_per_seq = [-(-c // block_size) - shared_blocks for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + shared_blocks + 3
     ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    prefix, ids = ids[:shared_blocks], ids[shared_blocks:]
     tables = []
     for n in blocks_per_seq:
-        tables.append(ids[:n])
+        tables.append(prefix + ids[:n])
         ids = ids[n:]
     meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
     num_tokens = sum(query_lens)
@@ -41,13 +44,16 @@ def _case(query_lens, context_lens, *, num_heads, num_kv_heads, head_dim, block_
     return meta, qkv, emb.cos(), emb.sin(), caches
 
 
-CASES = {  # (query_lens, context_lens, heads, kv heads, head dim, block size)
-    "one decode": ([1], [1], 4, 2, 16, 4),
-    "decodes of mixed lengths": ([1, 1, 1, 1], [5, 17, 64, 3], 9, 3, 64, 16),
-    "decodes beside prefill chunks": ([1, 7, 1, 12], [33, 7, 40, 30], 8, 2, 32, 4),
-    "no GQA, odd sizes": ([1, 1, 5], [131, 2, 9], 6, 6, 48, 8),
-    "long context": ([1, 1], [1030, 517], 9, 3, 64, 16),
-    "head dim 128, wide group": ([1, 3], [70, 70], 16, 2, 128, 16),
+CASES = {  # (query_lens, context_lens, heads, kv heads, head dim, block size, shared blocks)
+    "one decode": ([1], [1], 4, 2, 16, 4, 0),
+    "decodes of mixed lengths": ([1, 1, 1, 1], [5, 17, 64, 3], 9, 3, 64, 16, 0),
+    "decodes beside prefill chunks": ([1, 7, 1, 12], [33, 7, 40, 30], 8, 2, 32, 4, 0),
+    "no GQA, odd sizes": ([1, 1, 5], [131, 2, 9], 6, 6, 48, 8, 0),
+    "long context": ([1, 1], [1030, 517], 9, 3, 64, 16, 0),
+    "head dim 128, wide group": ([1, 3], [70, 70], 16, 2, 128, 16, 0),
+    # more decodes than one team of 8, all behind a 4-block prefix, one of them a prefill
+    "shared prefix": ([1] * 10 + [6], [33, 40, 47, 35, 64, 38, 33, 41, 50, 39, 37],
+                      9, 3, 64, 8, 4),
 }
 
 
@@ -55,13 +61,13 @@ CASES = {  # (query_lens, context_lens, heads, kv heads, head dim, block size)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_matches_torch_reference(isa, kv_dtype, case):
-    query_lens, context_lens, heads, kv_heads, head_dim, block_size = case
+    query_lens, context_lens, heads, kv_heads, head_dim, block_size, shared = case
     lib = load_library(isa)
     if lib is None:
         pytest.skip("no C++ compiler here")
     meta, qkv, cos, sin, (k, v) = _case(query_lens, context_lens, num_heads=heads,
                                         num_kv_heads=kv_heads, head_dim=head_dim,
-                                        block_size=block_size)
+                                        block_size=block_size, shared_blocks=shared)
     k, v = k.to(kv_dtype), v.to(kv_dtype)
     k_ref, v_ref = k.float(), v.float()
     q_ref = TorchOps.rope_write_kv(qkv, cos, sin, k_ref, v_ref, meta.slot_mapping, heads)

@@ -115,7 +115,7 @@ async def test_concurrent_streams_share_steps(stack):
     """Eight concurrent streaming requests finish correctly and decode in shared steps."""
     questions = [f"Count from {i} to {i + 5}." for i in range(8)]
     client = openai.AsyncOpenAI(base_url=stack.base_url, api_key=API_KEY, max_retries=0,
-                                timeout=120)
+                                timeout=120)  # closed at the end: see test_e2e_preemption
 
     async def ask(question: str, stream: bool) -> tuple[str, str]:
         messages = [{"role": "user", "content": question}]
@@ -132,10 +132,11 @@ async def test_concurrent_streams_share_steps(stack):
                 finish = chunk.choices[0].finish_reason or finish
         return "".join(parts), finish
 
-    alone = [await ask(q, stream=False) for q in questions]
-    before = await _engine_stats(stack.nats_url)
-    together = await asyncio.gather(*(ask(q, stream=True) for q in questions))
-    after = await _engine_stats(stack.nats_url)
+    async with client:
+        alone = [await ask(q, stream=False) for q in questions]
+        before = await _engine_stats(stack.nats_url)
+        together = await asyncio.gather(*(ask(q, stream=True) for q in questions))
+        after = await _engine_stats(stack.nats_url)
 
     assert together == alone
     num_steps = after.num_steps - before.num_steps

@@ -28,16 +28,19 @@ def small_stack(stack, tmp_path_factory):
 
 
 async def _answers(base_url: str) -> list[str]:
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0,
-                                timeout=300)
+    # Closed on the way out: a client left to the garbage collector closes its sockets under
+    # the running event loop, whose selector can then miss the next sockets that reuse those
+    # descriptors (seen here: 18 of 32 replies sat unread in their sockets until the timeout).
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0,
+                                  timeout=300) as client:
 
-    async def ask(question: str) -> str:
-        reply = await client.chat.completions.create(
-            model=MODEL_NAME, messages=[{"role": "user", "content": question}], temperature=0,
-            max_tokens=MAX_TOKENS)
-        return reply.choices[0].message.content
+        async def ask(question: str) -> str:
+            reply = await client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": question}],
+                temperature=0, max_tokens=MAX_TOKENS)
+            return reply.choices[0].message.content
 
-    return await asyncio.gather(*(ask(q) for q in QUESTIONS))
+        return await asyncio.gather(*(ask(q) for q in QUESTIONS))
 
 
 async def test_preemption_keeps_greedy_outputs_exact(stack, small_stack):

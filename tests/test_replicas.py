@@ -55,22 +55,22 @@ async def _work_by_copy(nats_url: str) -> dict[tuple[str, str], int]:
 
 async def _ask_all(base_url: str, questions: list[str], max_tokens: int = 16,
                    timeout: float = 60):
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0,
-                                timeout=timeout)
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0,
+                                  timeout=timeout) as client:  # closed: see test_e2e_preemption
 
-    async def ask(question: str) -> str | Exception:
-        parts = []
-        try:
-            async for chunk in await client.chat.completions.create(
-                    model=MODEL_NAME, temperature=0, max_tokens=max_tokens, stream=True,
-                    messages=[{"role": "user", "content": question}]):
-                if chunk.choices:
-                    parts.append(chunk.choices[0].delta.content or "")
-            return "".join(parts)
-        except Exception as exc:  # an explicit error is an acceptable end; a hang is not
-            return exc
+        async def ask(question: str) -> str | Exception:
+            parts = []
+            try:
+                async for chunk in await client.chat.completions.create(
+                        model=MODEL_NAME, temperature=0, max_tokens=max_tokens, stream=True,
+                        messages=[{"role": "user", "content": question}]):
+                    if chunk.choices:
+                        parts.append(chunk.choices[0].delta.content or "")
+                return "".join(parts)
+            except Exception as exc:  # an explicit error is an acceptable end; a hang is not
+                return exc
 
-    return await asyncio.gather(*(ask(q) for q in questions))
+        return await asyncio.gather(*(ask(q) for q in questions))
 
 
 async def test_every_copy_serves_and_outputs_are_exact(replicas, stack):

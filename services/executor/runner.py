@@ -21,7 +21,7 @@ from bus.messages import (
     StepResult,
     TokenLogprobs,
 )
-from services.executor.gguf_loader import load_gguf
+from services.executor.gguf_loader import LlamaConfig, load_gguf
 from services.executor.kv_cache import (
     KVCache,
     default_budget_bytes,
@@ -74,8 +74,8 @@ class ModelRunner:
         the GGUF's weight values) or "fast" (int8 activations in the matmuls, float16 KV).
 
         `small_step_threads`: CPU threads for steps of at most SMALL_STEP_TOKENS tokens (None:
-        `num_threads`), see SMALL_STEP_TOKENS; torch backend only (ONNX Runtime's thread pool
-        has one size).
+        `num_threads`), see SMALL_STEP_TOKENS; torch backend only (the onnxruntime backend
+        keeps single-threaded sessions for small steps itself).
         """
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -109,7 +109,8 @@ class ModelRunner:
         self.shared_generator = torch.Generator(device=self.device)
         self.shared_generator.seed()
 
-    def _load_torch(self, model_path: str | Path, dtype: torch.dtype, weights: str):
+    def _load_torch(self, model_path: str | Path, dtype: torch.dtype,
+                    weights: str) -> LlamaConfig:
         if weights not in ("auto", "dense", "native"):
             raise ValueError(f"unknown weights {weights!r}: expected auto, dense or native")
         native_runs = native_kernels_run(dtype, self.device)
@@ -130,7 +131,8 @@ class ModelRunner:
                              "and float16 Q4_0/Q4_1)")
         return config
 
-    def _load_onnx(self, model_path: str | Path, dtype: torch.dtype, precision: str):
+    def _load_onnx(self, model_path: str | Path, dtype: torch.dtype,
+                   precision: str) -> tuple[LlamaConfig, torch.dtype]:
         from services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
 
         if self.device.type != "cpu":

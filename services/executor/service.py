@@ -109,6 +109,9 @@ def resolve_backend(args: argparse.Namespace, cuda_available: bool) -> tuple[str
     device = args.device if args.device != "auto" else ("cuda" if cuda_available else "cpu")
     backend = args.backend if args.backend != "auto" else (
         "onnxruntime" if device == "cpu" and args.dtype == "float32" else "torch")
+    if backend == "onnxruntime" and device != "cpu":
+        raise ValueError(f"the onnxruntime backend runs on the CPU, not {device}; use "
+                         "--backend torch there")
     if backend == "onnxruntime" and args.dtype != "float32":
         raise ValueError(f"--dtype {args.dtype} is for the torch backend; the onnxruntime "
                          "backend computes in float32 (add --exact for its exact mode)")

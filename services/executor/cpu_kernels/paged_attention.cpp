@@ -42,7 +42,6 @@ constexpr int MAX_HEAD_DIM = 256;
 constexpr int MAX_GROUP = 16;
 constexpr int MAX_BLOCK = 64;  // tokens per cache block
 constexpr int64_t MIN_WORK_PER_THREAD = 1 << 20;  // multiply-adds
-constexpr int64_t TEAM = 8;  // decode queries that share reads of common blocks
 
 template <typename KV>
 struct Cache {
@@ -51,11 +50,6 @@ struct Cache {
     int64_t block_size, num_kv_heads, head_dim;
     const int32_t* tables;
     int64_t max_blocks;
-
-    // The physical block holding token `pos` of sequence `seq`.
-    int64_t block(int64_t seq, int64_t pos) const {
-        return tables[seq * max_blocks + pos / block_size];
-    }
 
     // Row of token `pos` of sequence `seq`, KV head `h`.
     int64_t row(int64_t seq, int64_t pos, int64_t h) const {
@@ -157,112 +151,87 @@ inline v8 lane_sums(const v8* a) {
 #endif
 }
 
-// One query of a team: a decode token's `group` query heads that share KV head `h`.
-struct Query {
-    int64_t seq, token, num_keys;  // its sequence, its row in the step, keys it attends to
-};
-
-// Decode attention of a team of queries (up to TEAM, all for KV head `h`) over their paged
-// contexts -> out [T, H * Dh] rows of those tokens. Block index by block index: the queries
-// whose block tables name the same physical block there (a shared prefix) score against one
-// read of it, so a prefix shared by the team streams from memory once, not once per query.
-// Within a block: scores eight keys at a time (a lane-sum tree), one online-softmax rescale,
-// then P @ V. `q` [T, H * Dh] holds the roped queries; Dh % 8 == 0.
+// Attention of the `group` query heads [group, Dh] (scaled already) sharing KV head `h`, over
+// positions [0, num_keys) of sequence `seq` -> out [group, Dh]. One cache block at a time:
+// scores of its keys eight at a time (each key row read once for all query heads), one rescale
+// of the running sums per block (online softmax), then P @ V. Needs Dh % 8 == 0.
 template <typename KV>
-void attend_team(const Query* team, int64_t size, const float* q, int64_t num_heads,
-                 int64_t group, const Cache<KV>& c, int64_t h, float scale, float* out) {
+void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int64_t h,
+            int64_t num_keys, float* out) {
     constexpr int MAX_CHUNKS = MAX_HEAD_DIM / 8;
     const int64_t dh = c.head_dim, chunks = dh / 8, bs = c.block_size;
     const int64_t stride = c.num_kv_heads * dh;
-    // Per query and query head: the scaled query, running max, sum and output accumulator.
-    std::vector<v8> qv(size * group * chunks), acc(size * group * chunks);
-    std::vector<float> m(size * group, -INFINITY), l(size * group, 0.f);
-    std::vector<v8> kf(MAX_BLOCK * chunks), vf(MAX_BLOCK * chunks);
+    v8 qv[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];
+    float m[MAX_GROUP], l[MAX_GROUP];
     float s[MAX_GROUP][MAX_BLOCK + 8];
-    int64_t most_keys = 0;
-    for (int64_t i = 0; i < size; ++i) {
-        const float* qi = q + (team[i].token * num_heads + h * group) * dh;
-        for (int64_t x = 0; x < group * chunks; ++x) {
-            qv[i * group * chunks + x] = load8(qi + x * 8) * scale;
-            acc[i * group * chunks + x] = v8{};
-        }
-        most_keys = team[i].num_keys > most_keys ? team[i].num_keys : most_keys;
-    }
-    for (int64_t first = 0; first < most_keys; first += bs) {
-        bool done[TEAM] = {};
-        for (int64_t i = 0; i < size; ++i) {
-            if (done[i] || team[i].num_keys <= first) continue;
-            // the team members that read this very block here, and the most keys any reads
-            const int64_t block = c.block(team[i].seq, first);
-            int64_t members[TEAM], num_members = 0, n = 0;
-            for (int64_t j = i; j < size; ++j) {
-                if (done[j] || team[j].num_keys <= first || c.block(team[j].seq, first) != block)
-                    continue;
-                done[j] = true;
-                members[num_members++] = j;
-                const int64_t nj = team[j].num_keys - first < bs ? team[j].num_keys - first : bs;
-                n = nj > n ? nj : n;
-            }
-            const KV* kb = c.k + c.row(team[i].seq, first, h);  // rows are `stride` apart
-            const KV* vb = c.v + c.row(team[i].seq, first, h);
-            const int64_t padded = (n + 7) / 8 * 8;
-            for (int64_t j = 0; j < padded; ++j)
-                for (int64_t ch = 0; ch < chunks; ++ch) {
-                    kf[j * chunks + ch] = j < n ? load8(kb + j * stride + ch * 8) : v8{};
-                    vf[j * chunks + ch] = j < n ? load8(vb + j * stride + ch * 8) : v8{};
-                }
-            for (int64_t k = 0; k < num_members; ++k) {
-                const int64_t at = members[k];
-                const int64_t nk = team[at].num_keys - first < bs ? team[at].num_keys - first
-                                                                   : bs;
-                const v8* qa = &qv[at * group * chunks];
-                for (int64_t j0 = 0; j0 < nk; j0 += 8)
-                    for (int64_t g = 0; g < group; ++g) {
-                        v8 part[8];
-                        for (int64_t jj = 0; jj < 8; ++jj) {
-                            const v8* kr = &kf[(j0 + jj) * chunks];
-                            v8 sum = qa[g * chunks] * kr[0];
-                            for (int64_t ch = 1; ch < chunks; ++ch)
-                                sum += qa[g * chunks + ch] * kr[ch];
-                            part[jj] = sum;
-                        }
-                        const v8 scores = lane_sums(part);
-                        __builtin_memcpy(&s[g][j0], &scores, sizeof scores);
-                    }
-                for (int64_t g = 0; g < group; ++g) {
-                    float* sg = s[g];
-                    float& mg = m[at * group + g];
-                    float top = mg;
-                    for (int64_t j = 0; j < nk; ++j) top = sg[j] > top ? sg[j] : top;
-                    const float shrink = exp_nonpositive(mg - top);  // 0 on the first block
-                    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-                    for (int64_t j = 0; j < nk; ++j) {
-                        sg[j] = exp_nonpositive(sg[j] - top);
-                        sum += sg[j];
-                    }
-                    l[at * group + g] = l[at * group + g] * shrink + sum;
-                    mg = top;
-                    v8* a = &acc[(at * group + g) * chunks];
-                    for (int64_t ch = 0; ch < chunks; ++ch) a[ch] *= shrink;
-                    for (int64_t j = 0; j < nk; ++j) {
-                        const float p = sg[j];
-                        const v8* vr = &vf[j * chunks];
-                        for (int64_t ch = 0; ch < chunks; ++ch) a[ch] += p * vr[ch];
-                    }
-                }
-            }
+    for (int64_t g = 0; g < group; ++g) {
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+            qv[g][ch] = load8(q + g * dh + ch * 8);
+            acc[g][ch] = v8{};
         }
     }
-    for (int64_t i = 0; i < size; ++i)
+    for (int64_t first = 0; first < num_keys; first += bs) {
+        const int64_t n = num_keys - first < bs ? num_keys - first : bs;
+        const int64_t r = c.row(seq, first, h);  // rows of one block are `stride` apart
+        const KV* kb = c.k + r;
+        const KV* vb = c.v + r;
+        if (h == 0 && first + bs < num_keys) {  // the next block, every head: 2 x 6 KB here
+            const int64_t next = c.row(seq, first + bs, 0);
+            const int64_t bytes = bs * stride * int64_t(sizeof(KV));
+            for (int64_t at = 0; at < bytes; at += 64) {
+                __builtin_prefetch((const char*)(c.k + next) + at);
+                __builtin_prefetch((const char*)(c.v + next) + at);
+            }
+        }
+        for (int64_t j0 = 0; j0 < n; j0 += 8) {
+            v8 kf[8][MAX_CHUNKS];
+            for (int64_t jj = 0; jj < 8; ++jj)
+                for (int64_t ch = 0; ch < chunks; ++ch)
+                    kf[jj][ch] = j0 + jj < n ? load8(kb + (j0 + jj) * stride + ch * 8) : v8{};
+            for (int64_t g = 0; g < group; ++g) {
+                v8 part[8];
+                for (int64_t jj = 0; jj < 8; ++jj) {
+                    v8 sum = qv[g][0] * kf[jj][0];
+                    for (int64_t ch = 1; ch < chunks; ++ch) sum += qv[g][ch] * kf[jj][ch];
+                    part[jj] = sum;
+                }
+                const v8 scores = lane_sums(part);
+                __builtin_memcpy(&s[g][j0], &scores, sizeof scores);
+            }
+        }
         for (int64_t g = 0; g < group; ++g) {
-            const float inv = 1.f / l[i * group + g];
-            float* o = out + (team[i].token * num_heads + h * group + g) * dh;
-            for (int64_t ch = 0; ch < chunks; ++ch) {
-                const v8 y = acc[(i * group + g) * chunks + ch] * inv;
-                __builtin_memcpy(o + ch * 8, &y, sizeof y);
+            float* sg = s[g];
+            float top = m[g];
+            for (int64_t j = 0; j < n; ++j) top = sg[j] > top ? sg[j] : top;
+            const float shrink = exp_nonpositive(m[g] - top);  // 0 on the first block
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < n; ++j) {
+                sg[j] = exp_nonpositive(sg[j] - top);
+                sum += sg[j];
+            }
+            l[g] = l[g] * shrink + sum;
+            m[g] = top;
+            for (int64_t ch = 0; ch < chunks; ++ch) acc[g][ch] *= shrink;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            v8 vf[MAX_CHUNKS];
+            for (int64_t ch = 0; ch < chunks; ++ch) vf[ch] = load8(vb + j * stride + ch * 8);
+            for (int64_t g = 0; g < group; ++g) {
+                const float p = s[g][j];
+                for (int64_t ch = 0; ch < chunks; ++ch) acc[g][ch] += p * vf[ch];
             }
         }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        const float inv = 1.f / l[g];
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+            const v8 o = acc[g][ch] * inv;
+            __builtin_memcpy(out + g * dh + ch * 8, &o, sizeof o);
+        }
+    }
 }
 
 template <typename KV>
@@ -276,21 +245,26 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
         num_heads % num_kv_heads || block_size > MAX_BLOCK)
         return 1;
     const Cache<KV> c{k_cache, v_cache, block_size, num_kv_heads, head_dim, tables, max_blocks};
-    // Work items of the attention: a team of up to TEAM decode queries and one KV head. Teams
-    // are consecutive sequences, so a batch sharing a prefix reads it once per team and head.
-    std::vector<Query> queries;
-    int64_t work = num_tokens * num_heads * head_dim;
+    // Work items of the attention: (token, KV head) of the sequences done here.
+    // Token-major, and one thread takes a token's KV heads together (the schedule's chunk):
+    // a cache block holds every head's rows, so its memory streams in once and the other
+    // heads' rows come from L2. Decode is bound by this memory traffic, not by arithmetic.
+    std::vector<int64_t> items;
     for (int64_t b = 0; b < num_seqs; ++b)
         if (starts[b + 1] - starts[b] <= max_query_len)
-            for (int64_t t = starts[b]; t < starts[b + 1]; ++t) {
-                const int64_t num_keys = ctx[b] - (starts[b + 1] - t) + 1;  // causal: up to t
-                queries.push_back(Query{b, t, num_keys});
-                work += num_keys * num_heads * head_dim;
-            }
-    const int64_t num_teams = (int64_t(queries.size()) + TEAM - 1) / TEAM;
-    const int64_t num_items = num_teams * num_kv_heads;
+            for (int64_t t = starts[b]; t < starts[b + 1]; ++t)
+                for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back((t << 16) | h);
+    std::vector<int64_t> seq_of(num_tokens);
+    for (int64_t b = 0; b < num_seqs; ++b)
+        for (int64_t t = starts[b]; t < starts[b + 1]; ++t) seq_of[t] = b;
+    const int64_t num_items = int64_t(items.size());
     // Waking a second thread costs tens of microseconds; a small step (one short decode) is
     // done sooner alone.
+    int64_t work = num_tokens * num_heads * head_dim;
+    for (int64_t w = 0; w < num_items; ++w) {
+        const int64_t b = seq_of[items[w] >> 16];
+        work += (ctx[b] - (starts[b + 1] - (items[w] >> 16)) + 1) * group * head_dim;
+    }
     if (work < MIN_WORK_PER_THREAD) num_threads = 1;
 
 #pragma omp parallel num_threads(num_threads)
@@ -299,12 +273,14 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tokens; ++t)
             rope_and_store(qkv, t, num_heads, c, cos, sin, slots, q_out);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, num_kv_heads)
         for (int64_t w = 0; w < num_items; ++w) {
-            const int64_t first = (w / num_kv_heads) * TEAM, h = w % num_kv_heads;
-            const int64_t size = int64_t(queries.size()) - first < TEAM
-                                     ? int64_t(queries.size()) - first : TEAM;
-            attend_team(&queries[first], size, q_out, num_heads, group, c, h, scale, out);
+            const int64_t t = items[w] >> 16, h = items[w] & 0xFFFF, b = seq_of[t];
+            const int64_t pos = ctx[b] - (starts[b + 1] - t);  // this query's position
+            float q[MAX_GROUP * MAX_HEAD_DIM];
+            const float* qt = q_out + (t * num_heads + h * group) * head_dim;
+            for (int64_t i = 0; i < group * head_dim; ++i) q[i] = qt[i] * scale;
+            attend(q, group, c, b, h, pos + 1, out + (t * num_heads + h * group) * head_dim);
         }
     }
     return 0;

@@ -195,53 +195,47 @@ def run_server(spec: ServerSpec, loads: list[tuple[Workload, list[BenchRequest]]
     return record
 
 
-def run_hf(args: argparse.Namespace, gguf: Path, out_dir: Path) -> dict[str, Any] | str:
-    """The transformers baseline in its own process (so its memory is its own)."""
-    if not (importlib.util.find_spec("transformers") and importlib.util.find_spec("accelerate")):
-        return "transformers + accelerate not installed here: pip install -e '.[test]'"
+def _run_in_own_process(name: str, module_args: list[str], out_dir: Path) -> dict[str, Any] | str:
+    """Run `python -m <module_args> --result-json F` in its own process (so its memory is its
+    own, sampled meanwhile); its JSON result with memory and load added, or why it failed."""
     import subprocess
 
-    print("\n### hf: transformers generate, batch 1 and 16", file=sys.stderr, flush=True)
-    result_path = out_dir / "hf.json"
-    argv = [sys.executable, "-m", "services.bench.hf_baseline", "--gguf", str(gguf),
-            "--batch-sizes", "1,16", "--input-len", str(args.input_len),
-            "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
-            "--result-json", str(result_path)]
+    result_path = out_dir / f"{name}.json"
+    argv = [sys.executable, "-m", *module_args, "--result-json", str(result_path)]
     load_before = os.getloadavg()[0]
     process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL)
     with MemorySampler(process.pid) as memory:
         code = process.wait()
     if code != 0:
-        return f"hf baseline failed with exit code {code}"
+        return f"{module_args[0]} failed with exit code {code}"
     record = json.loads(result_path.read_text())
-    record.update(name="hf", peak_rss_mib=memory.peak_rss_mib,
+    record.update(name=name, peak_rss_mib=memory.peak_rss_mib,
                   peak_pss_mib=memory.peak_pss_mib, load_before=load_before,
                   load_after=os.getloadavg()[0])
     return record
 
 
+def run_hf(args: argparse.Namespace, gguf: Path, out_dir: Path) -> dict[str, Any] | str:
+    """The transformers baseline (services/bench/hf_baseline.py)."""
+    if not (importlib.util.find_spec("transformers") and importlib.util.find_spec("accelerate")):
+        return "transformers + accelerate not installed here: pip install -e '.[test]'"
+    print("\n### hf: transformers generate, batch 1 and 16", file=sys.stderr, flush=True)
+    return _run_in_own_process("hf", [
+        "services.bench.hf_baseline", "--gguf", str(gguf), "--batch-sizes", "1,16",
+        "--input-len", str(args.input_len), "--max-tokens", str(args.max_tokens),
+        "--threads", str(args.threads)], out_dir)
+
+
 def run_inprocess(args: argparse.Namespace, gguf: Path, out_dir: Path) -> dict[str, Any] | str:
     """The executor driven in-process at concurrency 1 (services/bench/inprocess.py)."""
-    import subprocess
-
     print("\n### llmbus-inprocess: the executor alone, concurrency 1", file=sys.stderr,
           flush=True)
-    result_path = out_dir / "llmbus-inprocess.json"
-    argv = [sys.executable, "-m", "services.bench.inprocess", "--gguf", str(gguf),
-            "--num-requests", str(args.c1_requests), "--input-len", str(args.input_len),
-            "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
-            "--result-json", str(result_path)]
-    load_before = os.getloadavg()[0]
-    process = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL)
-    with MemorySampler(process.pid) as memory:
-        code = process.wait()
-    if code != 0:
-        return f"in-process run failed with exit code {code}"
-    record = json.loads(result_path.read_text())
-    record.update(name="llmbus-inprocess", peak_rss_mib=memory.peak_rss_mib,
-                  peak_pss_mib=memory.peak_pss_mib, load_before=load_before,
-                  load_after=os.getloadavg()[0], dtype="float32, int8 activations, float16 KV",
-                  version="executor only")
+    record = _run_in_own_process("llmbus-inprocess", [
+        "services.bench.inprocess", "--gguf", str(gguf), "--num-requests",
+        str(args.c1_requests), "--input-len", str(args.input_len), "--max-tokens",
+        str(args.max_tokens), "--threads", str(args.threads)], out_dir)
+    if isinstance(record, dict):
+        record.update(dtype="float32, int8 activations, float16 KV", version="executor only")
     return record
 
 

@@ -133,3 +133,16 @@ def test_backend_options_are_checked(tmp_path):
     blocks = {p: ModelRunner(path, model_name="t", kv_cache_bytes=budget, backend="onnxruntime",
                              precision=p).kv_cache.num_blocks for p in ("exact", "fast")}
     assert blocks["fast"] == 2 * blocks["exact"]
+
+
+def test_without_a_compiler_the_torch_attention_gives_the_same_logits(tmp_path):
+    """Where the C++ kernel could not be built, attention falls back to the torch reference."""
+    path = tmp_path / "tiny-q4_1.gguf"
+    write_tiny_llama(path, SPEC, quantized="Q4_1")
+    config, model = _model(path, ACCURACY_EXACT)
+    if model.paged_attention is None:
+        pytest.skip("no C++ compiler here: every other test already runs the fallback")
+    _, _, with_kernel = _two_steps(model, config)
+    model.paged_attention = None
+    _, _, with_torch = _two_steps(model, config)
+    torch.testing.assert_close(with_torch, with_kernel, atol=1e-4, rtol=1e-4)

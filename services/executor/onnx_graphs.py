@@ -1,6 +1,6 @@
 """ONNX graphs of a Llama model's dense work, with the GGUF's quantized weights kept quantized.
 
-The model is cut at its attention: llmbus's paged attention (torch) runs between the graphs,
+The model is cut at its attention: llmbus's paged attention (onnx_model.py) runs between them,
 and each graph runs everything from one attention to the next. Graph `i` (0 < i < L) is
 
     o = attn @ Wo[i-1];  x, h = skip_rms_norm(o, h, ffn_norm[i-1])
@@ -19,7 +19,7 @@ VNNI or AMX) on the GGUF's own codes:
   Float zero points would express m directly but run ~10× slower in MLAS.
 - Q8_0 (weight = d * code): 8-bit codes shifted by 128 with uint8 zero points of 128 on the
   fast path; the exact path multiplies its dequantized values (MLAS's float32 8-bit path is
-  ~40x slower than a dense MatMul).
+  ~40× slower than a dense MatMul).
 - Anything else (F32/F16 files, other quant types) as a plain float32 MatMul.
 
 `accuracy_level` 0 computes in float32 on weights equal to the GGUF's values (the exact path);

@@ -29,7 +29,9 @@
 //   q_out   [T, H * Dh] float32, out        [T, H * Dh] float32 (rows of long sequences untouched)
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX__)
@@ -40,7 +42,10 @@ namespace {
 
 constexpr int MAX_HEAD_DIM = 256;
 constexpr int MAX_GROUP = 16;
+constexpr int MAX_ITEM_HEADS = 64;  // query heads one work item attends for
 constexpr int MAX_BLOCK = 64;  // tokens per cache block
+constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead the next blocks are fetched
+constexpr int64_t SPAN = 32;  // keys per online-softmax step (whole cache blocks)
 constexpr int64_t MIN_WORK_PER_THREAD = 1 << 20;  // multiply-adds
 
 template <typename KV>
@@ -151,86 +156,180 @@ inline v8 lane_sums(const v8* a) {
 #endif
 }
 
-// Attention of the `group` query heads [group, Dh] (scaled already) sharing KV head `h`, over
-// positions [0, num_keys) of sequence `seq` -> out [group, Dh]. One cache block at a time:
-// scores of its keys eight at a time (each key row read once for all query heads), one rescale
-// of the running sums per block (online softmax), then P @ V. Needs Dh % 8 == 0.
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+// exp_nonpositive on eight lanes at once.
+inline v8 exp_nonpositive(v8 x) {
+    const v8 low = v8{} - 87.f;
+    x = x < low ? low : x;
+    const v8 n = (x * 1.44269504f + 12582912.f) - 12582912.f;
+    const v8 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    v8 p = r * 1.3888889e-3f + 8.3333333e-3f;
+    p = p * r + 4.1666667e-2f;
+    p = p * r + 1.6666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return p * (v8)bits;
+}
+
+// Widen one row of `dh` float16 values into float32.
+inline void widen_row(const _Float16* row, int64_t dh, float* out) {
+    for (int64_t i = 0; i < dh; i += 8) {
+        const v8 x = load8(row + i);
+        __builtin_memcpy(out + i, &x, sizeof x);
+    }
+}
+
+// Prefetch the block that holds position `pos` of `seq`: `span` bytes of every row from head h0.
 template <typename KV>
-void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int64_t h,
-            int64_t num_keys, float* out) {
-    constexpr int MAX_CHUNKS = MAX_HEAD_DIM / 8;
-    const int64_t dh = c.head_dim, chunks = dh / 8, bs = c.block_size;
-    const int64_t stride = c.num_kv_heads * dh;
-    v8 qv[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];
-    float m[MAX_GROUP], l[MAX_GROUP];
-    float s[MAX_GROUP][MAX_BLOCK + 8];
-    for (int64_t g = 0; g < group; ++g) {
+inline void prefetch_rows(const Cache<KV>& c, int64_t seq, int64_t pos, int64_t h0,
+                          int64_t span) {
+    const int64_t at = c.row(seq, pos, h0), stride = c.num_kv_heads * c.head_dim;
+    for (int64_t j = 0; j < c.block_size; ++j)
+        for (int64_t byte = 0; byte < span; byte += 64) {
+            __builtin_prefetch((const char*)(c.k + at + j * stride) + byte);
+            __builtin_prefetch((const char*)(c.v + at + j * stride) + byte);
+        }
+}
+
+// Attention of the query heads of KV heads [h0, h1) over positions [0, num_keys) of sequence
+// `seq`: q and out are [(h1 - h0) * group, Dh] (query heads h0 * group onwards; q scaled
+// already). Keys go SPAN at a time (several cache blocks): each block's rows of these heads are
+// read from memory once (blocks ahead are prefetched, blocks scatter), float16 rows are
+// widened once per KV head into an L1 scratch, and each query head, with its query and running
+// output in registers, takes the span's scores eight keys at a time, one online-softmax rescale
+// and P @ V. `CH` = Dh / 8 where known at compile time (the common head sizes), so the inner
+// loops keep to registers; 0 = runtime-sized.
+template <int CH, typename KV>
+void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int64_t h0,
+            int64_t h1, int64_t num_keys, float* out) {
+    constexpr int NCH = CH ? CH : MAX_HEAD_DIM / 8;
+    constexpr bool WIDEN = !std::is_same<KV, float>::value;
+    const int64_t dh = c.head_dim, chunks = CH ? CH : dh / 8, bs = c.block_size;
+    const int64_t stride = c.num_kv_heads * dh, heads = (h1 - h0) * group;
+    const int64_t span_keys = SPAN - SPAN % bs;  // whole blocks (bs <= MAX_BLOCK <= SPAN)
+    alignas(64) float acc[MAX_ITEM_HEADS][MAX_HEAD_DIM];
+    alignas(64) float kw[WIDEN ? SPAN * MAX_HEAD_DIM : 1];
+    alignas(64) float vw[WIDEN ? SPAN * MAX_HEAD_DIM : 1];
+    const float* krow[SPAN];
+    const float* vrow[SPAN];
+    float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
+    for (int64_t g = 0; g < heads; ++g) {
         m[g] = -INFINITY;
         l[g] = 0.f;
-        for (int64_t ch = 0; ch < chunks; ++ch) {
-            qv[g][ch] = load8(q + g * dh + ch * 8);
-            acc[g][ch] = v8{};
-        }
+        for (int64_t i = 0; i < dh; ++i) acc[g][i] = 0.f;
     }
-    for (int64_t first = 0; first < num_keys; first += bs) {
-        const int64_t n = num_keys - first < bs ? num_keys - first : bs;
-        const int64_t r = c.row(seq, first, h);  // rows of one block are `stride` apart
-        const KV* kb = c.k + r;
-        const KV* vb = c.v + r;
-        if (h == 0 && first + bs < num_keys) {  // the next block, every head: 2 x 6 KB here
-            const int64_t next = c.row(seq, first + bs, 0);
-            const int64_t bytes = bs * stride * int64_t(sizeof(KV));
-            for (int64_t at = 0; at < bytes; at += 64) {
-                __builtin_prefetch((const char*)(c.k + next) + at);
-                __builtin_prefetch((const char*)(c.v + next) + at);
-            }
-        }
-        for (int64_t j0 = 0; j0 < n; j0 += 8) {
-            v8 kf[8][MAX_CHUNKS];
-            for (int64_t jj = 0; jj < 8; ++jj)
-                for (int64_t ch = 0; ch < chunks; ++ch)
-                    kf[jj][ch] = j0 + jj < n ? load8(kb + (j0 + jj) * stride + ch * 8) : v8{};
-            for (int64_t g = 0; g < group; ++g) {
-                v8 part[8];
-                for (int64_t jj = 0; jj < 8; ++jj) {
-                    v8 sum = qv[g][0] * kf[jj][0];
-                    for (int64_t ch = 1; ch < chunks; ++ch) sum += qv[g][ch] * kf[jj][ch];
-                    part[jj] = sum;
+    const int64_t head_bytes = (h1 - h0) * dh * int64_t(sizeof(KV));  // of one row
+    for (int64_t ahead = 0; ahead < PREFETCH_BLOCKS && ahead * bs < num_keys; ++ahead)
+        prefetch_rows(c, seq, ahead * bs, h0, head_bytes);
+    for (int64_t first = 0; first < num_keys; first += span_keys) {
+        const int64_t n = num_keys - first < span_keys ? num_keys - first : span_keys;
+        for (int64_t pos = first + PREFETCH_BLOCKS * bs;
+             pos < first + n + PREFETCH_BLOCKS * bs && pos < num_keys; pos += bs)
+            prefetch_rows(c, seq, pos, h0, head_bytes);
+        for (int64_t h = h0; h < h1; ++h) {
+            for (int64_t b0 = 0; b0 < n; b0 += bs) {  // the span's rows of head h, per block
+                const int64_t r = c.row(seq, first + b0, h), rows = n - b0 < bs ? n - b0 : bs;
+                for (int64_t j = 0; j < rows; ++j) {
+                    if constexpr (WIDEN) {
+                        widen_row(c.k + r + j * stride, dh, kw + (b0 + j) * dh);
+                        widen_row(c.v + r + j * stride, dh, vw + (b0 + j) * dh);
+                        krow[b0 + j] = kw + (b0 + j) * dh;
+                        vrow[b0 + j] = vw + (b0 + j) * dh;
+                    } else {
+                        krow[b0 + j] = c.k + r + j * stride;
+                        vrow[b0 + j] = c.v + r + j * stride;
+                    }
                 }
-                const v8 scores = lane_sums(part);
-                __builtin_memcpy(&s[g][j0], &scores, sizeof scores);
             }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-            float* sg = s[g];
-            float top = m[g];
-            for (int64_t j = 0; j < n; ++j) top = sg[j] > top ? sg[j] : top;
-            const float shrink = exp_nonpositive(m[g] - top);  // 0 on the first block
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < n; ++j) {
-                sg[j] = exp_nonpositive(sg[j] - top);
-                sum += sg[j];
-            }
-            l[g] = l[g] * shrink + sum;
-            m[g] = top;
-            for (int64_t ch = 0; ch < chunks; ++ch) acc[g][ch] *= shrink;
-        }
-        for (int64_t j = 0; j < n; ++j) {
-            v8 vf[MAX_CHUNKS];
-            for (int64_t ch = 0; ch < chunks; ++ch) vf[ch] = load8(vb + j * stride + ch * 8);
-            for (int64_t g = 0; g < group; ++g) {
-                const float p = s[g][j];
-                for (int64_t ch = 0; ch < chunks; ++ch) acc[g][ch] += p * vf[ch];
+            for (int64_t j = n; j < ((n + 7) & ~7); ++j) krow[j] = krow[0];  // padding lanes
+            for (int64_t g = (h - h0) * group; g < (h - h0 + 1) * group; ++g) {
+                v8 qv[NCH];
+                for (int64_t ch = 0; ch < chunks; ++ch) qv[ch] = load8(q + g * dh + ch * 8);
+                alignas(32) float s[SPAN + 8];
+                for (int64_t j0 = 0; j0 < n; j0 += 8) {
+                    v8 part[8];
+                    for (int64_t jj = 0; jj < 8; ++jj) {
+                        const float* k = krow[j0 + jj];
+                        v8 even = qv[0] * load8(k), odd{};  // two chains: half the latency
+                        for (int64_t ch = 1; ch + 1 < chunks; ch += 2) {
+                            odd += qv[ch] * load8(k + ch * 8);
+                            even += qv[ch + 1] * load8(k + ch * 8 + 8);
+                        }
+                        if (chunks % 2 == 0) odd += qv[chunks - 1] * load8(k + chunks * 8 - 8);
+                        part[jj] = even + odd;
+                    }
+                    const v8 scores = lane_sums(part);
+                    __builtin_memcpy(&s[j0], &scores, sizeof scores);
+                }
+                // softmax over the span, eight scores at a time; lanes past `n` are -inf
+                for (int64_t j = n; j < ((n + 7) & ~7); ++j) s[j] = -INFINITY;
+                v8 top8 = load8(s);
+                for (int64_t j0 = 8; j0 < n; j0 += 8) {
+                    const v8 x = load8(s + j0);
+                    top8 = x > top8 ? x : top8;
+                }
+                float top = m[g];
+                for (int i = 0; i < 8; ++i) top = top8[i] > top ? top8[i] : top;
+                const float shrink = exp_nonpositive(m[g] - top);  // 0 on the first span
+                v8 sum8{};
+                for (int64_t j0 = 0; j0 < n; j0 += 8) {
+                    const v8 p = exp_nonpositive(load8(s + j0) - top);
+                    __builtin_memcpy(s + j0, &p, sizeof p);
+                    sum8 += p;
+                }
+                float sum = 0.f;
+                for (int i = 0; i < 8; ++i) sum += sum8[i];
+                l[g] = l[g] * shrink + sum;
+                m[g] = top;
+                // P @ V: even and odd keys in two sets of sums, so that a sum's next
+                // multiply-add need not wait for its last (latency, not throughput, bound)
+                v8 a[NCH], b[NCH];
+                for (int64_t ch = 0; ch < chunks; ++ch) {
+                    a[ch] = load8(acc[g] + ch * 8) * shrink;
+                    b[ch] = v8{};
+                }
+                int64_t j = 0;
+                for (; j + 1 < n; j += 2) {
+                    const float p0 = s[j], p1 = s[j + 1];
+                    const float* v0 = vrow[j];
+                    const float* v1 = vrow[j + 1];
+                    for (int64_t ch = 0; ch < chunks; ++ch) {
+                        a[ch] += p0 * load8(v0 + ch * 8);
+                        b[ch] += p1 * load8(v1 + ch * 8);
+                    }
+                }
+                if (j < n)
+                    for (int64_t ch = 0; ch < chunks; ++ch) a[ch] += s[j] * load8(vrow[j] + ch * 8);
+                for (int64_t ch = 0; ch < chunks; ++ch) {
+                    const v8 sum = a[ch] + b[ch];
+                    __builtin_memcpy(acc[g] + ch * 8, &sum, sizeof sum);
+                }
             }
         }
     }
-    for (int64_t g = 0; g < group; ++g) {
+    for (int64_t g = 0; g < heads; ++g) {
         const float inv = 1.f / l[g];
-        for (int64_t ch = 0; ch < chunks; ++ch) {
-            const v8 o = acc[g][ch] * inv;
-            __builtin_memcpy(out + g * dh + ch * 8, &o, sizeof o);
-        }
+        for (int64_t i = 0; i < dh; ++i) out[g * dh + i] = acc[g][i] * inv;
+    }
+}
+
+// attend<Dh / 8>, compiled for the head sizes models use, else the runtime-sized one.
+template <typename KV>
+using AttendFn = void (*)(const float*, int64_t, const Cache<KV>&, int64_t, int64_t, int64_t,
+                          int64_t, float*);
+
+template <typename KV>
+AttendFn<KV> attend_for(int64_t head_dim) {
+    switch (head_dim) {
+        case 32: return attend<4, KV>;
+        case 64: return attend<8, KV>;
+        case 80: return attend<10, KV>;
+        case 96: return attend<12, KV>;
+        case 128: return attend<16, KV>;
+        default: return attend<0, KV>;
     }
 }
 
@@ -245,15 +344,23 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
         num_heads % num_kv_heads || block_size > MAX_BLOCK)
         return 1;
     const Cache<KV> c{k_cache, v_cache, block_size, num_kv_heads, head_dim, tables, max_blocks};
-    // Work items of the attention: (token, KV head) of the sequences done here.
-    // Token-major, and one thread takes a token's KV heads together (the schedule's chunk):
-    // a cache block holds every head's rows, so its memory streams in once and the other
-    // heads' rows come from L2. Decode is bound by this memory traffic, not by arithmetic.
-    std::vector<int64_t> items;
+    // Work items of the attention: (token, KV heads [h0, h1)) of the sequences done here.
+    // Decode is bound by memory traffic: a cache block holds every head's rows, so an item
+    // that takes all of a token's heads reads each block once, in one stream. With fewer
+    // tokens than two per thread, items take one head each, so every thread has work.
+    int64_t num_decodes = 0;
+    for (int64_t b = 0; b < num_seqs; ++b)
+        if (starts[b + 1] - starts[b] <= max_query_len) num_decodes += starts[b + 1] - starts[b];
+    const int64_t heads_per_item = num_decodes >= 2 * num_threads
+                                       ? std::min(num_kv_heads, MAX_ITEM_HEADS / group)
+                                       : 1;
+    struct Item { int64_t token, h0, h1; };
+    std::vector<Item> items;
     for (int64_t b = 0; b < num_seqs; ++b)
         if (starts[b + 1] - starts[b] <= max_query_len)
             for (int64_t t = starts[b]; t < starts[b + 1]; ++t)
-                for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back((t << 16) | h);
+                for (int64_t h = 0; h < num_kv_heads; h += heads_per_item)
+                    items.push_back({t, h, std::min(num_kv_heads, h + heads_per_item)});
     std::vector<int64_t> seq_of(num_tokens);
     for (int64_t b = 0; b < num_seqs; ++b)
         for (int64_t t = starts[b]; t < starts[b + 1]; ++t) seq_of[t] = b;
@@ -261,11 +368,13 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
     // Waking a second thread costs tens of microseconds; a small step (one short decode) is
     // done sooner alone.
     int64_t work = num_tokens * num_heads * head_dim;
-    for (int64_t w = 0; w < num_items; ++w) {
-        const int64_t b = seq_of[items[w] >> 16];
-        work += (ctx[b] - (starts[b + 1] - (items[w] >> 16)) + 1) * group * head_dim;
+    for (const Item& item : items) {
+        const int64_t b = seq_of[item.token];
+        work += (ctx[b] - (starts[b + 1] - item.token) + 1) * (item.h1 - item.h0) * group *
+                head_dim;
     }
     if (work < MIN_WORK_PER_THREAD) num_threads = 1;
+    const AttendFn<KV> attend_fn = attend_for<KV>(head_dim);
 
 #pragma omp parallel num_threads(num_threads)
     {
@@ -273,14 +382,16 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tokens; ++t)
             rope_and_store(qkv, t, num_heads, c, cos, sin, slots, q_out);
-#pragma omp for schedule(dynamic, num_kv_heads)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < num_items; ++w) {
-            const int64_t t = items[w] >> 16, h = items[w] & 0xFFFF, b = seq_of[t];
+            const Item& item = items[w];
+            const int64_t t = item.token, b = seq_of[t];
             const int64_t pos = ctx[b] - (starts[b + 1] - t);  // this query's position
-            float q[MAX_GROUP * MAX_HEAD_DIM];
-            const float* qt = q_out + (t * num_heads + h * group) * head_dim;
-            for (int64_t i = 0; i < group * head_dim; ++i) q[i] = qt[i] * scale;
-            attend(q, group, c, b, h, pos + 1, out + (t * num_heads + h * group) * head_dim);
+            const int64_t first = (t * num_heads + item.h0 * group) * head_dim;
+            const int64_t size = (item.h1 - item.h0) * group * head_dim;
+            float q[MAX_ITEM_HEADS * MAX_HEAD_DIM];
+            for (int64_t i = 0; i < size; ++i) q[i] = q_out[first + i] * scale;
+            attend_fn(q, group, c, b, item.h0, item.h1, pos + 1, out + first);
         }
     }
     return 0;

@@ -1,0 +1,115 @@
+"""The C++ paged decode attention (cpu_kernels/paged_attention.cpp) on the default model's
+shapes, against the torch reference it replaces, with the memory traffic it implies.
+
+    python bench/cpu_attention.py [--threads 2] [--isa native|avx2|avx512]
+
+Cases: one decode; 16 decodes over their own blocks (bound by memory: GB/s is printed beside
+this machine's copy bandwidth); 16 decodes behind one shared 1,024-token prefix (a layer's
+prefix fits in L2/L3, so this one is bound by arithmetic). Each call takes the next of 30
+layers' caches, as a step does, so a layer's KV is not still in cache from the call before.
+Microseconds per layer call, median of steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the executor service sets it
+
+import torch  # noqa: E402
+
+from services.cpu_features import cpu_label  # noqa: E402
+from services.executor.cpu_kernels.library import load_library  # noqa: E402
+from services.executor.cpu_kernels.paged_attention import PagedAttention  # noqa: E402
+from services.executor.model import TorchOps, build_attention_metadata  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M, llmbus's block size
+
+
+LAYERS = 30
+
+
+def median_us(fn, repeats: int = 15, calls: int = 1) -> float:
+    """Median wall time of `fn()` over `repeats`, divided by `calls` (calls per `fn`)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6 / calls
+
+
+def copy_gbps() -> float:
+    """Read + write bandwidth of a 256 MB copy: what a memory-bound kernel can approach."""
+    src, dst = torch.ones(64 << 20), torch.empty(64 << 20)
+    return 2 * src.numel() * 4 / median_us(lambda: dst.copy_(src), 5) / 1e3
+
+
+def case(num_seqs: int, context: int, shared: int, kv_dtype: torch.dtype):
+    """Metadata, qkv, rotary rows and a cache: `num_seqs` decodes at `context` tokens, the
+    first `shared` of which sit in blocks every sequence shares."""
+    shared_blocks = shared // BLOCK
+    own = -(-context // BLOCK) - shared_blocks
+    num_blocks = 1 + shared_blocks + num_seqs * own
+    prefix = list(range(1, 1 + shared_blocks))
+    tables = [prefix + list(range(1 + shared_blocks + s * own, 1 + shared_blocks + (s + 1) * own))
+              for s in range(num_seqs)]
+    meta = build_attention_metadata([1] * num_seqs, [context] * num_seqs, tables, BLOCK)
+    qkv = torch.randn(num_seqs, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    angles = torch.rand(num_seqs, HEAD_DIM // 2) * 6
+    emb = torch.cat([angles, angles], dim=-1)
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    caches = [(torch.randn(shape).to(kv_dtype), torch.randn(shape).to(kv_dtype))
+              for _ in range(LAYERS)]
+    return meta, qkv, emb.cos(), emb.sin(), caches
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--isa", default=None, help="kernel build: native, avx2 or avx512")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    lib = load_library(args.isa)
+    if lib is None:
+        print("no C++ compiler: nothing to measure")
+        return 0
+    kernel = PagedAttention(lib, args.threads)
+    scale = HEAD_DIM ** -0.5
+    print(f"# {cpu_label()}; {args.threads} threads; kernel build {args.isa or 'default'}; "
+          f"copy bandwidth {copy_gbps():.1f} GB/s")
+    print("| case | KV dtype | kernel µs | torch µs | KV read GB/s |")
+    print("|---|---|---:|---:|---:|")
+    for name, seqs, context, shared in (("1 decode, 300 tokens", 1, 300, 0),
+                                        ("16 decodes, 1,060 tokens each", 16, 1060, 0),
+                                        ("16 decodes, shared 1,024 prefix", 16, 1060, 1024)):
+        for kv_dtype in (torch.float16, torch.float32):
+            meta, qkv, cos, sin, caches = case(seqs, context, shared, kv_dtype)
+
+            def step():
+                for k, v in caches:
+                    kernel(qkv, cos, sin, k, v, meta, HEADS, scale)
+
+            us = median_us(step, calls=LAYERS)
+            kf, vf = caches[0][0].float(), caches[0][1].float()
+
+            def reference():
+                q = TorchOps.rope_write_kv(qkv, cos, sin, kf, vf, meta.slot_mapping, HEADS)
+                return TorchOps.attention(q, kf, vf, meta, scale)
+
+            ref_us = median_us(reference, 10)
+            bytes_read = 2 * seqs * context * KV_HEADS * HEAD_DIM * kv_dtype.itemsize
+            print(f"| {name} | {str(kv_dtype).removeprefix('torch.')} | {us:,.0f} | "
+                  f"{ref_us:,.0f} | {bytes_read / us / 1e3:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

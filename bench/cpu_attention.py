@@ -52,18 +52,18 @@ def copy_gbps() -> float:
     return 2 * src.numel() * 4 / median_us(lambda: dst.copy_(src), 5) / 1e3
 
 
-def case(num_seqs: int, context: int, shared: int, kv_dtype: torch.dtype):
-    """Metadata, qkv, rotary rows and a cache: `num_seqs` decodes at `context` tokens, the
-    first `shared` of which sit in blocks every sequence shares."""
+def case(num_seqs: int, context: int, shared: int, kv_dtype: torch.dtype, query: int = 1):
+    """Metadata, qkv, rotary rows and a cache: `num_seqs` sequences of `query` new tokens at
+    `context` tokens, the first `shared` of which sit in blocks every sequence shares."""
     shared_blocks = shared // BLOCK
     own = -(-context // BLOCK) - shared_blocks
     num_blocks = 1 + shared_blocks + num_seqs * own
     prefix = list(range(1, 1 + shared_blocks))
     tables = [prefix + list(range(1 + shared_blocks + s * own, 1 + shared_blocks + (s + 1) * own))
               for s in range(num_seqs)]
-    meta = build_attention_metadata([1] * num_seqs, [context] * num_seqs, tables, BLOCK)
-    qkv = torch.randn(num_seqs, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
-    angles = torch.rand(num_seqs, HEAD_DIM // 2) * 6
+    meta = build_attention_metadata([query] * num_seqs, [context] * num_seqs, tables, BLOCK)
+    qkv = torch.randn(num_seqs * query, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    angles = torch.rand(num_seqs * query, HEAD_DIM // 2) * 6
     emb = torch.cat([angles, angles], dim=-1)
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     caches = [(torch.randn(shape).to(kv_dtype), torch.randn(shape).to(kv_dtype))
@@ -85,13 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     scale = HEAD_DIM ** -0.5
     print(f"# {cpu_label()}; {args.threads} threads; kernel build {args.isa or 'default'}; "
           f"copy bandwidth {copy_gbps():.1f} GB/s")
-    print("| case | KV dtype | kernel µs | torch µs | KV read GB/s |")
+    print("| case | KV dtype | kernel µs | torch µs | KV read GB/s |")  # GB/s: of each query
     print("|---|---|---:|---:|---:|")
-    for name, seqs, context, shared in (("1 decode, 300 tokens", 1, 300, 0),
-                                        ("16 decodes, 1,060 tokens each", 16, 1060, 0),
-                                        ("16 decodes, shared 1,024 prefix", 16, 1060, 1024)):
+    for name, seqs, context, shared, query in (
+            ("1 decode, 300 tokens", 1, 300, 0, 1),
+            ("16 decodes, 1,060 tokens each", 16, 1060, 0, 1),
+            ("16 decodes, shared 1,024 prefix", 16, 1060, 1024, 1),
+            ("16 chunks of 32 behind a shared 1,024 prefix", 16, 1056, 1024, 32),
+            ("1 fresh prompt of 256", 1, 256, 0, 256)):
         for kv_dtype in (torch.float16, torch.float32):
-            meta, qkv, cos, sin, caches = case(seqs, context, shared, kv_dtype)
+            meta, qkv, cos, sin, caches = case(seqs, context, shared, kv_dtype, query)
 
             def step():
                 for k, v in caches:

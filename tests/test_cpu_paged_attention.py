@@ -51,6 +51,10 @@ CASES = {  # (query_lens, context_lens, heads, kv heads, head dim, block size, s
     "no GQA, odd sizes": ([1, 1, 5], [131, 2, 9], 6, 6, 48, 8, 0),
     "long context": ([1, 1], [1030, 517], 9, 3, 64, 16, 0),
     "head dim 128, wide group": ([1, 3], [70, 70], 16, 2, 128, 16, 0),
+    # prefill chunks longer than one tile of rows and one span of keys: a fresh prompt, and a
+    # chunk behind cached context, beside a decode
+    "long chunks": ([70, 1, 41], [70, 90, 133], 9, 3, 64, 16, 0),
+    "long chunks, no GQA, runtime head size": ([53, 20], [53, 77], 4, 4, 48, 8, 0),
     # more decodes than one team of 8, all behind a 4-block prefix, one of them a prefill
     "shared prefix": ([1] * 10 + [6], [33, 40, 47, 35, 64, 38, 33, 41, 50, 39, 37],
                       9, 3, 64, 8, 4),

@@ -110,8 +110,8 @@ def server_spec(name: str, args: argparse.Namespace, gguf: Path) -> ServerSpec |
             name, [sys.executable, "-m", "services.cli", "up", "--port", str(port),
                    "--model", str(gguf), *options], port, cwd=str(REPO),
             info={"version": version("llmbus"), "threads": threads,
-                  "dtype": "float32, int8 activations, float16 KV (default)" if not exact
-                           else "float32, float32 KV (--exact)",
+                  "dtype": "GGUF codes, int8 activations, float16 KV (default)" if not exact
+                           else "GGUF codes, float32 activations and KV (--exact)",
                   "flags": "llmbus up " + " ".join(options)})
     if name == "llama-cpp":
         binary = peers_dir() / "llama-cpp" / "bin" / "llama-server"
@@ -235,7 +235,8 @@ def run_inprocess(args: argparse.Namespace, gguf: Path, out_dir: Path) -> dict[s
         str(args.c1_requests), "--input-len", str(args.input_len), "--max-tokens",
         str(args.max_tokens), "--threads", str(args.threads)], out_dir)
     if isinstance(record, dict):
-        record.update(dtype="float32, int8 activations, float16 KV", version="executor only")
+        record.update(dtype="GGUF codes, int8 activations, float16 KV",
+                      version="executor only")
     return record
 
 

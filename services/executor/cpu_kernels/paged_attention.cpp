@@ -46,6 +46,13 @@ constexpr int MAX_ITEM_HEADS = 64;  // query heads one work item attends for
 constexpr int MAX_BLOCK = 64;  // tokens per cache block
 constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead the next blocks are fetched
 constexpr int64_t SPAN = 32;  // keys per online-softmax step (whole cache blocks)
+constexpr int64_t CHUNK_SPAN = 32;  // keys per step of a prefill chunk's attention
+constexpr int64_t MAX_CHUNK_ROWS = 48;  // query rows (token x head) of one chunk work item
+#if defined(__AVX512F__)
+constexpr int ROW_TILE = 4;  // rows scored together: 4 x 4 sums + 4 keys fit 32 registers
+#else
+constexpr int ROW_TILE = 2;  // 16 registers
+#endif
 constexpr int64_t MIN_WORK_PER_THREAD = 1 << 20;  // multiply-adds
 
 template <typename KV>
@@ -174,11 +181,94 @@ inline v8 exp_nonpositive(v8 x) {
     return p * (v8)bits;
 }
 
+// Rows of an 8 x 8 tile become its columns.
+inline void transpose8(v8* t) {
+#if defined(__AVX__)
+    __m256 a[8], b[8];
+    for (int i = 0; i < 4; ++i) {
+        a[2 * i] = _mm256_unpacklo_ps((__m256)t[2 * i], (__m256)t[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_ps((__m256)t[2 * i], (__m256)t[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        const int x = 4 * i;
+        b[x] = _mm256_shuffle_ps(a[x], a[x + 2], 0x44);
+        b[x + 1] = _mm256_shuffle_ps(a[x], a[x + 2], 0xEE);
+        b[x + 2] = _mm256_shuffle_ps(a[x + 1], a[x + 3], 0x44);
+        b[x + 3] = _mm256_shuffle_ps(a[x + 1], a[x + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+        t[i] = (v8)_mm256_permute2f128_ps(b[i], b[i + 4], 0x20);
+        t[i + 4] = (v8)_mm256_permute2f128_ps(b[i], b[i + 4], 0x31);
+    }
+#else
+    v8 r[8];
+    for (int i = 0; i < 8; ++i)
+        for (int j = 0; j < 8; ++j) r[j][i] = t[i][j];
+    for (int i = 0; i < 8; ++i) t[i] = r[i];
+#endif
+}
+
+// One row of `dh` cache values as float32.
+inline void widen_row(const float* row, int64_t dh, float* out) {
+    __builtin_memcpy(out, row, dh * sizeof(float));
+}
+
 // Widen one row of `dh` float16 values into float32.
 inline void widen_row(const _Float16* row, int64_t dh, float* out) {
     for (int64_t i = 0; i < dh; i += 8) {
         const v8 x = load8(row + i);
         __builtin_memcpy(out + i, &x, sizeof x);
+    }
+}
+
+// One online-softmax step of one query row: scores s[0:n] (scaled) of keys whose V rows are
+// vrow[0:n] fold into the running max m, sum l and output acc [Dh]. Needs room for s up to the
+// next multiple of 8 (those lanes are set to -inf, so they add nothing).
+template <int CH>
+inline void softmax_pv(float* s, int64_t n, const float* const* vrow, int64_t chunks, float& m,
+                       float& l, float* acc) {
+    constexpr int NCH = CH ? CH : MAX_HEAD_DIM / 8;
+    for (int64_t j = n; j < ((n + 7) & ~7); ++j) s[j] = -INFINITY;
+    v8 top8 = load8(s);
+    for (int64_t j0 = 8; j0 < n; j0 += 8) {
+        const v8 x = load8(s + j0);
+        top8 = x > top8 ? x : top8;
+    }
+    float top = m;
+    for (int i = 0; i < 8; ++i) top = top8[i] > top ? top8[i] : top;
+    const float shrink = exp_nonpositive(m - top);  // 0 on the first step
+    v8 sum8{};
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        const v8 p = exp_nonpositive(load8(s + j0) - top);
+        __builtin_memcpy(s + j0, &p, sizeof p);
+        sum8 += p;
+    }
+    float sum = 0.f;
+    for (int i = 0; i < 8; ++i) sum += sum8[i];
+    l = l * shrink + sum;
+    m = top;
+    // P @ V: even and odd keys in two sets of sums, so that a sum's next multiply-add need
+    // not wait for its last (latency, not throughput, bound)
+    v8 a[NCH], b[NCH];
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+        a[ch] = load8(acc + ch * 8) * shrink;
+        b[ch] = v8{};
+    }
+    int64_t j = 0;
+    for (; j + 1 < n; j += 2) {
+        const float p0 = s[j], p1 = s[j + 1];
+        const float* v0 = vrow[j];
+        const float* v1 = vrow[j + 1];
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+            a[ch] += p0 * load8(v0 + ch * 8);
+            b[ch] += p1 * load8(v1 + ch * 8);
+        }
+    }
+    if (j < n)
+        for (int64_t ch = 0; ch < chunks; ++ch) a[ch] += s[j] * load8(vrow[j] + ch * 8);
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+        const v8 total = a[ch] + b[ch];
+        __builtin_memcpy(acc + ch * 8, &total, sizeof total);
     }
 }
 
@@ -264,49 +354,7 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
                     const v8 scores = lane_sums(part);
                     __builtin_memcpy(&s[j0], &scores, sizeof scores);
                 }
-                // softmax over the span, eight scores at a time; lanes past `n` are -inf
-                for (int64_t j = n; j < ((n + 7) & ~7); ++j) s[j] = -INFINITY;
-                v8 top8 = load8(s);
-                for (int64_t j0 = 8; j0 < n; j0 += 8) {
-                    const v8 x = load8(s + j0);
-                    top8 = x > top8 ? x : top8;
-                }
-                float top = m[g];
-                for (int i = 0; i < 8; ++i) top = top8[i] > top ? top8[i] : top;
-                const float shrink = exp_nonpositive(m[g] - top);  // 0 on the first span
-                v8 sum8{};
-                for (int64_t j0 = 0; j0 < n; j0 += 8) {
-                    const v8 p = exp_nonpositive(load8(s + j0) - top);
-                    __builtin_memcpy(s + j0, &p, sizeof p);
-                    sum8 += p;
-                }
-                float sum = 0.f;
-                for (int i = 0; i < 8; ++i) sum += sum8[i];
-                l[g] = l[g] * shrink + sum;
-                m[g] = top;
-                // P @ V: even and odd keys in two sets of sums, so that a sum's next
-                // multiply-add need not wait for its last (latency, not throughput, bound)
-                v8 a[NCH], b[NCH];
-                for (int64_t ch = 0; ch < chunks; ++ch) {
-                    a[ch] = load8(acc[g] + ch * 8) * shrink;
-                    b[ch] = v8{};
-                }
-                int64_t j = 0;
-                for (; j + 1 < n; j += 2) {
-                    const float p0 = s[j], p1 = s[j + 1];
-                    const float* v0 = vrow[j];
-                    const float* v1 = vrow[j + 1];
-                    for (int64_t ch = 0; ch < chunks; ++ch) {
-                        a[ch] += p0 * load8(v0 + ch * 8);
-                        b[ch] += p1 * load8(v1 + ch * 8);
-                    }
-                }
-                if (j < n)
-                    for (int64_t ch = 0; ch < chunks; ++ch) a[ch] += s[j] * load8(vrow[j] + ch * 8);
-                for (int64_t ch = 0; ch < chunks; ++ch) {
-                    const v8 sum = a[ch] + b[ch];
-                    __builtin_memcpy(acc[g] + ch * 8, &sum, sizeof sum);
-                }
+                softmax_pv<CH>(s, n, vrow, chunks, m[g], l[g], acc[g]);
             }
         }
     }
@@ -333,6 +381,88 @@ AttendFn<KV> attend_for(int64_t head_dim) {
     }
 }
 
+// Causal attention of a prefill chunk's queries, `tokens` consecutive tokens from position
+// `pos0` of sequence `seq`, KV head `h`: rows r = t * group + g of q [R, Dh] (scaled) and of
+// out [R, Dh]. GEMM-shaped, as torch's SDPA would be, but over the paged cache in place: per
+// span of CHUNK_SPAN keys, K is copied transposed (and widened) into an L1 scratch once for all
+// rows, so a tile of ROW_TILE rows scores 32 keys with broadcast multiply-adds and no lane
+// sums; then each row's online softmax and P @ V as in decode.
+template <int CH, typename KV>
+void attend_chunk(const float* q, int64_t tokens, int64_t group, const Cache<KV>& c,
+                  int64_t seq, int64_t h, int64_t pos0, float* out) {
+    const int64_t dh = c.head_dim, chunks = CH ? CH : dh / 8, rows = tokens * group;
+    const int64_t num_keys = pos0 + tokens;
+    alignas(64) float acc[MAX_CHUNK_ROWS][MAX_HEAD_DIM];
+    alignas(64) float kt[MAX_HEAD_DIM][CHUNK_SPAN];  // K transposed: kt[d][j]
+    alignas(64) float vw[CHUNK_SPAN][MAX_HEAD_DIM];
+    const float* vrow[CHUNK_SPAN];
+    float m[MAX_CHUNK_ROWS], l[MAX_CHUNK_ROWS];
+    for (int64_t r = 0; r < rows; ++r) {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+        for (int64_t i = 0; i < dh; ++i) acc[r][i] = 0.f;
+    }
+    for (int64_t j = 0; j < CHUNK_SPAN; ++j) vrow[j] = vw[j];
+    for (int64_t first = 0; first < num_keys; first += CHUNK_SPAN) {
+        const int64_t n = std::min(CHUNK_SPAN, num_keys - first);
+        for (int64_t j0 = 0; j0 < CHUNK_SPAN; j0 += 8) {  // eight keys at a time
+            const KV* krows[8];
+            for (int64_t j = j0; j < j0 + 8; ++j) {
+                const int64_t r = c.row(seq, first + (j < n ? j : 0), h);
+                krows[j - j0] = c.k + r;
+                if (j < n) widen_row(c.v + r, dh, vw[j]);
+            }
+            for (int64_t d = 0; d < dh; d += 8) {  // an 8 x 8 tile of K, transposed
+                v8 tile[8];
+                for (int i = 0; i < 8; ++i) tile[i] = j0 + i < n ? load8(krows[i] + d) : v8{};
+                transpose8(tile);
+                for (int i = 0; i < 8; ++i) __builtin_memcpy(&kt[d + i][j0], &tile[i], sizeof(v8));
+            }
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+            const int64_t tile = std::min<int64_t>(ROW_TILE, rows - r0);
+            if (first > pos0 + (r0 + tile - 1) / group) continue;  // every key is in the future
+            v8 sc[ROW_TILE][CHUNK_SPAN / 8] = {};
+            for (int64_t d = 0; d < dh; ++d) {
+                v8 k[CHUNK_SPAN / 8];
+                for (int i = 0; i < CHUNK_SPAN / 8; ++i) k[i] = load8(&kt[d][i * 8]);
+                for (int64_t t = 0; t < ROW_TILE; ++t) {
+                    const float x = q[(r0 + (t < tile ? t : 0)) * dh + d];
+                    for (int i = 0; i < CHUNK_SPAN / 8; ++i) sc[t][i] += x * k[i];
+                }
+            }
+            for (int64_t t = 0; t < tile; ++t) {
+                const int64_t r = r0 + t, pos = pos0 + r / group;
+                if (first > pos) continue;
+                alignas(32) float row[CHUNK_SPAN + 8];
+                __builtin_memcpy(row, sc[t], sizeof sc[t]);
+                softmax_pv<CH>(row, std::min(n, pos - first + 1), vrow, chunks, m[r], l[r],
+                               acc[r]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.f / l[r];
+        for (int64_t i = 0; i < dh; ++i) out[r * dh + i] = acc[r][i] * inv;
+    }
+}
+
+template <typename KV>
+using ChunkFn = void (*)(const float*, int64_t, int64_t, const Cache<KV>&, int64_t, int64_t,
+                         int64_t, float*);
+
+template <typename KV>
+ChunkFn<KV> attend_chunk_for(int64_t head_dim) {
+    switch (head_dim) {
+        case 32: return attend_chunk<4, KV>;
+        case 64: return attend_chunk<8, KV>;
+        case 80: return attend_chunk<10, KV>;
+        case 96: return attend_chunk<12, KV>;
+        case 128: return attend_chunk<16, KV>;
+        default: return attend_chunk<0, KV>;
+    }
+}
+
 template <typename KV>
 int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
         int64_t head_dim, const float* cos, const float* sin, KV* k_cache, KV* v_cache,
@@ -344,37 +474,44 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
         num_heads % num_kv_heads || block_size > MAX_BLOCK)
         return 1;
     const Cache<KV> c{k_cache, v_cache, block_size, num_kv_heads, head_dim, tables, max_blocks};
-    // Work items of the attention: (token, KV heads [h0, h1)) of the sequences done here.
+    // Work items of the attention: (token, KV heads [h0, h1)) of the decodes (one query), and
+    // (sequence, KV head, tile of tokens) of the prefill chunks up to `max_query_len` queries.
     // Decode is bound by memory traffic: a cache block holds every head's rows, so an item
     // that takes all of a token's heads reads each block once, in one stream. With fewer
     // tokens than two per thread, items take one head each, so every thread has work.
     int64_t num_decodes = 0;
     for (int64_t b = 0; b < num_seqs; ++b)
-        if (starts[b + 1] - starts[b] <= max_query_len) num_decodes += starts[b + 1] - starts[b];
+        if (starts[b + 1] - starts[b] == 1) ++num_decodes;
     const int64_t heads_per_item = num_decodes >= 2 * num_threads
                                        ? std::min(num_kv_heads, MAX_ITEM_HEADS / group)
                                        : 1;
-    struct Item { int64_t token, h0, h1; };
-    std::vector<Item> items;
-    for (int64_t b = 0; b < num_seqs; ++b)
-        if (starts[b + 1] - starts[b] <= max_query_len)
-            for (int64_t t = starts[b]; t < starts[b + 1]; ++t)
-                for (int64_t h = 0; h < num_kv_heads; h += heads_per_item)
-                    items.push_back({t, h, std::min(num_kv_heads, h + heads_per_item)});
+    const int64_t tile_tokens = std::max<int64_t>(1, MAX_CHUNK_ROWS / group);
+    struct Item { int64_t token, h0, h1, tokens; };  // tokens > 0: a chunk's tile
+    std::vector<Item> items, decodes;
+    int64_t work = num_tokens * num_heads * head_dim;  // multiply-adds, roughly
+    for (int64_t b = 0; b < num_seqs; ++b) {
+        const int64_t len = starts[b + 1] - starts[b];
+        if (len == 1) {
+            for (int64_t h = 0; h < num_kv_heads; h += heads_per_item)
+                decodes.push_back({starts[b], h, std::min(num_kv_heads, h + heads_per_item), 0});
+            work += ctx[b] * num_heads * head_dim;
+        } else if (len <= max_query_len) {
+            for (int64_t t = starts[b]; t < starts[b + 1]; t += tile_tokens)
+                for (int64_t h = 0; h < num_kv_heads; ++h)
+                    items.push_back({t, h, h + 1, std::min(tile_tokens, starts[b + 1] - t)});
+            work += len * ctx[b] * num_heads * head_dim;
+        }
+    }
+    items.insert(items.end(), decodes.begin(), decodes.end());  // the big chunk tiles first
     std::vector<int64_t> seq_of(num_tokens);
     for (int64_t b = 0; b < num_seqs; ++b)
         for (int64_t t = starts[b]; t < starts[b + 1]; ++t) seq_of[t] = b;
     const int64_t num_items = int64_t(items.size());
     // Waking a second thread costs tens of microseconds; a small step (one short decode) is
     // done sooner alone.
-    int64_t work = num_tokens * num_heads * head_dim;
-    for (const Item& item : items) {
-        const int64_t b = seq_of[item.token];
-        work += (ctx[b] - (starts[b + 1] - item.token) + 1) * (item.h1 - item.h0) * group *
-                head_dim;
-    }
     if (work < MIN_WORK_PER_THREAD) num_threads = 1;
     const AttendFn<KV> attend_fn = attend_for<KV>(head_dim);
+    const ChunkFn<KV> chunk_fn = attend_chunk_for<KV>(head_dim);
 
 #pragma omp parallel num_threads(num_threads)
     {
@@ -387,11 +524,26 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
             const Item& item = items[w];
             const int64_t t = item.token, b = seq_of[t];
             const int64_t pos = ctx[b] - (starts[b + 1] - t);  // this query's position
-            const int64_t first = (t * num_heads + item.h0 * group) * head_dim;
-            const int64_t size = (item.h1 - item.h0) * group * head_dim;
-            float q[MAX_ITEM_HEADS * MAX_HEAD_DIM];
-            for (int64_t i = 0; i < size; ++i) q[i] = q_out[first + i] * scale;
-            attend_fn(q, group, c, b, item.h0, item.h1, pos + 1, out + first);
+            if (item.tokens == 0) {
+                const int64_t first = (t * num_heads + item.h0 * group) * head_dim;
+                const int64_t size = (item.h1 - item.h0) * group * head_dim;
+                float q[MAX_ITEM_HEADS * MAX_HEAD_DIM];
+                for (int64_t i = 0; i < size; ++i) q[i] = q_out[first + i] * scale;
+                attend_fn(q, group, c, b, item.h0, item.h1, pos + 1, out + first);
+                continue;
+            }
+            // a chunk's tile: rows (token, query head of KV head h), gathered and scattered
+            alignas(64) float q[MAX_CHUNK_ROWS * MAX_HEAD_DIM];
+            alignas(64) float o[MAX_CHUNK_ROWS * MAX_HEAD_DIM];
+            const int64_t h = item.h0, size = group * head_dim;
+            for (int64_t i = 0; i < item.tokens; ++i) {
+                const float* from = q_out + ((t + i) * num_heads + h * group) * head_dim;
+                for (int64_t x = 0; x < size; ++x) q[i * size + x] = from[x] * scale;
+            }
+            chunk_fn(q, item.tokens, group, c, b, h, pos, o);
+            for (int64_t i = 0; i < item.tokens; ++i)
+                __builtin_memcpy(out + ((t + i) * num_heads + h * group) * head_dim,
+                                 o + i * size, size * sizeof(float));
         }
     }
     return 0;

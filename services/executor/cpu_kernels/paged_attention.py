@@ -16,7 +16,7 @@ from services.executor.model import AttentionMetadata, _attend
 
 # Queries per sequence up to which the kernel attends (decodes); longer ones go to SDPA. It
 # matches the decode/prefill split of the attention layouts.
-KERNEL_MAX_QUERY_LEN = 1
+KERNEL_MAX_QUERY_LEN = 1 << 20
 KV_DTYPES = (torch.float32, torch.float16)
 
 

@@ -85,9 +85,16 @@ class _GraphBuilder:
                 domain="com.microsoft", outputs=[normed, "", "", total], epsilon=eps)
         return normed, total
 
-    def linear(self, x: str, parts: list[MatrixSource]) -> str:
+    def linear(self, x: str, parts: list[MatrixSource], accuracy_level: int | None = None
+               ) -> str:
         """x [T, K] @ Wᵀ for W the row-stack of `parts`: one matmul per run of same-format
-        parts, outputs concatenated."""
+        parts, outputs concatenated; at `accuracy_level` if given, else the graph's."""
+        if accuracy_level is not None and accuracy_level != self.accuracy_level:
+            graph_level, self.accuracy_level = self.accuracy_level, accuracy_level
+            try:
+                return self.linear(x, parts)
+            finally:
+                self.accuracy_level = graph_level
         runs: list[list[MatrixSource]] = []
         for part in parts:
             if runs and _kind(runs[-1][0]) == _kind(part):
@@ -159,7 +166,8 @@ def _kind(source: MatrixSource) -> str:
 
 
 def layer_graphs(config: LlamaConfig, matrices: dict[str, MatrixSource],
-                 norms: dict[str, np.ndarray], accuracy_level: int) -> list[onnx.ModelProto]:
+                 norms: dict[str, np.ndarray], accuracy_level: int,
+                 qkv_accuracy_level: int | None = None) -> list[onnx.ModelProto]:
     """The L + 1 graphs between attentions (see the module doc), in order.
 
     Inputs: `hidden` [T, D] (the residual stream), and `attn` [T, H * Dh] except in graph 0.
@@ -193,7 +201,8 @@ def layer_graphs(config: LlamaConfig, matrices: dict[str, MatrixSource],
             x = g.rms_norm(hidden, norms["blk.0.attn_norm.weight"], eps)
         if i < config.num_layers:
             p = f"blk.{i}."
-            qkv = g.linear(x, [matrices[p + f"attn_{n}.weight"] for n in "qkv"])
+            qkv = g.linear(x, [matrices[p + f"attn_{n}.weight"] for n in "qkv"],
+                           qkv_accuracy_level)
             outputs["qkv"] = (qkv, qkv_width)
         graphs.append(g.model(f"layer_boundary_{i}", inputs, outputs))
     return graphs

@@ -19,8 +19,10 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from services.cpu_features import has_native_bfloat16
 from services.executor.cpu_kernels.library import load_library
 from services.executor.cpu_kernels.paged_attention import PagedAttention
+from services.executor.dense_prefill import DENSE_PREFILL_TOKENS, DensePrefill
 from services.executor.gguf_loader import QUANT_GROUP, LlamaConfig, NativeWeight, Q8_0Weight
 from services.executor.kv_cache import KVCache
 from services.executor.model import AttentionMetadata, TorchOps, rope_tables
@@ -110,7 +112,8 @@ class OnnxLlamaModel:
 
     def __init__(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
                  native: dict[str, NativeWeight], *, max_positions: int,
-                 accuracy_level: int = ACCURACY_FAST, num_threads: int = 1) -> None:
+                 accuracy_level: int = ACCURACY_FAST, num_threads: int = 1,
+                 dense_prefill: bool | None = None) -> None:
         if accuracy_level not in (ACCURACY_EXACT, ACCURACY_FAST):
             raise ValueError(f"accuracy_level {accuracy_level}: expected 0 (exact) or 4 (fast)")
         self.config, self.accuracy_level = config, accuracy_level
@@ -140,6 +143,12 @@ class OnnxLlamaModel:
                                                                                   num_threads)
         del graphs, matrices
         _return_freed_memory()
+        # Big steps as bfloat16 GEMMs (dense_prefill.py): by default in the fast mode on CPUs
+        # with bfloat16 in hardware; `dense_prefill` forces it on or off.
+        if dense_prefill is None:
+            dense_prefill = accuracy_level == ACCURACY_FAST and has_native_bfloat16()
+        self.dense_prefill = (DensePrefill(config, dense, native, lib, num_threads)
+                              if dense_prefill and lib is not None else None)
         self.embed = _Embedding(native.get("token_embd.weight"), dense.get("token_embd.weight"))
         self.native_layers = any(n in native for n in names)
         self.weight_format = "native" if self.native_layers else "dense"
@@ -162,6 +171,23 @@ class OnnxLlamaModel:
                                    self.config.num_heads)  # [T, H, Dh]
         return TorchOps.attention(q, k_cache, v_cache, meta, self.scale)
 
+    def _layers(self, layers: list[_Graph], hidden: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Every layer through the ONNX Runtime graphs: hidden [T, D] -> the residual stream
+        after the last layer."""
+        spare = torch.empty_like(hidden)  # graphs write the new residual beside the old one
+        qkv = torch.empty(hidden.shape[0], layers[0].output_widths["qkv"])
+        layers[0].run({"hidden": hidden}, {"qkv": qkv})
+        for index, graph in enumerate(layers[1:]):
+            k_cache, v_cache = kv_cache.layer(index)
+            attn = self.attend(qkv, cos, sin, k_cache, v_cache, meta)  # [T, H * Dh]
+            outputs = {"hidden_out": spare}
+            if "qkv" in graph.output_widths:
+                outputs["qkv"] = qkv
+            graph.run({"hidden": hidden, "attn": attn.contiguous()}, outputs)
+            hidden, spare = spare, hidden
+        return hidden
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KVCache,
                 logits_indices: torch.Tensor) -> torch.Tensor:
@@ -175,17 +201,11 @@ class OnnxLlamaModel:
                          else self.graphs)
         cos, sin = self.cos[positions], self.sin[positions]  # [T, Dh]
         hidden = self.embed(input_ids)  # [T, D], the residual stream
-        spare = torch.empty_like(hidden)  # graphs write the new residual beside the old one
-        qkv = torch.empty(num_tokens, layers[0].output_widths["qkv"])
-        layers[0].run({"hidden": hidden}, {"qkv": qkv})
-        for index, graph in enumerate(layers[1:]):
-            k_cache, v_cache = kv_cache.layer(index)
-            attn = self.attend(qkv, cos, sin, k_cache, v_cache, meta)  # [T, H * Dh]
-            outputs = {"hidden_out": spare}
-            if "qkv" in graph.output_widths:
-                outputs["qkv"] = qkv
-            graph.run({"hidden": hidden, "attn": attn.contiguous()}, outputs)
-            hidden, spare = spare, hidden
+        if self.dense_prefill is not None and num_tokens >= DENSE_PREFILL_TOKENS:
+            hidden = self.dense_prefill(hidden, lambda index, qkv: self.attend(
+                qkv, cos, sin, *kv_cache.layer(index), meta))
+        else:
+            hidden = self._layers(layers, hidden, cos, sin, kv_cache, meta)
         rows = hidden[logits_indices].contiguous()  # [S, D]
         logits = torch.empty(rows.shape[0], cfg.vocab_size)
         if rows.shape[0]:  # a step of prefill chunks alone samples nothing

@@ -49,6 +49,8 @@ SIGNATURES = {
     "q8_0_matmul_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i32], _i32),
     "q8_0_dequantize_f32": ([_ptr, _ptr, _i64, _i64, _ptr, _i32], _i32),
     "llmbus_cpu_has_avx512": ([], _i32),
+    "q4_dequantize_bf16": ([_ptr, _ptr, _ptr, _i64, _i64, _ptr, _i32], _i32),
+    "q8_0_dequantize_bf16": ([_ptr, _ptr, _i64, _i64, _ptr, _i32], _i32),
     "paged_attention_f32": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
                              _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
                              _i32], _i32),

@@ -46,7 +46,8 @@ constexpr int MAX_ITEM_HEADS = 64;  // query heads one work item attends for
 constexpr int MAX_BLOCK = 64;  // tokens per cache block
 constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead the next blocks are fetched
 constexpr int64_t SPAN = 32;  // keys per online-softmax step (whole cache blocks)
-constexpr int64_t CHUNK_SPAN = 32;  // keys per step of a prefill chunk's attention
+constexpr int64_t CHUNK_SPAN = 64;  // keys per online-softmax step of a prefill chunk
+constexpr int64_t SCORE_KEYS = 32;  // keys a row tile scores at once (registers)
 constexpr int64_t MAX_CHUNK_ROWS = 48;  // query rows (token x head) of one chunk work item
 #if defined(__AVX512F__)
 constexpr int ROW_TILE = 4;  // rows scored together: 4 x 4 sums + 4 keys fit 32 registers
@@ -221,13 +222,11 @@ inline void widen_row(const _Float16* row, int64_t dh, float* out) {
     }
 }
 
-// One online-softmax step of one query row: scores s[0:n] (scaled) of keys whose V rows are
-// vrow[0:n] fold into the running max m, sum l and output acc [Dh]. Needs room for s up to the
-// next multiple of 8 (those lanes are set to -inf, so they add nothing).
-template <int CH>
-inline void softmax_pv(float* s, int64_t n, const float* const* vrow, int64_t chunks, float& m,
-                       float& l, float* acc) {
-    constexpr int NCH = CH ? CH : MAX_HEAD_DIM / 8;
+// One online-softmax step of one query row: scores s[0:n] (scaled) become probabilities
+// relative to the new running max m, the running sum l takes them in; returns the factor by
+// which the row's output so far must shrink. Needs room for s up to the next multiple of 8
+// (those lanes are set to -inf).
+inline float softmax_step(float* s, int64_t n, float& m, float& l) {
     for (int64_t j = n; j < ((n + 7) & ~7); ++j) s[j] = -INFINITY;
     v8 top8 = load8(s);
     for (int64_t j0 = 8; j0 < n; j0 += 8) {
@@ -247,8 +246,15 @@ inline void softmax_pv(float* s, int64_t n, const float* const* vrow, int64_t ch
     for (int i = 0; i < 8; ++i) sum += sum8[i];
     l = l * shrink + sum;
     m = top;
-    // P @ V: even and odd keys in two sets of sums, so that a sum's next multiply-add need
-    // not wait for its last (latency, not throughput, bound)
+    return shrink;
+}
+
+// acc [Dh] <- acc * shrink + p[0:n] @ V, V's rows at vrow[0:n]. Even and odd keys go to two
+// sets of sums, so that a sum's next multiply-add need not wait for its last.
+template <int CH>
+inline void pv(const float* p, int64_t n, const float* const* vrow, int64_t chunks, float shrink,
+               float* acc) {
+    constexpr int NCH = CH ? CH : MAX_HEAD_DIM / 8;
     v8 a[NCH], b[NCH];
     for (int64_t ch = 0; ch < chunks; ++ch) {
         a[ch] = load8(acc + ch * 8) * shrink;
@@ -256,7 +262,7 @@ inline void softmax_pv(float* s, int64_t n, const float* const* vrow, int64_t ch
     }
     int64_t j = 0;
     for (; j + 1 < n; j += 2) {
-        const float p0 = s[j], p1 = s[j + 1];
+        const float p0 = p[j], p1 = p[j + 1];
         const float* v0 = vrow[j];
         const float* v1 = vrow[j + 1];
         for (int64_t ch = 0; ch < chunks; ++ch) {
@@ -265,10 +271,34 @@ inline void softmax_pv(float* s, int64_t n, const float* const* vrow, int64_t ch
         }
     }
     if (j < n)
-        for (int64_t ch = 0; ch < chunks; ++ch) a[ch] += s[j] * load8(vrow[j] + ch * 8);
+        for (int64_t ch = 0; ch < chunks; ++ch) a[ch] += p[j] * load8(vrow[j] + ch * 8);
     for (int64_t ch = 0; ch < chunks; ++ch) {
         const v8 total = a[ch] + b[ch];
         __builtin_memcpy(acc + ch * 8, &total, sizeof total);
+    }
+}
+
+// pv for two rows over the same keys [0, n): each V row is loaded once for both.
+template <int CH>
+inline void pv2(const float* p, const float* q, int64_t n, const float* const* vrow,
+                int64_t chunks, float shrink_p, float shrink_q, float* acc_p, float* acc_q) {
+    constexpr int NCH = CH ? CH : MAX_HEAD_DIM / 8;
+    v8 a[NCH], b[NCH];
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+        a[ch] = load8(acc_p + ch * 8) * shrink_p;
+        b[ch] = load8(acc_q + ch * 8) * shrink_q;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        const float x = p[j], y = q[j];
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+            const v8 v = load8(vrow[j] + ch * 8);
+            a[ch] += x * v;
+            b[ch] += y * v;
+        }
+    }
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+        __builtin_memcpy(acc_p + ch * 8, &a[ch], sizeof(v8));
+        __builtin_memcpy(acc_q + ch * 8, &b[ch], sizeof(v8));
     }
 }
 
@@ -354,7 +384,8 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
                     const v8 scores = lane_sums(part);
                     __builtin_memcpy(&s[j0], &scores, sizeof scores);
                 }
-                softmax_pv<CH>(s, n, vrow, chunks, m[g], l[g], acc[g]);
+                const float shrink = softmax_step(s, n, m[g], l[g]);
+                pv<CH>(s, n, vrow, chunks, shrink, acc[g]);
             }
         }
     }
@@ -422,23 +453,46 @@ void attend_chunk(const float* q, int64_t tokens, int64_t group, const Cache<KV>
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int64_t tile = std::min<int64_t>(ROW_TILE, rows - r0);
             if (first > pos0 + (r0 + tile - 1) / group) continue;  // every key is in the future
-            v8 sc[ROW_TILE][CHUNK_SPAN / 8] = {};
-            for (int64_t d = 0; d < dh; ++d) {
-                v8 k[CHUNK_SPAN / 8];
-                for (int i = 0; i < CHUNK_SPAN / 8; ++i) k[i] = load8(&kt[d][i * 8]);
-                for (int64_t t = 0; t < ROW_TILE; ++t) {
-                    const float x = q[(r0 + (t < tile ? t : 0)) * dh + d];
-                    for (int i = 0; i < CHUNK_SPAN / 8; ++i) sc[t][i] += x * k[i];
+            alignas(32) float scores[ROW_TILE][CHUNK_SPAN + 8];
+            for (int64_t j0 = 0; j0 < n; j0 += SCORE_KEYS) {  // the tile's scores, 32 keys a pass
+                v8 sc[ROW_TILE][SCORE_KEYS / 8] = {};
+                for (int64_t d = 0; d < dh; ++d) {
+                    v8 k[SCORE_KEYS / 8];
+                    for (int i = 0; i < SCORE_KEYS / 8; ++i) k[i] = load8(&kt[d][j0 + i * 8]);
+                    for (int64_t t = 0; t < ROW_TILE; ++t) {
+                        const float x = q[(r0 + (t < tile ? t : 0)) * dh + d];
+                        for (int i = 0; i < SCORE_KEYS / 8; ++i) sc[t][i] += x * k[i];
+                    }
                 }
+                for (int64_t t = 0; t < ROW_TILE; ++t)
+                    __builtin_memcpy(&scores[t][j0], sc[t], sizeof sc[t]);
             }
+            int64_t keys[ROW_TILE];  // each row's keys in this span (causal), 0: none
+            float shrink[ROW_TILE];
             for (int64_t t = 0; t < tile; ++t) {
                 const int64_t r = r0 + t, pos = pos0 + r / group;
-                if (first > pos) continue;
-                alignas(32) float row[CHUNK_SPAN + 8];
-                __builtin_memcpy(row, sc[t], sizeof sc[t]);
-                softmax_pv<CH>(row, std::min(n, pos - first + 1), vrow, chunks, m[r], l[r],
-                               acc[r]);
+                keys[t] = first > pos ? 0 : std::min(n, pos - first + 1);
+                if (keys[t]) shrink[t] = softmax_step(scores[t], keys[t], m[r], l[r]);
             }
+            int64_t t = 0;
+#if defined(__AVX512F__)  // two rows' sums and a V row fit 32 registers, not 16
+            for (; t + 1 < tile; t += 2) {  // rows come in position order: keys[t] <= keys[t+1]
+                const int64_t r = r0 + t, common = keys[t];
+                if (common == 0) {  // row t sees none of these keys yet
+                    if (keys[t + 1])
+                        pv<CH>(scores[t + 1], keys[t + 1], vrow, chunks, shrink[t + 1],
+                               acc[r + 1]);
+                    continue;
+                }
+                pv2<CH>(scores[t], scores[t + 1], common, vrow, chunks, shrink[t],
+                        shrink[t + 1], acc[r], acc[r + 1]);
+                if (keys[t + 1] > common)
+                    pv<CH>(scores[t + 1] + common, keys[t + 1] - common, vrow + common, chunks,
+                           1.f, acc[r + 1]);
+            }
+#endif
+            for (; t < tile; ++t)
+                if (keys[t]) pv<CH>(scores[t], keys[t], vrow, chunks, shrink[t], acc[r0 + t]);
         }
     }
     for (int64_t r = 0; r < rows; ++r) {

@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the executor service sets it
+from services.executor.cpu_kernels.library import configure_openmp  # noqa: E402
+
+configure_openmp()  # as the executor service does, before torch loads
 
 
 class _Timed:

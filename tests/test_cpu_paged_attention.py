@@ -9,6 +9,7 @@ import torch
 
 from services.cpu_features import cpu_flags
 from services.executor.cpu_kernels.library import load_library
+from services.executor.cpu_kernels import paged_attention
 from services.executor.cpu_kernels.paged_attention import PagedAttention
 from services.executor.model import TorchOps, build_attention_metadata
 
@@ -55,6 +56,12 @@ CASES = {  # (query_lens, context_lens, heads, kv heads, head dim, block size, s
     # chunk behind cached context, beside a decode
     "long chunks": ([70, 1, 41], [70, 90, 133], 9, 3, 64, 16, 0),
     "long chunks, no GQA, runtime head size": ([53, 20], [53, 77], 4, 4, 48, 8, 0),
+    # decodes behind a shared prefix long enough to attend over together (cascade): more of
+    # them than one group of rows, beside a prefill chunk over the same prefix
+    "decodes sharing a long prefix": ([1] * 20 + [5], [100 + 3 * i for i in range(20)] + [90],
+                                      9, 3, 64, 16, 5),
+    # a member whose own part is its query alone; no GQA, a runtime head size
+    "shared prefix, own part one key": ([1, 1, 1], [73, 80, 100], 4, 4, 48, 8, 9),
     # more decodes than one team of 8, all behind a 4-block prefix, one of them a prefill
     "shared prefix": ([1] * 10 + [6], [33, 40, 47, 35, 64, 38, 33, 41, 50, 39, 37],
                       9, 3, 64, 8, 4),
@@ -96,3 +103,20 @@ def test_rejects_what_it_cannot_run():
         attention(qkv, cos, sin, k, v, meta, 3, 0.25)  # 3 query heads: qkv is 4 + 2 x 2 wide
     with pytest.raises(ValueError, match="float32/float16 cache"):
         attention(qkv, cos, sin, k.bfloat16(), v.bfloat16(), meta, 4, 0.25)
+
+
+def test_chunks_longer_than_the_kernel_takes_go_to_sdpa(monkeypatch):
+    """Prefill chunks past KERNEL_MAX_QUERY_LEN get the kernel's RoPE and KV write, then torch
+    SDPA; decodes beside them stay in the kernel."""
+    lib = load_library()
+    if lib is None:
+        pytest.skip("no C++ compiler here")
+    monkeypatch.setattr(paged_attention, "KERNEL_MAX_QUERY_LEN", 4)
+    query_lens, context_lens = [1, 7, 1, 12, 3], [33, 7, 40, 30, 20]
+    meta, qkv, cos, sin, (k, v) = _case(query_lens, context_lens, num_heads=8, num_kv_heads=2,
+                                        head_dim=32, block_size=4)
+    k_ref, v_ref = k.clone(), v.clone()
+    q_ref = TorchOps.rope_write_kv(qkv, cos, sin, k_ref, v_ref, meta.slot_mapping, 8)
+    expected = TorchOps.attention(q_ref, k_ref, v_ref, meta, 32 ** -0.5)
+    out = PagedAttention(lib, num_threads=2)(qkv, cos, sin, k, v, meta, 8, 32 ** -0.5)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)

@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args(argv)
 
-    import os
+    from services.executor.cpu_kernels.library import configure_openmp
 
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the executor service sets it
+    configure_openmp()  # as the executor service does, before torch loads
     from services.bench.datasets import random_dataset
     from services.executor.runner import ModelRunner
     from services.gguf_tokenizer import GGUFTokenizer

@@ -20,6 +20,7 @@ from bus import subjects
 from bus.messages import ExecutorInfo, ExecutorInfoRequest, Heartbeat, StepPlan, StepResult
 from bus.runtime import ServiceRuntime
 from bus.tracing import context_from_traceparent, link_to
+from services.executor.cpu_kernels.library import configure_openmp
 from services.model_files import model_name_for, resolve_model
 
 log = structlog.get_logger()
@@ -129,9 +130,7 @@ async def main(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise SystemExit(f"llmbus executor: {exc}") from None
     if backend == "onnxruntime":
-        # The attention kernel's OpenMP threads share the cores with ONNX Runtime's pool: once
-        # done they must sleep, not spin (read when OpenMP starts, i.e. when torch loads).
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        configure_openmp()  # before torch loads OpenMP
     import torch  # only the executor pays for importing torch
 
     from services.executor.runner import ModelRunner

@@ -1,22 +1,27 @@
 // One layer's attention step on the CPU, reading the paged KV cache in place:
 //
 //   1. RoPE (rotate_half layout) on every token's Q and K; K and V stored at the token's slot;
-//   2. for each sequence with at most `max_query_len` queries, causal attention of its queries
-//      over its cached context, straight from the cache blocks its block table names.
+//   2. causal attention of every query of the sequences with at most `max_query_len` queries
+//      over its cached context, straight from the cache blocks its block table names:
+//      - a decode (one query) reads each cache block once for all its heads (`attend`);
+//      - a prefill chunk's queries are rows of a GEMM-shaped tile against each span of keys
+//        (`attend_rows`);
+//      - decodes whose tables share leading blocks (a cached prompt prefix) attend over those
+//        together as rows of `attend_rows`, each over the rest alone, and the two softmax
+//        states merge (cascade attention).
 //
-// Sequences with longer queries (prefill chunks) get only step 1; their roped Q is returned in
-// `q_out` for a GEMM-based attention elsewhere (torch SDPA), which wins on long queries.
+// Sequences with longer queries get only step 1; their roped Q is returned in `q_out` for an
+// attention elsewhere (torch SDPA).
 //
 // Why: the torch path gathers every sequence's blocks into a padded copy each layer and pays
-// ~10 small torch ops per layer; at 16 sequences sharing a 1,000-token prefix that copy is most
-// of the step. Here a query head group reads each key once (the `group` query heads that share a
-// KV head are done together) with an online softmax, so nothing is copied and the cache can be
-// float16 (half the bytes) with float32 arithmetic.
+// ~10 small torch ops per layer; at 16 sequences sharing a 1,000-token prefix that copy was most
+// of the step. Here nothing is copied, and the cache can be float16 (half the bytes) with
+// float32 arithmetic.
 //
-// Eight-float vectors (GCC's vector extension) plus two AVX intrinsics (a lane-sum tree, F16C
-// widening), with plain fallbacks; library.py builds this file for the CPU it runs on
-// (-march=native) or for a named ISA level (LLMBUS_CPU_ISA), so the same source serves AVX2
-// and AVX-512 machines.
+// Eight-float vectors (GCC's vector extension) plus a few AVX intrinsics (a lane-sum tree, an
+// 8 x 8 transpose, F16C widening), with plain fallbacks; library.py builds this file for the
+// CPU it runs on (-march=native) or for a named ISA level (LLMBUS_CPU_ISA), so the same source
+// serves AVX2 and AVX-512 machines.
 //
 // Layouts (row-major):
 //   qkv     [T, (H + 2 Hkv) * Dh] float32   Q heads, then K heads, then V heads
@@ -48,7 +53,8 @@ constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead the next blocks are fet
 constexpr int64_t SPAN = 32;  // keys per online-softmax step (whole cache blocks)
 constexpr int64_t CHUNK_SPAN = 64;  // keys per online-softmax step of a prefill chunk
 constexpr int64_t SCORE_KEYS = 32;  // keys a row tile scores at once (registers)
-constexpr int64_t MAX_CHUNK_ROWS = 48;  // query rows (token x head) of one chunk work item
+constexpr int64_t MAX_CHUNK_ROWS = 48;  // query rows (token x head) of one rows work item
+constexpr int64_t MIN_SHARED_KEYS = 64;  // shortest common prefix decodes attend over together
 #if defined(__AVX512F__)
 constexpr int ROW_TILE = 4;  // rows scored together: 4 x 4 sums + 4 keys fit 32 registers
 #else
@@ -324,7 +330,7 @@ inline void prefetch_rows(const Cache<KV>& c, int64_t seq, int64_t pos, int64_t 
 // loops keep to registers; 0 = runtime-sized.
 template <int CH, typename KV>
 void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int64_t h0,
-            int64_t h1, int64_t num_keys, float* out) {
+            int64_t h1, int64_t key_start, int64_t num_keys, float* out, float* state) {
     constexpr int NCH = CH ? CH : MAX_HEAD_DIM / 8;
     constexpr bool WIDEN = !std::is_same<KV, float>::value;
     const int64_t dh = c.head_dim, chunks = CH ? CH : dh / 8, bs = c.block_size;
@@ -342,9 +348,10 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
         for (int64_t i = 0; i < dh; ++i) acc[g][i] = 0.f;
     }
     const int64_t head_bytes = (h1 - h0) * dh * int64_t(sizeof(KV));  // of one row
-    for (int64_t ahead = 0; ahead < PREFETCH_BLOCKS && ahead * bs < num_keys; ++ahead)
-        prefetch_rows(c, seq, ahead * bs, h0, head_bytes);
-    for (int64_t first = 0; first < num_keys; first += span_keys) {
+    for (int64_t ahead = 0; ahead < PREFETCH_BLOCKS && key_start + ahead * bs < num_keys;
+         ++ahead)
+        prefetch_rows(c, seq, key_start + ahead * bs, h0, head_bytes);
+    for (int64_t first = key_start; first < num_keys; first += span_keys) {
         const int64_t n = num_keys - first < span_keys ? num_keys - first : span_keys;
         for (int64_t pos = first + PREFETCH_BLOCKS * bs;
              pos < first + n + PREFETCH_BLOCKS * bs && pos < num_keys; pos += bs)
@@ -390,15 +397,16 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
         }
     }
     for (int64_t g = 0; g < heads; ++g) {
-        const float inv = 1.f / l[g];
+        const float inv = state ? 1.f : 1.f / l[g];  // a partial state stays unnormalized
         for (int64_t i = 0; i < dh; ++i) out[g * dh + i] = acc[g][i] * inv;
+        if (state) state[2 * g] = m[g], state[2 * g + 1] = l[g];
     }
 }
 
 // attend<Dh / 8>, compiled for the head sizes models use, else the runtime-sized one.
 template <typename KV>
 using AttendFn = void (*)(const float*, int64_t, const Cache<KV>&, int64_t, int64_t, int64_t,
-                          int64_t, float*);
+                          int64_t, int64_t, float*, float*);
 
 template <typename KV>
 AttendFn<KV> attend_for(int64_t head_dim) {
@@ -412,26 +420,27 @@ AttendFn<KV> attend_for(int64_t head_dim) {
     }
 }
 
-// Causal attention of a prefill chunk's queries, `tokens` consecutive tokens from position
-// `pos0` of sequence `seq`, KV head `h`: rows r = t * group + g of q [R, Dh] (scaled) and of
-// out [R, Dh]. GEMM-shaped, as torch's SDPA would be, but over the paged cache in place: per
-// span of CHUNK_SPAN keys, K is copied transposed (and widened) into an L1 scratch once for all
-// rows, so a tile of ROW_TILE rows scores 32 keys with broadcast multiply-adds and no lane
-// sums; then each row's online softmax and P @ V as in decode.
+// Attention of `rows` query rows [rows, Dh] (scaled), all for KV head `h`, over the keys of
+// sequence `seq`'s blocks: row r sees keys [0, row_keys[r]), and row_keys ascends. Leaves each
+// row's online-softmax state: running max m, sum l and unnormalized output acc [rows, Dh].
+// Two uses: a prefill chunk's tokens (row_keys grows by one per token: causal), and decodes of
+// several sequences over the prefix blocks they share (every row sees the whole prefix).
+// GEMM-shaped, as torch's SDPA would be, but over the paged cache in place: per span of
+// CHUNK_SPAN keys, K is copied transposed (and widened) into an L1 scratch once for all rows,
+// so a tile of ROW_TILE rows scores 32 keys at a time with broadcast multiply-adds and no lane
+// sums; then each row's online softmax, and P @ V two rows per V load where registers allow.
 template <int CH, typename KV>
-void attend_chunk(const float* q, int64_t tokens, int64_t group, const Cache<KV>& c,
-                  int64_t seq, int64_t h, int64_t pos0, float* out) {
-    const int64_t dh = c.head_dim, chunks = CH ? CH : dh / 8, rows = tokens * group;
-    const int64_t num_keys = pos0 + tokens;
-    alignas(64) float acc[MAX_CHUNK_ROWS][MAX_HEAD_DIM];
+void attend_rows(const float* q, int64_t rows, const int64_t* row_keys, const Cache<KV>& c,
+                 int64_t seq, int64_t h, float* m, float* l, float* acc) {
+    const int64_t dh = c.head_dim, chunks = CH ? CH : dh / 8;
+    const int64_t num_keys = row_keys[rows - 1];
     alignas(64) float kt[MAX_HEAD_DIM][CHUNK_SPAN];  // K transposed: kt[d][j]
     alignas(64) float vw[CHUNK_SPAN][MAX_HEAD_DIM];
     const float* vrow[CHUNK_SPAN];
-    float m[MAX_CHUNK_ROWS], l[MAX_CHUNK_ROWS];
     for (int64_t r = 0; r < rows; ++r) {
         m[r] = -INFINITY;
         l[r] = 0.f;
-        for (int64_t i = 0; i < dh; ++i) acc[r][i] = 0.f;
+        for (int64_t i = 0; i < dh; ++i) acc[r * dh + i] = 0.f;
     }
     for (int64_t j = 0; j < CHUNK_SPAN; ++j) vrow[j] = vw[j];
     for (int64_t first = 0; first < num_keys; first += CHUNK_SPAN) {
@@ -452,7 +461,7 @@ void attend_chunk(const float* q, int64_t tokens, int64_t group, const Cache<KV>
         }
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int64_t tile = std::min<int64_t>(ROW_TILE, rows - r0);
-            if (first > pos0 + (r0 + tile - 1) / group) continue;  // every key is in the future
+            if (first >= row_keys[r0 + tile - 1]) continue;  // no row of the tile sees these
             alignas(32) float scores[ROW_TILE][CHUNK_SPAN + 8];
             for (int64_t j0 = 0; j0 < n; j0 += SCORE_KEYS) {  // the tile's scores, 32 keys a pass
                 v8 sc[ROW_TILE][SCORE_KEYS / 8] = {};
@@ -470,8 +479,8 @@ void attend_chunk(const float* q, int64_t tokens, int64_t group, const Cache<KV>
             int64_t keys[ROW_TILE];  // each row's keys in this span (causal), 0: none
             float shrink[ROW_TILE];
             for (int64_t t = 0; t < tile; ++t) {
-                const int64_t r = r0 + t, pos = pos0 + r / group;
-                keys[t] = first > pos ? 0 : std::min(n, pos - first + 1);
+                const int64_t r = r0 + t;
+                keys[t] = std::max<int64_t>(0, std::min(n, row_keys[r] - first));
                 if (keys[t]) shrink[t] = softmax_step(scores[t], keys[t], m[r], l[r]);
             }
             int64_t t = 0;
@@ -481,39 +490,36 @@ void attend_chunk(const float* q, int64_t tokens, int64_t group, const Cache<KV>
                 if (common == 0) {  // row t sees none of these keys yet
                     if (keys[t + 1])
                         pv<CH>(scores[t + 1], keys[t + 1], vrow, chunks, shrink[t + 1],
-                               acc[r + 1]);
+                               acc + (r + 1) * dh);
                     continue;
                 }
                 pv2<CH>(scores[t], scores[t + 1], common, vrow, chunks, shrink[t],
-                        shrink[t + 1], acc[r], acc[r + 1]);
+                        shrink[t + 1], acc + r * dh, acc + (r + 1) * dh);
                 if (keys[t + 1] > common)
                     pv<CH>(scores[t + 1] + common, keys[t + 1] - common, vrow + common, chunks,
-                           1.f, acc[r + 1]);
+                           1.f, acc + (r + 1) * dh);
             }
 #endif
             for (; t < tile; ++t)
-                if (keys[t]) pv<CH>(scores[t], keys[t], vrow, chunks, shrink[t], acc[r0 + t]);
+                if (keys[t])
+                    pv<CH>(scores[t], keys[t], vrow, chunks, shrink[t], acc + (r0 + t) * dh);
         }
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-        const float inv = 1.f / l[r];
-        for (int64_t i = 0; i < dh; ++i) out[r * dh + i] = acc[r][i] * inv;
     }
 }
 
 template <typename KV>
-using ChunkFn = void (*)(const float*, int64_t, int64_t, const Cache<KV>&, int64_t, int64_t,
-                         int64_t, float*);
+using RowsFn = void (*)(const float*, int64_t, const int64_t*, const Cache<KV>&, int64_t,
+                        int64_t, float*, float*, float*);
 
 template <typename KV>
-ChunkFn<KV> attend_chunk_for(int64_t head_dim) {
+RowsFn<KV> attend_rows_for(int64_t head_dim) {
     switch (head_dim) {
-        case 32: return attend_chunk<4, KV>;
-        case 64: return attend_chunk<8, KV>;
-        case 80: return attend_chunk<10, KV>;
-        case 96: return attend_chunk<12, KV>;
-        case 128: return attend_chunk<16, KV>;
-        default: return attend_chunk<0, KV>;
+        case 32: return attend_rows<4, KV>;
+        case 64: return attend_rows<8, KV>;
+        case 80: return attend_rows<10, KV>;
+        case 96: return attend_rows<12, KV>;
+        case 128: return attend_rows<16, KV>;
+        default: return attend_rows<0, KV>;
     }
 }
 
@@ -528,44 +534,88 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
         num_heads % num_kv_heads || block_size > MAX_BLOCK)
         return 1;
     const Cache<KV> c{k_cache, v_cache, block_size, num_kv_heads, head_dim, tables, max_blocks};
-    // Work items of the attention: (token, KV heads [h0, h1)) of the decodes (one query), and
-    // (sequence, KV head, tile of tokens) of the prefill chunks up to `max_query_len` queries.
-    // Decode is bound by memory traffic: a cache block holds every head's rows, so an item
-    // that takes all of a token's heads reads each block once, in one stream. With fewer
-    // tokens than two per thread, items take one head each, so every thread has work.
-    int64_t num_decodes = 0;
+    // Decodes that share leading cache blocks (a cached prompt prefix) attend over them
+    // together, as rows of one GEMM-shaped item per KV head (`attend_rows`), and each over its
+    // own remaining keys alone; the two softmax states merge at the end (cascade attention).
+    std::vector<int64_t> decodes;  // sequence ids with one query
     for (int64_t b = 0; b < num_seqs; ++b)
-        if (starts[b + 1] - starts[b] == 1) ++num_decodes;
-    const int64_t heads_per_item = num_decodes >= 2 * num_threads
+        if (starts[b + 1] - starts[b] == 1) decodes.push_back(b);
+    std::sort(decodes.begin(), decodes.end(), [&](int64_t a, int64_t b) {
+        return std::lexicographical_compare(tables + a * max_blocks, tables + (a + 1) * max_blocks,
+                                            tables + b * max_blocks, tables + (b + 1) * max_blocks);
+    });
+    std::vector<int64_t> prefix_keys(num_seqs, 0);  // keys a sequence's shared item covers
+    struct Shared { int64_t first, count, keys; };  // decodes[first, first + count)
+    std::vector<Shared> shared;
+    const int64_t max_members = std::max<int64_t>(1, MAX_CHUNK_ROWS / group);
+    for (size_t i = 0; i < decodes.size();) {
+        // the longest run of sorted decodes whose tables agree on at least MIN_SHARED_KEYS
+        const int32_t* lead = tables + decodes[i] * max_blocks;
+        int64_t common = (ctx[decodes[i]] - 1) / block_size;  // whole blocks before its query
+        size_t j = i + 1;
+        for (; j < decodes.size(); ++j) {
+            const int32_t* other = tables + decodes[j] * max_blocks;
+            int64_t same = 0;
+            const int64_t limit = std::min(common, (ctx[decodes[j]] - 1) / block_size);
+            while (same < limit && other[same] == lead[same]) ++same;
+            if (same * block_size < MIN_SHARED_KEYS) break;
+            common = same;
+        }
+        const int64_t run = int64_t(j - i);
+        if (run >= 2) {  // items of a few members each, so that every thread gets some
+            const int64_t per_item = std::clamp<int64_t>(
+                (run * num_kv_heads + 4 * num_threads - 1) / (4 * num_threads), 2, max_members);
+            for (int64_t at = 0; at < run; at += per_item)
+                shared.push_back({int64_t(i) + at, std::min(per_item, run - at),
+                                  common * block_size});
+            for (size_t x = i; x < j; ++x) prefix_keys[decodes[x]] = common * block_size;
+        }
+        i = j;
+    }
+
+    // Work items: shared-prefix rows (one per group and KV head); prefill chunks' tiles
+    // (sequence, KV head, up to MAX_CHUNK_ROWS rows), up to `max_query_len` queries; and
+    // decodes (token, KV heads [h0, h1)). Decode is bound by memory traffic: a cache block
+    // holds every head's rows, so an item that takes all of a token's heads reads each block
+    // once, in one stream; with fewer tokens than two per thread, items take one head each.
+    const int64_t heads_per_item = int64_t(decodes.size()) >= 2 * num_threads
                                        ? std::min(num_kv_heads, MAX_ITEM_HEADS / group)
                                        : 1;
-    const int64_t tile_tokens = std::max<int64_t>(1, MAX_CHUNK_ROWS / group);
-    struct Item { int64_t token, h0, h1, tokens; };  // tokens > 0: a chunk's tile
-    std::vector<Item> items, decodes;
+    const int64_t tile_tokens = max_members;
+    enum Kind : int64_t { SHARED, CHUNK, DECODE };
+    struct Item { Kind kind; int64_t a, h0, h1, tokens; };  // a: token, or index into shared
+    std::vector<Item> items;
     int64_t work = num_tokens * num_heads * head_dim;  // multiply-adds, roughly
+    for (int64_t x = 0; x < int64_t(shared.size()); ++x)
+        for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({SHARED, x, h, h + 1, 0});
     for (int64_t b = 0; b < num_seqs; ++b) {
         const int64_t len = starts[b + 1] - starts[b];
-        if (len == 1) {
-            for (int64_t h = 0; h < num_kv_heads; h += heads_per_item)
-                decodes.push_back({starts[b], h, std::min(num_kv_heads, h + heads_per_item), 0});
-            work += ctx[b] * num_heads * head_dim;
-        } else if (len <= max_query_len) {
+        if (len > 1 && len <= max_query_len) {
             for (int64_t t = starts[b]; t < starts[b + 1]; t += tile_tokens)
                 for (int64_t h = 0; h < num_kv_heads; ++h)
-                    items.push_back({t, h, h + 1, std::min(tile_tokens, starts[b + 1] - t)});
+                    items.push_back({CHUNK, t, h, h + 1, std::min(tile_tokens, starts[b + 1] - t)});
             work += len * ctx[b] * num_heads * head_dim;
         }
     }
-    items.insert(items.end(), decodes.begin(), decodes.end());  // the big chunk tiles first
+    for (int64_t b : decodes) {
+        for (int64_t h = 0; h < num_kv_heads; h += heads_per_item)
+            items.push_back({DECODE, starts[b], h, std::min(num_kv_heads, h + heads_per_item), 0});
+        work += ctx[b] * num_heads * head_dim;
+    }
     std::vector<int64_t> seq_of(num_tokens);
     for (int64_t b = 0; b < num_seqs; ++b)
         for (int64_t t = starts[b]; t < starts[b + 1]; ++t) seq_of[t] = b;
     const int64_t num_items = int64_t(items.size());
+    // The shared items' states [token, head] (m, l) and unnormalized outputs; the decodes'
+    // own parts go to `out` and `own` the same way, then merge.
+    const int64_t stated = shared.empty() ? 0 : num_tokens * num_heads;
+    std::vector<float> shared_state(2 * stated), own_state(2 * stated);
+    std::vector<float> shared_out(stated * head_dim);
     // Waking a second thread costs tens of microseconds; a small step (one short decode) is
     // done sooner alone.
     if (work < MIN_WORK_PER_THREAD) num_threads = 1;
     const AttendFn<KV> attend_fn = attend_for<KV>(head_dim);
-    const ChunkFn<KV> chunk_fn = attend_chunk_for<KV>(head_dim);
+    const RowsFn<KV> rows_fn = attend_rows_for<KV>(head_dim);
 
 #pragma omp parallel num_threads(num_threads)
     {
@@ -576,28 +626,77 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < num_items; ++w) {
             const Item& item = items[w];
-            const int64_t t = item.token, b = seq_of[t];
-            const int64_t pos = ctx[b] - (starts[b + 1] - t);  // this query's position
-            if (item.tokens == 0) {
+            if (item.kind == DECODE) {
+                const int64_t t = item.a, b = seq_of[t];
                 const int64_t first = (t * num_heads + item.h0 * group) * head_dim;
                 const int64_t size = (item.h1 - item.h0) * group * head_dim;
                 float q[MAX_ITEM_HEADS * MAX_HEAD_DIM];
                 for (int64_t i = 0; i < size; ++i) q[i] = q_out[first + i] * scale;
-                attend_fn(q, group, c, b, item.h0, item.h1, pos + 1, out + first);
+                float* state = prefix_keys[b]
+                                   ? own_state.data() + 2 * (t * num_heads + item.h0 * group)
+                                   : nullptr;
+                attend_fn(q, group, c, b, item.h0, item.h1, prefix_keys[b], ctx[b],
+                          out + first, state);
                 continue;
             }
-            // a chunk's tile: rows (token, query head of KV head h), gathered and scattered
+            // rows (token, query head of KV head h): gathered, attended, scattered back
+            const int64_t h = item.h0, size = group * head_dim;
             alignas(64) float q[MAX_CHUNK_ROWS * MAX_HEAD_DIM];
             alignas(64) float o[MAX_CHUNK_ROWS * MAX_HEAD_DIM];
-            const int64_t h = item.h0, size = group * head_dim;
-            for (int64_t i = 0; i < item.tokens; ++i) {
-                const float* from = q_out + ((t + i) * num_heads + h * group) * head_dim;
+            int64_t token[MAX_CHUNK_ROWS], row_keys[MAX_CHUNK_ROWS];
+            float m[MAX_CHUNK_ROWS], l[MAX_CHUNK_ROWS];
+            int64_t count, seq;
+            if (item.kind == CHUNK) {  // consecutive tokens of one sequence, causal
+                count = item.tokens, seq = seq_of[item.a];
+                for (int64_t i = 0; i < count; ++i) token[i] = item.a + i;
+            } else {  // decodes sharing a prefix: any member's table names its blocks
+                const Shared& group_of = shared[item.a];
+                count = group_of.count, seq = decodes[group_of.first];
+                for (int64_t i = 0; i < count; ++i) token[i] = starts[decodes[group_of.first + i]];
+            }
+            for (int64_t i = 0; i < count; ++i) {
+                const int64_t b = seq_of[token[i]];
+                const int64_t keys = item.kind == CHUNK ? ctx[b] - (starts[b + 1] - token[i]) + 1
+                                                        : shared[item.a].keys;
+                const float* from = q_out + (token[i] * num_heads + h * group) * head_dim;
+                for (int64_t g = 0; g < group; ++g) row_keys[i * group + g] = keys;
                 for (int64_t x = 0; x < size; ++x) q[i * size + x] = from[x] * scale;
             }
-            chunk_fn(q, item.tokens, group, c, b, h, pos, o);
-            for (int64_t i = 0; i < item.tokens; ++i)
-                __builtin_memcpy(out + ((t + i) * num_heads + h * group) * head_dim,
-                                 o + i * size, size * sizeof(float));
+            rows_fn(q, count * group, row_keys, c, seq, h, m, l, o);
+            for (int64_t i = 0; i < count; ++i) {
+                const int64_t at = token[i] * num_heads + h * group;
+                for (int64_t g = 0; g < group; ++g) {
+                    const int64_t r = i * group + g;
+                    if (item.kind == CHUNK) {
+                        const float inv = 1.f / l[r];
+                        for (int64_t x = 0; x < head_dim; ++x)
+                            out[(at + g) * head_dim + x] = o[r * head_dim + x] * inv;
+                    } else {
+                        shared_state[2 * (at + g)] = m[r];
+                        shared_state[2 * (at + g) + 1] = l[r];
+                        __builtin_memcpy(shared_out.data() + (at + g) * head_dim,
+                                         o + r * head_dim, head_dim * sizeof(float));
+                    }
+                }
+            }
+        }
+        // Merge the shared prefix's state with each decode's own: rescale both to their
+        // common max, add, normalize.
+#pragma omp for schedule(static)
+        for (int64_t x = 0; x < int64_t(decodes.size()); ++x) {
+            const int64_t b = decodes[x], t = starts[b];
+            if (!prefix_keys[b]) continue;
+            for (int64_t head = 0; head < num_heads; ++head) {
+                const int64_t at = t * num_heads + head;
+                const float m1 = shared_state[2 * at], l1 = shared_state[2 * at + 1];
+                const float m2 = own_state[2 * at], l2 = own_state[2 * at + 1];
+                const float top = std::max(m1, m2);
+                const float a = exp_nonpositive(m1 - top), e = exp_nonpositive(m2 - top);
+                const float inv = 1.f / (l1 * a + l2 * e);
+                float* o = out + at * head_dim;
+                const float* s = shared_out.data() + at * head_dim;
+                for (int64_t i = 0; i < head_dim; ++i) o[i] = (s[i] * a + o[i] * e) * inv;
+            }
         }
     }
     return 0;

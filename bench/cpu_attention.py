@@ -73,6 +73,24 @@ def case(num_seqs: int, context: int, shared: int, kv_dtype: torch.dtype, query:
     return meta, qkv, emb.cos(), emb.sin(), caches
 
 
+def measure(kernel: PagedAttention, meta, qkv, cos, sin, caches) -> tuple[float, float]:
+    """µs per layer call: the kernel over the 30 layers' caches in turn, and the torch path
+    (gather + SDPA, float32 cache) on one."""
+    scale = HEAD_DIM ** -0.5
+
+    def step():
+        for k, v in caches:
+            kernel(qkv, cos, sin, k, v, meta, HEADS, scale)
+
+    kf, vf = caches[0][0].float(), caches[0][1].float()
+
+    def reference():
+        q = TorchOps.rope_write_kv(qkv, cos, sin, kf, vf, meta.slot_mapping, HEADS)
+        return TorchOps.attention(q, kf, vf, meta, scale)
+
+    return median_us(step, calls=LAYERS), median_us(reference, 10)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -84,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
         print("no C++ compiler: nothing to measure")
         return 0
     kernel = PagedAttention(lib, args.threads)
-    scale = HEAD_DIM ** -0.5
     print(f"# {cpu_label()}; {args.threads} threads; kernel build {args.isa or 'default'}; "
           f"copy bandwidth {copy_gbps():.1f} GB/s")
     print("| case | KV dtype | kernel µs | torch µs | KV read GB/s |")  # GB/s: of each query
@@ -96,20 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             ("16 chunks of 32 behind a shared 1,024 prefix", 16, 1056, 1024, 32),
             ("1 fresh prompt of 256", 1, 256, 0, 256)):
         for kv_dtype in (torch.float16, torch.float32):
-            meta, qkv, cos, sin, caches = case(seqs, context, shared, kv_dtype, query)
-
-            def step():
-                for k, v in caches:
-                    kernel(qkv, cos, sin, k, v, meta, HEADS, scale)
-
-            us = median_us(step, calls=LAYERS)
-            kf, vf = caches[0][0].float(), caches[0][1].float()
-
-            def reference():
-                q = TorchOps.rope_write_kv(qkv, cos, sin, kf, vf, meta.slot_mapping, HEADS)
-                return TorchOps.attention(q, kf, vf, meta, scale)
-
-            ref_us = median_us(reference, 10)
+            us, ref_us = measure(kernel, *case(seqs, context, shared, kv_dtype, query))
             bytes_read = 2 * seqs * context * KV_HEADS * HEAD_DIM * kv_dtype.itemsize
             print(f"| {name} | {str(kv_dtype).removeprefix('torch.')} | {us:,.0f} | "
                   f"{ref_us:,.0f} | {bytes_read / us / 1e3:.1f} |")

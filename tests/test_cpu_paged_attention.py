@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from services.cpu_features import cpu_flags
-from services.executor.cpu_kernels.library import load_library
 from services.executor.cpu_kernels import paged_attention
+from services.executor.cpu_kernels.library import load_library
 from services.executor.cpu_kernels.paged_attention import PagedAttention
 from services.executor.model import TorchOps, build_attention_metadata
 

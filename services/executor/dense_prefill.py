@@ -111,7 +111,8 @@ class DensePrefill:
     def __call__(self, hidden: torch.Tensor,
                  attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         eps = self.config.rms_norm_eps
-        for index, (m, (attn_norm, ffn_norm)) in enumerate(zip(self.matrices, self.norms)):
+        layers = zip(self.matrices, self.norms, strict=True)
+        for index, (m, (attn_norm, ffn_norm)) in enumerate(layers):
             qkv = self.linear(rms_norm(hidden, attn_norm, eps), m["qkv"])
             hidden = hidden + self.linear(attend(index, qkv), m["o"])
             gate, up = self.linear(rms_norm(hidden, ffn_norm, eps), m["gate_up"]).chunk(2, -1)

@@ -134,7 +134,10 @@ def test_tokenize_detokenize_version(stack):
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
-                                     {"Authorization": API_KEY}])
+                                     {"Authorization": API_KEY},
+                                     # non-ASCII bytes once made compare_digest raise: 500
+                                     {"Authorization": "Bearer clé".encode()}],
+                         ids=["none", "wrong", "no scheme", "non-ASCII"])
 def test_v1_routes_need_the_api_key(stack, headers):
     response = httpx.post(f"{stack.base_url}/chat/completions", headers=headers,
                           json={"model": MODEL_NAME, "messages": FRANCE})

@@ -173,13 +173,23 @@ async def version_route() -> dict:
     return {"version": _version()}
 
 
+def _same_key(sent: str, expected: str) -> bool:
+    """Constant-time comparison of bytes: header text arrives as latin-1-decoded bytes, and
+    `compare_digest` raises on non-ASCII `str` (which made a stray byte a 500)."""
+    try:
+        raw = sent.encode("latin-1")
+    except UnicodeEncodeError:
+        raw = sent.encode("utf-8")
+    return hmac.compare_digest(raw, expected.encode("utf-8"))
+
+
 def _require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     expected = connection.app.state.settings.api_key
     if expected is None:
         return
     header = connection.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
+    if scheme.lower() != "bearer" or not _same_key(token.strip(), expected):
         raise OpenAIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
                           code="invalid_api_key")
 

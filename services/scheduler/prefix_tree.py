@@ -130,16 +130,21 @@ class PrefixTree:
         return num_evicted
 
     def num_evictable(self) -> int:
-        """Blocks that eviction could free now (a whole unreferenced subtree counts)."""
-        def walk(node: Node) -> tuple[int, bool]:
-            total, all_free = 0, True
-            for child in node.children.values():
-                count, free = walk(child)
-                total += count
-                all_free = all_free and free
-            free_here = all_free and self.allocator.ref_counts[node.block_id] == 1
-            return total + (1 if free_here and node is not self.root else 0), free_here
-        return walk(self.root)[0]
+        """Blocks that eviction could free now: every node whose block only the tree holds and
+        whose whole subtree is free too. Iterative, children before parents: a cached prompt of
+        n blocks is a chain n deep, deeper than Python's recursion allows."""
+        order, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        free: dict[int, bool] = {}  # id(node) -> it and everything below it are free
+        total = 0
+        for node in reversed(order):
+            free[id(node)] = (all(free[id(child)] for child in node.children.values())
+                              and self.allocator.ref_counts[node.block_id] == 1)
+            total += free[id(node)] and node is not self.root
+        return total
 
     def check_integrity(self) -> None:
         """Walk the tree: every node is indexed, keyed by its tokens, and holds a reference."""

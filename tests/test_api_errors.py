@@ -41,6 +41,8 @@ CASES = [
      {"model": MODEL_NAME, "prompt": "hello " * 8000, "max_tokens": 1000}, "max_tokens"),
     ("token id outside vocabulary", COMPLETIONS, {"model": MODEL_NAME, "prompt": [1, 10**9]},
      "prompt"),
+    ("more prompts than the cap", COMPLETIONS,
+     {"model": MODEL_NAME, "prompt": ["hi"] * 65, "max_tokens": 1}, "prompt"),
     ("negative temperature", CHAT,
      {"model": MODEL_NAME, "messages": HELLO, "temperature": -0.5}, "temperature"),
     ("top_p above one", CHAT, {"model": MODEL_NAME, "messages": HELLO, "top_p": 1.5}, "top_p"),

@@ -95,7 +95,7 @@ async def completions(request: Request, state: State) -> Response:
     engine: EngineClient = state.engine
     req = decode_body(await request.body(), CompletionRequest)
     model = await _check_model(engine, req.model)
-    prompts = completion_prompts(req)
+    prompts = completion_prompts(req, state.settings.limits)
     params = sampling_params(req, max_tokens=req.max_tokens, default_max_tokens=16,
                              num_logprobs=req.logprobs, limits=state.settings.limits)
     echo_texts = None

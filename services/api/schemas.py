@@ -101,6 +101,7 @@ class Limits:
 
     max_tokens: int = 8192
     max_n: int = 16
+    max_prompts: int = 64  # prompts in one batched completion request
 
 
 _ROLES = {"system", "user", "assistant", "developer"}
@@ -213,7 +214,7 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+def completion_prompts(req: CompletionRequest, limits: Limits) -> list[str | list[int]]:
     """The prompts of a completion request, each as text or token ids."""
     prompt = req.prompt
     if isinstance(prompt, str):
@@ -224,6 +225,9 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
         prompts = prompt
     if not prompts:
         raise bad_request("`prompt` must not be empty", param="prompt")
+    if len(prompts) > limits.max_prompts:
+        raise bad_request(f"at most {limits.max_prompts} prompts per request, got "
+                          f"{len(prompts)}", param="prompt")
     for item in prompts:
         if isinstance(item, list):
             if not item or not all(isinstance(t, int) and not isinstance(t, bool)

@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-n", type=int, default=16,
                         help="largest n (completions per prompt) a client may ask for "
                              "(default: 16)")
+    parser.add_argument("--max-prompts", type=int, default=64,
+                        help="most prompts one batched /v1/completions request may carry "
+                             "(default: 64)")
     parser.add_argument("--max-body-size", type=int, default=4 * 2**20,
                         help="largest request body in bytes (default: 4 MiB)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -72,7 +75,8 @@ async def main(args: argparse.Namespace) -> None:
     engine = EngineClient(runtime, request_timeout=args.request_timeout)
     await engine.start()
     app = create_app(engine, ApiSettings(
-        limits=Limits(max_tokens=args.max_tokens_cap, max_n=args.max_n),
+        limits=Limits(max_tokens=args.max_tokens_cap, max_n=args.max_n,
+                      max_prompts=args.max_prompts),
         max_body_bytes=args.max_body_size, api_key=args.api_key))
     server = DrainingServer(app, uvicorn.Config(
         app, host=args.host, port=args.port, log_config=None, access_log=False,

@@ -107,6 +107,16 @@ class Stack:
             return url
         return url.replace("nats://", f"nats://observer:{self.passwords['observer']}@", 1)
 
+    def observer_url_file(self, url: str) -> Path | None:
+        """A file only this user can read holding `observer_url`: logs name the file, never
+        the password. None when the bus has no credentials."""
+        if not self.passwords:
+            return None
+        path = Path(self._tmpdir.name) / "observer-url"
+        path.touch(mode=0o600)
+        path.write_text(self.observer_url(url) + "\n")
+        return path
+
     def start_service(self, name: str, argv: list[str], label: str | None = None) -> None:
         env = {}
         if self.passwords:
@@ -241,9 +251,10 @@ def run_stack(service_argv: dict[str, list[str]], *, nats_url: str | None, api_h
             print(f"llmbus: {exc}; stopping", file=sys.stderr)
             return 1
         if dead is None and not stop_requested.is_set():
-            print(f"llmbus is ready: http://{api_host}:{api_port}/v1 "
-                  f"(nats: {stack.observer_url(url)}); Ctrl-C stops it", file=sys.stderr,
-                  flush=True)
+            secret = stack.observer_url_file(url)
+            observer = f"; observer URL in {secret}" if secret else ""
+            print(f"llmbus is ready: http://{api_host}:{api_port}/v1 (nats: {url}{observer}); "
+                  "Ctrl-C stops it", file=sys.stderr, flush=True)
         while dead is None and not stop_requested.is_set():
             stop_requested.wait(0.5)
             dead = stack.first_dead()

@@ -52,9 +52,11 @@ def start_stack(tmp_dir: Path, *extra: str, timeout: float = 240.0,
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log_path.read_text(errors="replace")
-        match = re.search(r"llmbus is ready: (\S+) \(nats: (\S+)\)", text)
-        if match:
-            return RunningStack(process, match.group(1), match.group(2), log_path)
+        match = re.search(r"llmbus is ready: (\S+) \(nats: ([^;\s)]+)(?:; observer URL in "
+                          r"(\S+))?\)", text)
+        if match:  # the observer's credentials are in a file the line names, if any
+            url = Path(match.group(3)).read_text().strip() if match.group(3) else match.group(2)
+            return RunningStack(process, match.group(1), url, log_path)
         if process.poll() is not None:
             raise RuntimeError(f"llmbus up exited with {process.returncode}:\n{text[-4000:]}")
         time.sleep(0.2)

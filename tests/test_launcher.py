@@ -41,6 +41,8 @@ def test_up_serves_and_sigterm_leaves_no_process(tmp_path):
     port = int(stack.nats_url.rsplit(":", 1)[1])
     plain_url = f"nats://127.0.0.1:{port}"  # what the services get; credentials via env
     assert "observer:" in stack.nats_url
+    password = stack.nats_url.split("observer:", 1)[1].split("@", 1)[0]
+    assert password not in stack.log()  # the ready line names a file, not the password
     assert len(processes_mentioning(plain_url)) == 5  # one process per service
     assert wait_for_port("127.0.0.1", port, timeout=1)  # the embedded nats-server
     import httpx

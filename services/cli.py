@@ -114,13 +114,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options that must not show in `ps`: `up` hands them to the services through the environment
+# variable each service's option already defaults to.
+SECRET_OPTIONS = {"api_key": "LLMBUS_API_KEY"}
+
+
 def _argv_for(name: str, args: argparse.Namespace) -> list[str]:
-    """Re-create the command-line options of one service from `up`'s parsed options."""
+    """Re-create the command-line options of one service from `up`'s parsed options (the
+    secret ones excepted: see SECRET_OPTIONS)."""
     argv = ["--log-format", args.log_format, "--log-level", args.log_level]
     if args.trace_console:
         argv.append("--trace-console")
     for action in _service_parser(name, _service_module(name).add_arguments)._actions:
-        if not action.option_strings:
+        if not action.option_strings or action.dest in SECRET_OPTIONS:
             continue
         value = getattr(args, action.dest, action.default)
         if value == action.default:
@@ -177,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"llmbus: {exc}", file=sys.stderr)
         return 2
+    for dest, variable in SECRET_OPTIONS.items():  # the children inherit the environment
+        if getattr(args, dest, None) is not None:
+            os.environ[variable] = getattr(args, dest)
     return run_stack({name: _argv_for(name, args) for name in SERVICE_ORDER},
                      nats_url=args.nats_url, api_host=args.host, api_port=args.port,
                      ready_timeout=args.ready_timeout, replicas=replicas,

@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import API_KEY, AUTH, MODEL_NAME
 from tests.test_e2e import _engine_stats
+from tests.test_launcher import processes_mentioning
 
 pytestmark = pytest.mark.model
 
@@ -131,6 +132,12 @@ def test_tokenize_detokenize_version(stack):
     chat_tokens = httpx.post(f"{root}/tokenize", json={"messages": FRANCE}).json()
     assert chat_tokens["count"] > tokens["count"]
     assert httpx.get(f"{root}/version").json()["version"]
+
+
+def test_the_api_key_is_on_no_service_command_line(stack):
+    """`llmbus up --api-key K` hands K to the api through its environment: `ps` shows it only
+    on the launcher's own command line, where the user typed it."""
+    assert processes_mentioning(API_KEY) == [stack.process.pid]
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},

@@ -62,6 +62,9 @@ CASES = {  # (query_lens, context_lens, heads, kv heads, head dim, block size, s
                                       9, 3, 64, 16, 5),
     # a member whose own part is its query alone; no GQA, a runtime head size
     "shared prefix, own part one key": ([1, 1, 1], [73, 80, 100], 4, 4, 48, 8, 9),
+    # blocks bigger than a softmax span (64 and 48 tokens), with a shared prefix and a chunk
+    "big blocks": ([1, 1, 1, 9], [200, 150, 64, 100], 8, 2, 64, 64, 1),
+    "48-token blocks": ([1, 1, 20], [100, 97, 140], 9, 3, 32, 48, 2),
     # more decodes than one team of 8, all behind a 4-block prefix, one of them a prefill
     "shared prefix": ([1] * 10 + [6], [33, 40, 47, 35, 64, 38, 33, 41, 50, 39, 37],
                       9, 3, 64, 8, 4),

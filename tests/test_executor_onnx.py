@@ -97,18 +97,21 @@ def test_runner_generates_like_the_torch_runner(tiny, precision):
         assert same >= 0.5 * sum(map(len, outputs["torch"]))
 
 
-def test_quantized_weights_have_no_dense_copy(tmp_path):
-    """A Q4_1 file's layer matrices exist only as 4-bit codes with small scale tables; no
-    float initializer as large as a weight matrix."""
-    path = tmp_path / "tiny-q4_1.gguf"
-    write_tiny_llama(path, SPEC, quantized="Q4_1")
+@pytest.mark.parametrize("quant", ["Q4_1", "Q8_0"])
+def test_quantized_weights_have_no_dense_copy(tmp_path, quant):
+    """In the fast mode a quantized file's layer matrices exist only as codes with small scale
+    tables, the QKV projection's float32 activations included (for 8-bit weights it keeps
+    int8 ones rather than a dense stand-in); no float initializer as large as a matrix."""
+    path = tmp_path / f"tiny-{quant}.gguf"
+    write_tiny_llama(path, SPEC, quantized=quant)
     config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
     assert not any(name.startswith("blk.") and name.endswith(("_q.weight", "_up.weight"))
                    for name in dense)
     matrices = {n: MatrixSource(w, None) for n, w in native.items()}
     norms = {n: t.numpy() for n, t in dense.items()}
     smallest = SPEC.hidden_size * SPEC.hidden_size
-    for graph in layer_graphs(config, matrices, norms, ACCURACY_FAST):
+    for graph in layer_graphs(config, matrices, norms, ACCURACY_FAST,
+                              qkv_q4_accuracy_level=ACCURACY_EXACT):  # as OnnxLlamaModel builds
         floats = [int(np.prod(i.dims)) for i in graph.graph.initializer
                   if i.data_type == TensorProto.FLOAT]
         assert max(floats) < smallest / 4

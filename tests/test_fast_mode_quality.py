@@ -2,10 +2,11 @@
 fixed text (tests/data/perplexity_text.txt, ~2,300 tokens) through each backend's own forward,
 prefill in chunks over the paged cache.
 
-The fast mode has two forwards, and both are held to it: ONNX Runtime's int8 graphs (every
-decode step, and every step on CPUs without bfloat16 in hardware), and the bfloat16 GEMMs that
-big steps take where the CPU has them (dense_prefill.py; forced on here, so every CPU checks
-its numerics, slowly where bfloat16 is emulated)."""
+The fast mode has two forwards, and both are held to it: ONNX Runtime's int8 graphs (steps of
+fewer than 128 tokens, i.e. decode steps of up to 127 requests, and every step on CPUs without
+bfloat16 in hardware), and the bfloat16 GEMMs that bigger steps take where the CPU has them
+(dense_prefill.py; forced on here, so every CPU checks its numerics, slowly where bfloat16 is
+emulated)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Big steps' layers as bfloat16 GEMMs, on CPUs with bfloat16 in hardware (fast mode only).
 
-A step of hundreds of prompt tokens is GEMM-shaped. ONNX Runtime's `MatMulNBits` runs it at
-~240 GFLOP/s on 2 Zen 4 cores (int8 activations); oneDNN's bfloat16 GEMM, through torch, at
-~390 (AVX-512-BF16). So on such CPUs the fast mode runs a step of at least
-`DENSE_PREFILL_TOKENS` tokens here: each layer's matrices are widened from the GGUF's codes
-into one reusable bfloat16 buffer just before use (cpu_kernels/dequantize.cpp, a few percent of
-the GEMM's time), and no dense copy of a weight outlives its layer. Norms, SwiGLU and the
-residual stay float32; attention is the model's own (paged, in place).
+A step of hundreds of tokens (prompt chunks; rarely, 128+ decodes) is GEMM-shaped. ONNX
+Runtime's `MatMulNBits` runs it at ~240 GFLOP/s on 2 Zen 4 cores (int8 activations); oneDNN's
+bfloat16 GEMM, through torch, at ~390 (AVX-512-BF16). So on such CPUs the fast mode runs a step
+of at least `DENSE_PREFILL_TOKENS` tokens here: each layer's matrices are widened from the
+GGUF's codes into one reusable bfloat16 buffer just before use (cpu_kernels/dequantize.cpp, a
+few percent of the GEMM's time), and no dense copy of a weight outlives its layer. Norms, SwiGLU
+and the residual stay float32; attention is the model's own (paged, in place).
 
 Where bfloat16 is emulated (AVX2-only CPUs) the GEMM is slower than ONNX Runtime's, and the
 exact mode keeps float32 activations, so neither uses this path.

@@ -85,23 +85,27 @@ class _GraphBuilder:
                 domain="com.microsoft", outputs=[normed, "", "", total], epsilon=eps)
         return normed, total
 
-    def linear(self, x: str, parts: list[MatrixSource], accuracy_level: int | None = None
+    def linear(self, x: str, parts: list[MatrixSource], q4_accuracy_level: int | None = None
                ) -> str:
         """x [T, K] @ Wᵀ for W the row-stack of `parts`: one matmul per run of same-format
-        parts, outputs concatenated; at `accuracy_level` if given, else the graph's."""
-        if accuracy_level is not None and accuracy_level != self.accuracy_level:
-            graph_level, self.accuracy_level = self.accuracy_level, accuracy_level
-            try:
-                return self.linear(x, parts)
-            finally:
-                self.accuracy_level = graph_level
+        parts, outputs concatenated. 4-bit runs take `q4_accuracy_level` if given (8-bit ones
+        keep the graph's: MLAS's float32 8-bit path is ~40× slower, and the exact mode's dense
+        stand-in would quadruple their memory)."""
         runs: list[list[MatrixSource]] = []
         for part in parts:
             if runs and _kind(runs[-1][0]) == _kind(part):
                 runs[-1].append(part)
             else:
                 runs.append([part])
-        outs = [self._matmul(x, run) for run in runs]
+        outs = []
+        for run in runs:
+            graph_level = self.accuracy_level
+            if q4_accuracy_level is not None and _kind(run[0]) == "q4_1":
+                self.accuracy_level = q4_accuracy_level
+            try:
+                outs.append(self._matmul(x, run))
+            finally:
+                self.accuracy_level = graph_level
         return outs[0] if len(outs) == 1 else self.op("Concat", outs, axis=-1)[0]
 
     def _matmul(self, x: str, run: list[MatrixSource]) -> str:
@@ -167,7 +171,7 @@ def _kind(source: MatrixSource) -> str:
 
 def layer_graphs(config: LlamaConfig, matrices: dict[str, MatrixSource],
                  norms: dict[str, np.ndarray], accuracy_level: int,
-                 qkv_accuracy_level: int | None = None) -> list[onnx.ModelProto]:
+                 qkv_q4_accuracy_level: int | None = None) -> list[onnx.ModelProto]:
     """The L + 1 graphs between attentions (see the module doc), in order.
 
     Inputs: `hidden` [T, D] (the residual stream), and `attn` [T, H * Dh] except in graph 0.
@@ -202,7 +206,7 @@ def layer_graphs(config: LlamaConfig, matrices: dict[str, MatrixSource],
         if i < config.num_layers:
             p = f"blk.{i}."
             qkv = g.linear(x, [matrices[p + f"attn_{n}.weight"] for n in "qkv"],
-                           qkv_accuracy_level)
+                           qkv_q4_accuracy_level)
             outputs["qkv"] = (qkv, qkv_width)
         graphs.append(g.model(f"layer_boundary_{i}", inputs, outputs))
     return graphs

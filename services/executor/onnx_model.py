@@ -30,9 +30,10 @@ from services.executor.onnx_graphs import MatrixSource, head_graph, layer_graphs
 
 ACCURACY_EXACT = 0  # float32 activations: the weights are the GGUF's values, the exact path
 ACCURACY_FAST = 4  # int8 activations per block, like llama.cpp's
-# The QKV projection always takes float32 activations: int8 ones there cost most of the fast
-# mode's perplexity (default model, tests/data text: exact 16.525; everything int8 16.783,
+# A 4-bit QKV projection always takes float32 activations: int8 ones there cost most of the
+# fast mode's perplexity (default model, tests/data text: exact 16.525; everything int8 16.783,
 # +1.6%; QKV float32, the rest int8 16.573, +0.3%) for ~1.4 of ~12 ms of a one-token step.
+# (8-bit weights keep int8 activations: see onnx_graphs.linear.)
 SMALL_STEP_TOKENS = 4  # steps of at most this many tokens run on one thread
 
 
@@ -132,7 +133,7 @@ class OnnxLlamaModel:
         norms = {n: t.float().numpy() for n, t in dense.items() if n.endswith("norm.weight")}
         graphs = [g.SerializeToString()
                   for g in layer_graphs(config, matrices, norms, accuracy_level,
-                                        qkv_accuracy_level=ACCURACY_EXACT)]
+                                        qkv_q4_accuracy_level=ACCURACY_EXACT)]
         graphs.append(head_graph(config, matrix("output.weight"), norms["output_norm.weight"],
                                  accuracy_level).SerializeToString())
         # Small steps (a few decodes) run single-threaded: their matmuls are too short to pay

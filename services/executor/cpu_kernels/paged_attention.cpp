@@ -51,6 +51,7 @@ constexpr int MAX_ITEM_HEADS = 64;  // query heads one work item attends for
 constexpr int MAX_BLOCK = 64;  // tokens per cache block
 constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead the next blocks are fetched
 constexpr int64_t SPAN = 32;  // keys per online-softmax step (whole cache blocks)
+constexpr int64_t MAX_SPAN = SPAN > MAX_BLOCK ? SPAN : MAX_BLOCK;  // a block bigger than SPAN
 constexpr int64_t CHUNK_SPAN = 64;  // keys per online-softmax step of a prefill chunk
 constexpr int64_t SCORE_KEYS = 32;  // keys a row tile scores at once (registers)
 constexpr int64_t MAX_CHUNK_ROWS = 48;  // query rows (token x head) of one rows work item
@@ -335,12 +336,13 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
     constexpr bool WIDEN = !std::is_same<KV, float>::value;
     const int64_t dh = c.head_dim, chunks = CH ? CH : dh / 8, bs = c.block_size;
     const int64_t stride = c.num_kv_heads * dh, heads = (h1 - h0) * group;
-    const int64_t span_keys = SPAN - SPAN % bs;  // whole blocks (bs <= MAX_BLOCK <= SPAN)
+    // whole blocks per span: as many as fit SPAN keys, or one bigger block
+    const int64_t span_keys = bs > SPAN ? bs : SPAN - SPAN % bs;
     alignas(64) float acc[MAX_ITEM_HEADS][MAX_HEAD_DIM];
-    alignas(64) float kw[WIDEN ? SPAN * MAX_HEAD_DIM : 1];
-    alignas(64) float vw[WIDEN ? SPAN * MAX_HEAD_DIM : 1];
-    const float* krow[SPAN];
-    const float* vrow[SPAN];
+    alignas(64) float kw[WIDEN ? MAX_SPAN * MAX_HEAD_DIM : 1];
+    alignas(64) float vw[WIDEN ? MAX_SPAN * MAX_HEAD_DIM : 1];
+    const float* krow[MAX_SPAN];
+    const float* vrow[MAX_SPAN];
     float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
     for (int64_t g = 0; g < heads; ++g) {
         m[g] = -INFINITY;
@@ -375,7 +377,7 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
             for (int64_t g = (h - h0) * group; g < (h - h0 + 1) * group; ++g) {
                 v8 qv[NCH];
                 for (int64_t ch = 0; ch < chunks; ++ch) qv[ch] = load8(q + g * dh + ch * 8);
-                alignas(32) float s[SPAN + 8];
+                alignas(32) float s[MAX_SPAN + 8];
                 for (int64_t j0 = 0; j0 < n; j0 += 8) {
                     v8 part[8];
                     for (int64_t jj = 0; jj < 8; ++jj) {
@@ -558,7 +560,9 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
             int64_t same = 0;
             const int64_t limit = std::min(common, (ctx[decodes[j]] - 1) / block_size);
             while (same < limit && other[same] == lead[same]) ++same;
-            if (same * block_size < MIN_SHARED_KEYS) break;
+            // a member that would cut the run's common prefix starts a run of its own: one
+            // short overlap must not send every member's shared blocks back to decode alone
+            if (same * block_size < MIN_SHARED_KEYS || (j > i + 1 && same < common)) break;
             common = same;
         }
         const int64_t run = int64_t(j - i);

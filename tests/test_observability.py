@@ -89,6 +89,26 @@ def _value(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def test_every_sample_belongs_to_a_declared_family(client, stack):
+    """Each sample's family (its name, less a histogram's _bucket/_sum/_count) has HELP and
+    TYPE lines under that very name, as Prometheus's text format requires."""
+    client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2)  # counters count
+    text = _scrape(stack)
+    assert "llmbus:request_success_total{" in text
+    declared = {line.split()[2]: line.split()[3] for line in text.splitlines()
+                if line.startswith("# TYPE ")}
+    helped = {line.split()[2] for line in text.splitlines() if line.startswith("# HELP ")}
+    samples = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+               if line and not line.startswith("#")}
+    assert samples
+    for name in samples:
+        family = name
+        for suffix in ("_bucket", "_sum", "_count"):
+            if name.endswith(suffix) and declared.get(name.removesuffix(suffix)) == "histogram":
+                family = name.removesuffix(suffix)
+        assert family in declared and family in helped, name
+
+
 def test_metrics_count_exactly_what_was_sent(client, stack):
     before = _scrape(stack)
     usages = []

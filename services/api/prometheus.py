@@ -44,6 +44,11 @@ class Counter(_Metric):
         super().__init__(*args, **kwargs)
         self.values: dict[tuple[str, ...], float] = defaultdict(float)
 
+    def header(self) -> list[str]:
+        # The samples are `name_total`; HELP and TYPE must name what is exposed.
+        return [f"# HELP {self.name}_total {self.documentation}",
+                f"# TYPE {self.name}_total {self.kind}"]
+
     def inc(self, *labels: str, amount: float = 1.0) -> None:
         self.values[labels] += amount
 

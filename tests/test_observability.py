@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from bus.logging import configure_logging
-from tests.conftest import API_KEY, MODEL_NAME
+from tests.conftest import API_KEY, AUTH, MODEL_NAME
 
 pytestmark = pytest.mark.model
 
@@ -136,6 +136,24 @@ def test_metrics_count_exactly_what_was_sent(client, stack):
     assert _value(after, "llmbus:kv_cache_usage_perc") == 0
     assert 'replica="engine0"' in after
     assert delta("llmbus:prefix_cache_queries_total") > 0
+
+
+def test_a_stream_the_client_drops_counts_as_abort(stack):
+    before = _value(_scrape(stack), "llmbus:request_success_total", finished_reason="abort")
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 200,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{stack.base_url}/completions", json=body, headers=AUTH,
+                      timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"text"' in line:
+                break  # the first token arrived: hang up
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        after = _value(_scrape(stack), "llmbus:request_success_total", finished_reason="abort")
+        if after > before:
+            break
+        time.sleep(0.2)
+    assert after == before + 1
 
 
 def test_request_log_lines_carry_request_and_trace_ids(client, stack, otlp):

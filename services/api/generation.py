@@ -118,6 +118,9 @@ class Generation:
                                self.first_token_at - self.started_at)
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
+            if self.metrics is not None:  # choices cut short (client gone, pipeline error)
+                self.metrics.observe_abort(
+                    [fmt.finish_reason_name(c.finish_reason) or "abort" for c in self.choices])
         elif self.metrics is not None:
             self.metrics.observe_request(
                 ttft=None if self.first_token_at is None

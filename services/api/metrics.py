@@ -81,6 +81,13 @@ class ApiMetrics:
         for reason in finish_reasons:
             self.finished.inc(*labels, reason)
 
+    def observe_abort(self, finish_reasons: list[str]) -> None:
+        """A request that ended unfinished: its choices count by how each ended, `abort` for
+        those cut short (as vLLM's counter does); no latencies, which would mix in partial
+        requests."""
+        for reason in finish_reasons:
+            self.finished.inc(*self.labels, reason)
+
     def set_engine_stats(self, stats: list[EngineStats]) -> None:
         for gauge in (self.running, self.waiting, self.kv_usage, self.prefix_queries,
                       self.prefix_hits, self.preemptions):

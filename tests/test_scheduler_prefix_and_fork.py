@@ -35,6 +35,22 @@ def test_prefix_cache_reuses_full_blocks():
     s.check_invariants()
 
 
+def test_a_request_waiting_for_blocks_is_looked_up_once():
+    """The queue head that cannot get blocks is matched again every step; the prefix-cache
+    counters count its lookup once, when it is admitted (else the hit rate sinks)."""
+    s = make(num_blocks=5, block_size=4, prefix_caching=True)  # 4 usable blocks
+    add(s, "a", num_prompt=12, max_tokens=4)  # 3 blocks now, a 4th as it decodes
+    add(s, "b", num_prompt=8, max_tokens=1)  # 2 blocks: waits until a is done
+    steps_b_waited = 0
+    while not any(r.request_id == "b" for r in s.running) and s.has_work:
+        steps_b_waited += len(s.waiting) > 0
+        run_step(s)
+        s.check_invariants()
+    assert steps_b_waited >= 3
+    drain(s)
+    assert s.num_prefix_query_tokens == 12 + 8
+
+
 def test_whole_prompt_cached_still_computes_its_last_token():
     s = make(num_blocks=9, block_size=4, prefix_caching=True)
     add(s, "a", num_prompt=8, max_tokens=1)

@@ -213,12 +213,15 @@ class Scheduler:
             request = self.waiting[0]
             if num_seqs + request.num_forks > self.config.max_num_seqs:
                 break
+            looked_up = self.tree is not None and request.num_computed_tokens == 0
             num_matched = self._match_prefix(request)
             num_new = self._num_new_tokens(request, budget)
             if not self._reserve_blocks(request, num_new):
                 self._release_blocks(request)  # give back the matched prefix
-                self.num_prefix_hit_tokens -= num_matched * self.config.block_size
                 break
+            if looked_up:  # counted once, when admitted: a head that waits asks again
+                self.num_prefix_query_tokens += request.target_tokens
+                self.num_prefix_hit_tokens += num_matched * self.config.block_size
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -279,14 +282,12 @@ class Scheduler:
         if self.tree is None or request.num_computed_tokens:
             return 0
         tokens = request.token_ids()
-        self.num_prefix_query_tokens += request.target_tokens
         block_ids = self.tree.match(tokens, (request.target_tokens - 1) // self.config.block_size)
         for block_id in block_ids:
             self.allocator.incref(block_id)
         request.block_table = block_ids
         request.num_cached_blocks = len(block_ids)
         request.num_computed_tokens = len(block_ids) * self.config.block_size
-        self.num_prefix_hit_tokens += request.num_computed_tokens
         return len(block_ids)
 
     def _cache_full_blocks(self, request: Request) -> None:

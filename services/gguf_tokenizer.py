@@ -19,6 +19,10 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens such as <|im_end|>
 USER_DEFINED_TOKEN_TYPE = 4  # added tokens matched whole in text, but not special
 SUPPORTED_TOKENIZER_MODEL = "gpt2"  # llama.cpp's name for byte-level BPE
+# llama.cpp's names (`tokenizer.ggml.pre`) of the pre-tokenizers built here: SmolLM2's, digits
+# one by one before byte-level BPE. Llama 3's, Qwen2's and the rest split text differently, so
+# serving them with this one would give wrong ids: they are refused by name instead.
+SUPPORTED_PRE_TOKENIZERS = ("smollm",)
 
 
 class UnsupportedTokenizerError(ValueError):
@@ -101,6 +105,11 @@ class GGUFTokenizer:
             raise UnsupportedTokenizerError(
                 f"{path}: tokenizer model {model!r} is not supported; only byte-level BPE "
                 f"({SUPPORTED_TOKENIZER_MODEL!r}) GGUF tokenizers can be served")
+        pre = get("tokenizer.ggml.pre")
+        if pre is not None and pre not in SUPPORTED_PRE_TOKENIZERS:  # absent: files predating
+            raise UnsupportedTokenizerError(  # the key, which llama.cpp also serves as is
+                f"{path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
+                f"supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}")
         tokens = get("tokenizer.ggml.tokens")
         return cls(
             tokens=tokens,

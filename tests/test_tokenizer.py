@@ -154,6 +154,23 @@ def test_tiny_vocabulary_without_a_model_file():
     assert tok.decode(tok.encode("😀")[:2]).endswith("\ufffd")
 
 
+def test_rejects_a_pre_tokenizer_it_does_not_build(tmp_path):
+    """A Llama-3 file's byte-level BPE splits text its own way (`tokenizer.ggml.pre`); read
+    with SmolLM2's splitting it would get wrong ids silently, so it is refused by name."""
+    path = tmp_path / "llama3-like.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(["a", "b", "ab"])
+    writer.add_token_merges(["a b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedTokenizerError, match=r"'llama-bpe' \(tokenizer.ggml.pre\)"):
+        GGUFTokenizer.from_gguf(path)
+
+
 def test_rejects_non_byte_level_gguf(tmp_path):
     path = tmp_path / "sentencepiece.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")

@@ -154,6 +154,12 @@ def test_a_stream_the_client_drops_counts_as_abort(stack):
             break
         time.sleep(0.2)
     assert after == before + 1
+    # a request refused at admission was never served: it is no abort
+    refused = httpx.post(f"{stack.base_url}/completions", headers=AUTH, timeout=30, json={
+        "model": MODEL_NAME, "prompt": "hello " * 9000})
+    assert refused.status_code == 400
+    assert _value(_scrape(stack), "llmbus:request_success_total", finished_reason="abort") \
+        == after
 
 
 def test_request_log_lines_carry_request_and_trace_ids(client, stack, otlp):

@@ -96,14 +96,15 @@ class Generation:
                          num_choices=len(gen.choices))
         except BaseException as exc:
             await engine.release(gen.request_ids, finished=False)
-            gen._end_span(error=str(exc))
+            gen._end_span(error=str(exc), admitted=False)  # refused: not a request served
             raise
         finally:
             otel_context.detach(token)
         return gen
 
-    def _end_span(self, error: str | None = None) -> None:
-        """Close the root span (once) and record the request's metrics."""
+    def _end_span(self, error: str | None = None, admitted: bool = True) -> None:
+        """Close the root span (once) and record the request's metrics (an admitted request
+        that ended in an error counts as aborted)."""
         span, self.span = self.span, None
         if span is None:
             return
@@ -118,7 +119,7 @@ class Generation:
                                self.first_token_at - self.started_at)
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
-            if self.metrics is not None:  # choices cut short (client gone, pipeline error)
+            if self.metrics is not None and admitted:  # cut short: client gone, pipeline error
                 self.metrics.observe_abort(
                     [fmt.finish_reason_name(c.finish_reason) or "abort" for c in self.choices])
         elif self.metrics is not None:

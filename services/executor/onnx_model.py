@@ -9,6 +9,9 @@ tensors' memory (IOBinding), so nothing is copied across the boundary.
 
 Threads: every graph has two sessions, one single-threaded for small steps and one with the
 executor's threads for the rest; their pools never spin (see `_session`).
+
+Big steps (prompt chunks of 128+ tokens) take bfloat16 GEMMs instead of the graphs in the fast
+mode on CPUs with bfloat16 in hardware (dense_prefill.py); the attention is the same.
 """
 
 from __future__ import annotations

@@ -110,7 +110,8 @@ void rope_and_store(const float* qkv, int64_t t, int64_t num_heads, const Cache<
 }
 
 // exp(x) for x <= 0 (softmax arguments), written so the vectorizer can take it: 2^n * p(r)
-// with r in [-ln2/2, ln2/2] and a degree-6 polynomial, within 2 ulp of expf; below -87 it is 0.
+// with r in [-ln2/2, ln2/2] and a degree-6 polynomial, within 2 ulp of expf; below -87 it is
+// exp(-87) ~ 1.6e-38, as good as 0 next to the block's largest term, 1.
 inline float exp_nonpositive(float x) {
     x = x < -87.f ? -87.f : x;
     // round to nearest by the 1.5 * 2^23 trick: no libm call, so the loop vectorizes
@@ -321,9 +322,11 @@ inline void prefetch_rows(const Cache<KV>& c, int64_t seq, int64_t pos, int64_t 
         }
 }
 
-// Attention of the query heads of KV heads [h0, h1) over positions [0, num_keys) of sequence
-// `seq`: q and out are [(h1 - h0) * group, Dh] (query heads h0 * group onwards; q scaled
-// already). Keys go SPAN at a time (several cache blocks): each block's rows of these heads are
+// Attention of the query heads of KV heads [h0, h1) over positions [key_start, num_keys) of
+// sequence `seq` (key_start: 0, or the end of a shared prefix, block-aligned): q and out are
+// [(h1 - h0) * group, Dh] (query heads h0 * group onwards; q scaled already). With `state`,
+// out is left unnormalized and state gets each head's (max, sum), for a merge; else out is
+// the attention output. Keys go SPAN at a time (several cache blocks): each block's rows of these heads are
 // read from memory once (blocks ahead are prefetched, blocks scatter), float16 rows are
 // widened once per KV head into an L1 scratch, and each query head, with its query and running
 // output in registers, takes the span's scores eight keys at a time, one online-softmax rescale

@@ -58,8 +58,10 @@ class ServiceRuntime:
         # Credentials come from the environment (the command line shows in `ps`).
         credentials = {}
         if os.environ.get("LLMBUS_NATS_USER"):
-            credentials = {"user": os.environ["LLMBUS_NATS_USER"],
-                           "password": os.environ.get("LLMBUS_NATS_PASSWORD", "")}
+            user = os.environ["LLMBUS_NATS_USER"]
+            # replies on inboxes only this user may read (services/nats_auth.py)
+            credentials = {"user": user, "password": os.environ.get("LLMBUS_NATS_PASSWORD", ""),
+                           "inbox_prefix": subjects.inbox_prefix(user)}
         self.nc = await nats.connect(
             self.nats_url, name=f"llmbus-{self.service}-{self.instance_id}",
             error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.5,

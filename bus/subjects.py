@@ -88,3 +88,9 @@ def detokenizer_tokens(instance_id: str) -> str:
 # The queue group of a stateless stage is simply the stage name.
 def queue_group(service: str) -> str:
     return service
+
+
+# Replies to a user's requests (a service's bus user, when the bus has users): inboxes under a
+# prefix that only this user may subscribe to (services/nats_auth.py), not the shared `_INBOX`.
+def inbox_prefix(user: str) -> str:
+    return f"_INBOX_{user}"

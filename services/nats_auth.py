@@ -3,8 +3,11 @@
 Each service connects as its own user with a random password and may publish and subscribe
 only where the pipeline needs it, so a client without credentials cannot publish into the
 pipeline, and a compromised stage cannot impersonate another. Replies to requests a service
-received are allowed by `allow_responses`. The `observer` user (tests, dashboards) may read
-heartbeats and ask for stats, nothing else.
+received are allowed by `allow_responses`. Each service takes its replies on inboxes of its
+own (`_INBOX_<user>.`, bus/runtime.py sets the prefix) and may subscribe to no one else's, so
+no stage can read the replies another asked for (an executor's step results, say). The
+`observer` user (tests, dashboards) may read heartbeats and ask for stats, on the default
+`_INBOX.` prefix, which no service uses; nothing else.
 
 Services read their credentials from LLMBUS_NATS_USER / LLMBUS_NATS_PASSWORD (not from the
 command line, which `ps` shows). For TLS, add a `tls { cert_file, key_file }` block to the
@@ -16,25 +19,32 @@ from __future__ import annotations
 import json
 import secrets
 
+from bus.subjects import inbox_prefix
+
 P = "llmbus.v1"
-INBOX = "_INBOX.>"
+
+
+def _inbox(user: str) -> str:
+    return f"{inbox_prefix(user)}.>"
+
 
 PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "api": {
         "publish": [f"{P}.tokenizer.generate", f"{P}.tokenizer.encode", f"{P}.tokenizer.decode",
                     f"{P}.engine.abort", f"{P}.engine.model", f"{P}.engine.stats",
                     f"{P}.ping.*", f"{P}.heartbeat.api"],
-        "subscribe": [f"{P}.api.*.deltas", f"{P}.heartbeat.*", f"{P}.ping.api", INBOX],
+        "subscribe": [f"{P}.api.*.deltas", f"{P}.heartbeat.*", f"{P}.ping.api", _inbox("api")],
     },
     "tokenizer": {
         "publish": [f"{P}.engine.submit", f"{P}.engine.*.submit", f"{P}.heartbeat.tokenizer"],
         "subscribe": [f"{P}.tokenizer.>", f"{P}.heartbeat.scheduler",
-                      f"{P}.engine.cache_events", f"{P}.ping.tokenizer", INBOX],
+                      f"{P}.engine.cache_events", f"{P}.ping.tokenizer", _inbox("tokenizer")],
     },
     "scheduler": {
         "publish": [f"{P}.engine.*.executor.>", f"{P}.detokenizer.>",
                     f"{P}.engine.cache_events", f"{P}.heartbeat.scheduler"],
-        "subscribe": [f"{P}.engine.>", f"{P}.heartbeat.*", f"{P}.ping.scheduler", INBOX],
+        "subscribe": [f"{P}.engine.>", f"{P}.heartbeat.*", f"{P}.ping.scheduler",
+                      _inbox("scheduler")],
     },
     "executor": {
         "publish": [f"{P}.heartbeat.executor"],
@@ -46,7 +56,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     },
     "observer": {
         "publish": [f"{P}.engine.stats", f"{P}.engine.*.stats", f"{P}.ping.*"],
-        "subscribe": [f"{P}.heartbeat.*", INBOX],
+        "subscribe": [f"{P}.heartbeat.*", "_INBOX.>"],
     },
 }
 

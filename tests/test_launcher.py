@@ -115,3 +115,37 @@ async def test_nats_needs_credentials_and_permissions(stack):
         assert any("permissions violation" in str(e).lower() for e in errors)
     finally:
         await observer.close()
+
+
+async def test_no_stage_reads_replies_meant_for_another(stack):
+    """Services take replies on inboxes of their own: the observer, listening on the shared
+    `_INBOX.>`, hears none of the replies a request causes, and may not listen on the api's."""
+    import httpx
+
+    from tests.conftest import AUTH, MODEL_NAME
+
+    errors, heard = [], []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    async def on_reply(msg) -> None:
+        heard.append(msg.subject)
+
+    observer = await nats.connect(stack.nats_url, error_cb=on_error)
+    try:
+        await observer.subscribe("_INBOX.>", cb=on_reply)
+        await observer.subscribe(f"{subjects.inbox_prefix('api')}.>", cb=on_reply)
+        await observer.flush()
+        async with httpx.AsyncClient(timeout=120) as http:
+            response = await http.post(f"{stack.base_url}/completions", headers=AUTH, json={
+                "model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3})
+        assert response.status_code == 200
+        for _ in range(20):
+            if errors:
+                break
+            await asyncio.sleep(0.1)
+        assert heard == []  # the api's, tokenizer's and scheduler's replies went elsewhere
+        assert any("permissions violation" in str(e).lower() for e in errors)
+    finally:
+        await observer.close()

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from services.executor.cpu_kernels.library import load_library
-from services.executor.dense_prefill import DENSE_PREFILL_TOKENS, DensePrefill, _Part
+from services.executor.dense_prefill import DENSE_PREFILL_TOKENS, QuantPart, widen
 from services.executor.gguf_loader import Q4_1Weight, Q8_0Weight, load_gguf
 from services.executor.kv_cache import KVCache
 from services.executor.model import build_attention_metadata
 from services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
 from services.model_files import default_model_path
+from tests.gguf_fixtures import TinySpec, write_tiny_llama
 
 needs_compiler = pytest.mark.skipif(load_library() is None, reason="no C++ compiler here")
 
@@ -37,11 +38,8 @@ def test_widening_matches_torch_conversion(kind):
                 else (torch.randn(n, k // 32, generator=gen) * 0.05).half().float())
         weight = Q4_1Weight(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
                             scales, mins)
-    part = _Part.of(weight, None)
-    dp = DensePrefill.__new__(DensePrefill)  # only the widening: no model around it
-    dp.lib, dp.num_threads = load_library(), 2
-    dp._buffer = torch.empty(n * k, dtype=torch.bfloat16)
-    widened = dp.weight([part])
+    widened = widen(load_library(), [QuantPart.of(weight)],
+                    torch.empty(n * k, dtype=torch.bfloat16), num_threads=2)
     expected = weight.dequantize().to(torch.bfloat16)
     # the kernel may fuse scale * code + min into one rounding, torch rounds twice
     assert _bf16_ulps(widened, expected) <= 1
@@ -76,5 +74,17 @@ def test_big_step_follows_the_exact_forward():
     widest = max(sum(p.n for p in parts) * parts[0].k
                  for layer in model.dense_prefill.matrices for parts in layer.values())
     assert model.dense_prefill._buffer.numel() == widest
-    assert all(p.kind != "dense" for layer in model.dense_prefill.matrices
+    assert all(isinstance(p, QuantPart) for layer in model.dense_prefill.matrices
                for parts in layer.values() for p in parts)
+
+
+@needs_compiler
+def test_float_files_keep_to_onnx_runtime(tmp_path):
+    """A float32 file's matrices have no codes to widen: big steps stay in the graphs rather
+    than keep a bfloat16 copy of every weight."""
+    path = tmp_path / "tiny-f32.gguf"
+    write_tiny_llama(path, TinySpec())
+    config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
+    model = OnnxLlamaModel(config, dense, native, max_positions=16, num_threads=1,
+                           dense_prefill=True)
+    assert model.dense_prefill is None

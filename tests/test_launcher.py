@@ -16,7 +16,7 @@ import yaml
 from bus import subjects
 from services.cli import build_parser
 from services.launcher import SERVICE_ORDER, free_port, wait_for_port
-from tests.conftest import REPO, needs_default_model, start_stack, stop_stack
+from tests.conftest import AUTH, MODEL_NAME, REPO, needs_default_model, start_stack, stop_stack
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -121,8 +121,6 @@ async def test_no_stage_reads_replies_meant_for_another(stack):
     """Services take replies on inboxes of their own: the observer, listening on the shared
     `_INBOX.>`, hears none of the replies a request causes, and may not listen on the api's."""
     import httpx
-
-    from tests.conftest import AUTH, MODEL_NAME
 
     errors, heard = [], []
 

@@ -120,7 +120,7 @@ class Generation:
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
             if self.metrics is not None and admitted:  # cut short: client gone, pipeline error
-                self.metrics.observe_abort(
+                self.metrics.count_finished(
                     [fmt.finish_reason_name(c.finish_reason) or "abort" for c in self.choices])
         elif self.metrics is not None:
             self.metrics.observe_request(

@@ -78,13 +78,12 @@ class ApiMetrics:
         self.output_len.observe(*labels, value=num_output_tokens)
         self.prompt_tokens.inc(*labels, amount=num_prompt_tokens)
         self.generation_tokens.inc(*labels, amount=num_output_tokens)
-        for reason in finish_reasons:
-            self.finished.inc(*labels, reason)
+        self.count_finished(finish_reasons)
 
-    def observe_abort(self, finish_reasons: list[str]) -> None:
-        """A request that ended unfinished: its choices count by how each ended, `abort` for
-        those cut short (as vLLM's counter does); no latencies, which would mix in partial
-        requests."""
+    def count_finished(self, finish_reasons: list[str]) -> None:
+        """Each choice by how it ended. A request cut short (client gone, pipeline error)
+        counts only here, its unfinished choices as `abort` (as vLLM's counter does): its
+        latencies would mix partial requests into the histograms."""
         for reason in finish_reasons:
             self.finished.inc(*self.labels, reason)
 

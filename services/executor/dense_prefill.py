@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.executor.gguf_loader import LlamaConfig, NativeWeight, Q4_1Weight, Q8_0Weight
+from services.executor.gguf_loader import LlamaConfig, NativeWeight, Q4_1Weight
 from services.executor.model import rms_norm
 
 # Steps of at least this many tokens take this path (2 Zen 4 cores: at 256 rows the layers'
@@ -32,42 +32,71 @@ DENSE_PREFILL_TOKENS = 128
 
 
 @dataclass(frozen=True)
-class _Part:
-    """One matrix [N, K] in the form the widening kernel reads."""
+class QuantPart:
+    """One quantized matrix [N, K] in the form the widening kernel reads."""
 
-    kind: str  # "q4", "q8" or "dense"
+    kind: str  # "q4" or "q8"
     n: int
     k: int
-    codes: torch.Tensor  # q4: packed [N, K/2] uint8; q8: [N, K] int8; dense: [N, K] bfloat16
-    scales: torch.Tensor | None = None  # [N, K/32] float32
+    codes: torch.Tensor  # q4: packed [N, K/2] uint8 (even inputs in the low nibble); q8: [N, K]
+    scales: torch.Tensor  # [N, K/32] float32
     mins: torch.Tensor | None = None  # q4 only
 
     @classmethod
-    def of(cls, native: NativeWeight | None, dense: torch.Tensor | None) -> _Part:
+    def of(cls, native: NativeWeight) -> QuantPart:
         if isinstance(native, Q4_1Weight):
             codes = native.codes.numpy()
             packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
             return cls("q4", *codes.shape, torch.from_numpy(np.ascontiguousarray(packed)),
                        native.scales.contiguous(), native.minimums.contiguous())
-        if isinstance(native, Q8_0Weight):
-            return cls("q8", *native.codes.shape, native.codes.contiguous(),
-                       native.scales.contiguous())
-        return cls("dense", *dense.shape, dense.to(torch.bfloat16).contiguous())
+        return cls("q8", *native.codes.shape, native.codes.contiguous(),
+                   native.scales.contiguous())
+
+
+def widen(lib: ctypes.CDLL, parts: list[QuantPart], buffer: torch.Tensor,
+          num_threads: int) -> torch.Tensor:
+    """The row-stack of `parts` as bfloat16 [sum N, K], in the front of `buffer`."""
+    k = parts[0].k
+    out = buffer[:sum(q.n for q in parts) * k].view(-1, k)
+    row = 0
+    for q in parts:
+        target = out[row:row + q.n]
+        if q.kind == "q4":
+            status = lib.q4_dequantize_bf16(q.codes.data_ptr(), q.scales.data_ptr(),
+                                            q.mins.data_ptr(), q.n, q.k, target.data_ptr(),
+                                            num_threads)
+        else:
+            status = lib.q8_0_dequantize_bf16(q.codes.data_ptr(), q.scales.data_ptr(), q.n,
+                                              q.k, target.data_ptr(), num_threads)
+        if status != 0:
+            raise RuntimeError(f"widening a {q.kind} matrix [{q.n}, {q.k}] failed")
+        row += q.n
+    return out
 
 
 class DensePrefill:
     """`__call__(hidden, attend)`: every layer on hidden [T, D] float32 -> the residual stream
     after the last layer (before the final norm). `attend(layer, qkv)` is the model's attention
-    (RoPE, KV write, paged attention) of one layer: [T, (H + 2 Hkv) Dh] -> [T, H Dh]."""
+    (RoPE, KV write, paged attention) of one layer: [T, (H + 2 Hkv) Dh] -> [T, H Dh].
+
+    Only for files whose every layer matrix is Q4_0/Q4_1/Q8_0 (`covers`): a float matrix would
+    need a bfloat16 copy kept beside ONNX Runtime's."""
+
+    MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+    @classmethod
+    def covers(cls, config: LlamaConfig, native: dict[str, NativeWeight]) -> bool:
+        return all(f"blk.{i}.{m}.weight" in native
+                   for i in range(config.num_layers) for m in cls.MATRICES)
 
     def __init__(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
                  native: dict[str, NativeWeight], lib: ctypes.CDLL, num_threads: int) -> None:
         self.config, self.lib, self.num_threads = config, lib, num_threads
 
-        def part(name: str) -> _Part:
-            return _Part.of(native.get(name), dense.get(name))
+        def part(name: str) -> QuantPart:
+            return QuantPart.of(native[name])
 
-        self.matrices: list[dict[str, list[_Part]]] = []  # per layer
+        self.matrices: list[dict[str, list[QuantPart]]] = []  # per layer
         self.norms: list[tuple[torch.Tensor, torch.Tensor]] = []  # (attention's, FFN's)
         for i in range(config.num_layers):
             p = f"blk.{i}."
@@ -82,31 +111,10 @@ class DensePrefill:
                       for layer in self.matrices for parts in layer.values())
         self._buffer = torch.empty(largest, dtype=torch.bfloat16)
 
-    def weight(self, parts: list[_Part]) -> torch.Tensor:
-        """The row-stack of `parts` as bfloat16 [sum N, K], in the shared buffer."""
-        k = parts[0].k
-        out = self._buffer[:sum(q.n for q in parts) * k].view(-1, k)
-        row = 0
-        for q in parts:
-            target = out[row:row + q.n]
-            if q.kind == "dense":
-                target.copy_(q.codes)
-            elif q.kind == "q4":
-                status = self.lib.q4_dequantize_bf16(
-                    q.codes.data_ptr(), q.scales.data_ptr(), q.mins.data_ptr(), q.n, q.k,
-                    target.data_ptr(), self.num_threads)
-            else:
-                status = self.lib.q8_0_dequantize_bf16(
-                    q.codes.data_ptr(), q.scales.data_ptr(), q.n, q.k, target.data_ptr(),
-                    self.num_threads)
-            if q.kind != "dense" and status != 0:
-                raise RuntimeError(f"widening a {q.kind} matrix [{q.n}, {q.k}] failed")
-            row += q.n
-        return out
-
-    def linear(self, x: torch.Tensor, parts: list[_Part]) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, parts: list[QuantPart]) -> torch.Tensor:
         """x [T, K] float32 @ Wᵀ -> [T, N] float32, the GEMM in bfloat16."""
-        return F.linear(x.to(torch.bfloat16), self.weight(parts)).float()
+        weight = widen(self.lib, parts, self._buffer, self.num_threads)
+        return F.linear(x.to(torch.bfloat16), weight).float()
 
     def __call__(self, hidden: torch.Tensor,
                  attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:

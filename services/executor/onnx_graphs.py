@@ -97,23 +97,17 @@ class _GraphBuilder:
                 runs[-1].append(part)
             else:
                 runs.append([part])
-        outs = []
-        for run in runs:
-            graph_level = self.accuracy_level
-            if q4_accuracy_level is not None and _kind(run[0]) == "q4_1":
-                self.accuracy_level = q4_accuracy_level
-            try:
-                outs.append(self._matmul(x, run))
-            finally:
-                self.accuracy_level = graph_level
+        outs = [self._matmul(x, run, q4_accuracy_level
+                             if q4_accuracy_level is not None and _kind(run[0]) == "q4_1"
+                             else self.accuracy_level) for run in runs]
         return outs[0] if len(outs) == 1 else self.op("Concat", outs, axis=-1)[0]
 
-    def _matmul(self, x: str, run: list[MatrixSource]) -> str:
+    def _matmul(self, x: str, run: list[MatrixSource], level: int) -> str:
         kind = _kind(run[0])
         if kind == "dense":
             w = np.concatenate([p.dense for p in run])  # [N, K]
             return self.op("MatMul", [x, self.const("w", w.T.astype(np.float32))])[0]
-        if kind == "q8_0" and self.accuracy_level == 0:
+        if kind == "q8_0" and level == 0:
             # MLAS has no fast float32 path for 8-bit weights (110 ms for a 49152 x 576 head,
             # against 2.6 ms dense): the exact path multiplies the dequantized values.
             w = np.concatenate([p.native.dequantize().numpy() for p in run])  # [N, K]
@@ -123,13 +117,13 @@ class _GraphBuilder:
             scales = np.concatenate([p.native.scales.numpy() for p in run])  # [N, K/32]
             blobs = (codes.astype(np.int16) + 128).astype(np.uint8)
             zero_points = np.full(scales.shape, 128, dtype=np.uint8)
-            return self._matmul_nbits(x, blobs, scales, zero_points, bits=8)
+            return self._matmul_nbits(x, blobs, scales, zero_points, 8, level)
         codes = np.concatenate([p.native.codes.numpy() for p in run])  # [N, K] uint8 0..15
         scales = np.concatenate([p.native.scales.numpy() for p in run])  # [N, K/32]
         minimums = np.concatenate([p.native.minimums.numpy() for p in run])  # [N, K/32]
         blobs = codes[:, 0::2] | (codes[:, 1::2] << 4)  # MatMulNBits: even inputs low nibble
         zero_points = np.zeros((scales.shape[0], -(-scales.shape[1] // 2)), dtype=np.uint8)
-        y = self._matmul_nbits(x, blobs, scales, zero_points, bits=4)
+        y = self._matmul_nbits(x, blobs, scales, zero_points, 4, level)
         # The minimums' share: sum_k m[n, k // 32] x[k] = (block sums of x) @ Mᵀ
         blocks = self.op("Reshape", [x, self.const("shape", np.array([0, -1, QUANT_GROUP]))])
         sums = self.op("ReduceSum", [blocks[0], self.const("axes", np.array([-1]))],
@@ -138,14 +132,14 @@ class _GraphBuilder:
         return self.op("Add", [y, share])[0]
 
     def _matmul_nbits(self, x: str, blobs: np.ndarray, scales: np.ndarray,
-                      zero_points: np.ndarray, bits: int) -> str:
+                      zero_points: np.ndarray, bits: int, level: int) -> str:
         n, k = scales.shape[0], scales.shape[1] * QUANT_GROUP
         blob_bytes = QUANT_GROUP * bits // 8
         inputs = [x, self.const("codes", blobs.reshape(n, k // QUANT_GROUP, blob_bytes)),
                   self.const("scales", scales.astype(np.float32).reshape(-1)),
                   self.const("zero_points", zero_points.reshape(-1))]
         return self.op("MatMulNBits", inputs, domain="com.microsoft", K=k, N=n, bits=bits,
-                       block_size=QUANT_GROUP, accuracy_level=self.accuracy_level)[0]
+                       block_size=QUANT_GROUP, accuracy_level=level)[0]
 
     def model(self, name: str, inputs: list[tuple[str, int]], outputs: dict[str, tuple[str, int]]
               ) -> onnx.ModelProto:

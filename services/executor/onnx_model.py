@@ -151,8 +151,9 @@ class OnnxLlamaModel:
         # with bfloat16 in hardware; `dense_prefill` forces it on or off.
         if dense_prefill is None:
             dense_prefill = accuracy_level == ACCURACY_FAST and has_native_bfloat16()
+        usable = lib is not None and DensePrefill.covers(config, native)
         self.dense_prefill = (DensePrefill(config, dense, native, lib, num_threads)
-                              if dense_prefill and lib is not None else None)
+                              if dense_prefill and usable else None)
         self.embed = _Embedding(native.get("token_embd.weight"), dense.get("token_embd.weight"))
         self.native_layers = any(n in native for n in names)
         self.weight_format = "native" if self.native_layers else "dense"

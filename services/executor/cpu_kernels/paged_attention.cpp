@@ -408,23 +408,6 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
     }
 }
 
-// attend<Dh / 8>, compiled for the head sizes models use, else the runtime-sized one.
-template <typename KV>
-using AttendFn = void (*)(const float*, int64_t, const Cache<KV>&, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, float*, float*);
-
-template <typename KV>
-AttendFn<KV> attend_for(int64_t head_dim) {
-    switch (head_dim) {
-        case 32: return attend<4, KV>;
-        case 64: return attend<8, KV>;
-        case 80: return attend<10, KV>;
-        case 96: return attend<12, KV>;
-        case 128: return attend<16, KV>;
-        default: return attend<0, KV>;
-    }
-}
-
 // Attention of `rows` query rows [rows, Dh] (scaled), all for KV head `h`, over the keys of
 // sequence `seq`'s blocks: row r sees keys [0, row_keys[r]), and row_keys ascends. Leaves each
 // row's online-softmax state: running max m, sum l and unnormalized output acc [rows, Dh].
@@ -512,19 +495,17 @@ void attend_rows(const float* q, int64_t rows, const int64_t* row_keys, const Ca
     }
 }
 
-template <typename KV>
-using RowsFn = void (*)(const float*, int64_t, const int64_t*, const Cache<KV>&, int64_t,
-                        int64_t, float*, float*, float*);
-
-template <typename KV>
-RowsFn<KV> attend_rows_for(int64_t head_dim) {
+// make(std::integral_constant<int, Dh / 8>) for the head sizes models use, so that the
+// kernels get their register blocking at compile time; make(..., 0>) (runtime-sized) otherwise.
+template <typename Make>
+auto for_head_dim(int64_t head_dim, Make make) {
     switch (head_dim) {
-        case 32: return attend_rows<4, KV>;
-        case 64: return attend_rows<8, KV>;
-        case 80: return attend_rows<10, KV>;
-        case 96: return attend_rows<12, KV>;
-        case 128: return attend_rows<16, KV>;
-        default: return attend_rows<0, KV>;
+        case 32: return make(std::integral_constant<int, 4>{});
+        case 64: return make(std::integral_constant<int, 8>{});
+        case 80: return make(std::integral_constant<int, 10>{});
+        case 96: return make(std::integral_constant<int, 12>{});
+        case 128: return make(std::integral_constant<int, 16>{});
+        default: return make(std::integral_constant<int, 0>{});
     }
 }
 
@@ -621,8 +602,12 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
     // Waking a second thread costs tens of microseconds; a small step (one short decode) is
     // done sooner alone.
     if (work < MIN_WORK_PER_THREAD) num_threads = 1;
-    const AttendFn<KV> attend_fn = attend_for<KV>(head_dim);
-    const RowsFn<KV> rows_fn = attend_rows_for<KV>(head_dim);
+    const auto attend_fn = for_head_dim(head_dim, [](auto ch) {
+        return &attend<decltype(ch)::value, KV>;
+    });
+    const auto rows_fn = for_head_dim(head_dim, [](auto ch) {
+        return &attend_rows<decltype(ch)::value, KV>;
+    });
 
 #pragma omp parallel num_threads(num_threads)
     {

@@ -1,6 +1,7 @@
-"""Where one decode step's time goes, in-process: ONNX Runtime graphs, attention, the rest of
-the forward (embedding, rotary rows, the head's row gather), and everything outside the forward
-(sampling, logprobs, metadata, request bookkeeping).
+"""Where one decode step's time goes, in-process: the dense work (ONNX Runtime graphs, or the
+small-step kernel's calls for steps of a few tokens), attention, the rest of the forward
+(embedding, rotary rows, the head's row gather), and everything outside the forward (sampling,
+logprobs, metadata, request bookkeeping).
 
     python bench/step_profile.py [--batch 1,16] [--context 300,1060] [--exact] [--threads 2]
 
@@ -14,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
@@ -37,14 +39,21 @@ class _Timed:
 
 
 def profile(runner, batch: int, context: int, num_steps: int) -> dict[str, float]:
-    """ms per decode step: total, forward, onnx graphs, attention."""
+    """ms per decode step: total, forward, dense work, attention."""
     from bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
     from services.executor import onnx_model
 
     model = runner.model
-    graphs = list({id(g): g for g in model.graphs + model.small_step_graphs}.values())
+    graphs = list({id(g): g for g in model.graphs + model.single_thread_graphs}.values())
     for graph in graphs:
         graph.run = _Timed(graph.run)
+    kernel = model.small_step.lib if model.small_step else None
+    if kernel is not None:  # time the small-step kernel's calls too
+        model.small_step.lib = types.SimpleNamespace(
+            small_boundary=_Timed(kernel.small_boundary), small_head=_Timed(kernel.small_head))
+        timers = [model.small_step.lib.small_boundary, model.small_step.lib.small_head]
+    else:
+        timers = []
     model.attend = attend = _Timed(model.attend)
     model.forward = forward = _Timed(model.forward)
     params = SamplingParams(temperature=0.0, max_tokens=context + num_steps, ignore_eos=True)
@@ -56,7 +65,7 @@ def profile(runner, batch: int, context: int, num_steps: int) -> dict[str, float
         ScheduledRequest(ids[b], 0, context,
                          list(range(1 + b * blocks_each, 1 + (b + 1) * blocks_each)))
         for b in range(batch)]))
-    for timed in (*[g.run for g in graphs], attend, forward):
+    for timed in (*[g.run for g in graphs], *timers, attend, forward):
         timed.total = 0.0
     start = time.perf_counter()
     for i in range(num_steps):
@@ -66,14 +75,16 @@ def profile(runner, batch: int, context: int, num_steps: int) -> dict[str, float
             raise RuntimeError(result.error)
     total = time.perf_counter() - start
     runner.step(StepPlan(step_id=num_steps + 1, finished_request_ids=ids))
-    onnx_total = sum(g.run.total for g in graphs)
+    dense_total = sum(t.total for t in [g.run for g in graphs] + timers)
     for graph in graphs:
         graph.run = graph.run.fn
+    if kernel is not None:
+        model.small_step.lib = kernel
     del model.attend, model.forward  # back to the class's methods
     assert isinstance(model, onnx_model.OnnxLlamaModel)
     per_step = 1000 / num_steps
     return {"step": total * per_step, "forward": forward.total * per_step,
-            "onnx": onnx_total * per_step, "attention": attend.total * per_step}
+            "dense": dense_total * per_step, "attention": attend.total * per_step}
 
 
 def main() -> int:
@@ -97,14 +108,14 @@ def main() -> int:
                          precision="exact" if args.exact else "fast")
     print(f"# {cpu_label()}; {args.threads} threads; "
           f"{'exact' if args.exact else 'fast'} mode; ms per decode step")
-    print("| batch | context | step | onnx graphs (matmuls, norms, SwiGLU) | attention (RoPE, "
+    print("| batch | context | step | dense work (matmuls, norms, SwiGLU, head) | attention (RoPE, "
           "KV write, attend) | rest of forward | outside forward (sampling, bookkeeping) |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for batch in batches:
         for context in contexts:
             p = profile(runner, batch, context, args.steps)
-            print(f"| {batch} | {context} | {p['step']:.1f} | {p['onnx']:.1f} | "
-                  f"{p['attention']:.1f} | {p['forward'] - p['onnx'] - p['attention']:.1f} | "
+            print(f"| {batch} | {context} | {p['step']:.1f} | {p['dense']:.1f} | "
+                  f"{p['attention']:.1f} | {p['forward'] - p['dense'] - p['attention']:.1f} | "
                   f"{p['step'] - p['forward']:.1f} |", flush=True)
     return 0
 

@@ -7,17 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.cpu_features import cpu_flags
 from services.executor.cpu_kernels import paged_attention
 from services.executor.cpu_kernels.library import load_library
 from services.executor.cpu_kernels.paged_attention import PagedAttention
 from services.executor.model import TorchOps, build_attention_metadata
+from tests.cpu_isas import ISAS
 
-ISA_NEEDS = {"native": set(), "avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw",
-                                                                      "avx512vl", "avx512dq"}}
-ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not needs <= cpu_flags(),
-                                                   reason=f"this CPU lacks {needs}"))
-        for isa, needs in ISA_NEEDS.items()]
 # (atol, rtol) against the float32 reference; float16 caches round K and V
 TOLERANCES = {torch.float32: (2e-5, 1e-5), torch.float16: (5e-3, 5e-3)}
 

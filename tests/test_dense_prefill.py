@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from services.executor.cpu_kernels.library import load_library
-from services.executor.dense_prefill import DENSE_PREFILL_TOKENS, QuantPart, widen
+from services.executor.dense_prefill import DENSE_PREFILL_TOKENS, widen
 from services.executor.gguf_loader import Q4_1Weight, Q8_0Weight, load_gguf
 from services.executor.kv_cache import KVCache
 from services.executor.model import build_attention_metadata
 from services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
+from services.executor.quant_parts import QuantPart
 from services.model_files import default_model_path
 from tests.gguf_fixtures import TinySpec, write_tiny_llama
 

@@ -2,11 +2,12 @@
 fixed text (tests/data/perplexity_text.txt, ~2,300 tokens) through each backend's own forward,
 prefill in chunks over the paged cache.
 
-The fast mode has two forwards, and both are held to it: ONNX Runtime's int8 graphs (steps of
-fewer than 128 tokens, i.e. decode steps of up to 127 requests, and every step on CPUs without
-bfloat16 in hardware), and the bfloat16 GEMMs that bigger steps take where the CPU has them
-(dense_prefill.py; forced on here, so every CPU checks its numerics, slowly where bfloat16 is
-emulated)."""
+The fast mode has three forwards, and each is held to it: llmbus's small-step kernel (steps of
+up to SMALL_STEP_TOKENS tokens: one stream's decodes, a handful of requests'; run here in chunks
+of that size), ONNX Runtime's int8 graphs (bigger steps below 128 tokens, and every big step on
+CPUs without bfloat16 in hardware), and the bfloat16 GEMMs that bigger steps take where the CPU
+has them (dense_prefill.py; forced on here, so every CPU checks its numerics, slowly where
+bfloat16 is emulated)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from services.executor.gguf_loader import load_gguf
 from services.executor.kv_cache import KVCache
 from services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
 from services.executor.perplexity import perplexity
+from services.executor.small_step import SMALL_STEP_TOKENS
 from services.gguf_tokenizer import GGUFTokenizer
 from services.model_files import default_model_path
 
@@ -37,15 +39,18 @@ def test_fast_mode_perplexity_is_within_one_percent_of_exact():
     config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
     num_blocks = len(token_ids) // 16 + 2
     results = {}
-    for name, level, kv_dtype, dense_prefill in (
-            ("exact", ACCURACY_EXACT, torch.float32, False),
-            ("fast, int8 graphs", ACCURACY_FAST, torch.float16, False),
-            ("fast, bfloat16 GEMMs", ACCURACY_FAST, torch.float16, True)):
+    for name, level, kv_dtype, dense_prefill, chunk in (
+            ("exact", ACCURACY_EXACT, torch.float32, False, 256),
+            ("fast, int8 graphs", ACCURACY_FAST, torch.float16, False, 256),
+            ("fast, bfloat16 GEMMs", ACCURACY_FAST, torch.float16, True, 256),
+            ("fast, small-step kernel", ACCURACY_FAST, torch.float16, False, SMALL_STEP_TOKENS)):
         model = OnnxLlamaModel(config, dense, native, max_positions=len(token_ids),
                                accuracy_level=level, num_threads=2, dense_prefill=dense_prefill)
-        if dense_prefill and model.dense_prefill is None:
-            continue  # no C++ compiler, so no widening kernel: this path never runs
-        results[name] = perplexity(model, KVCache(config, num_blocks, 16, kv_dtype), token_ids)
+        if (dense_prefill and model.dense_prefill is None) or (
+                chunk == SMALL_STEP_TOKENS and model.small_step is None):
+            continue  # no C++ compiler, so no such kernel: this path never runs
+        results[name] = perplexity(model, KVCache(config, num_blocks, 16, kv_dtype), token_ids,
+                                   chunk_size=chunk)
     # a plausible value for a 135M model on plain English prose: the text and path are sane
     assert 5 < results["exact"] < 40
     for name in set(results) - {"exact"}:

@@ -16,41 +16,18 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.executor.gguf_loader import LlamaConfig, NativeWeight, Q4_1Weight
+from services.executor.gguf_loader import LlamaConfig
 from services.executor.model import rms_norm
+from services.executor.quant_parts import LayerParts, QuantPart
 
 # Steps of at least this many tokens take this path (2 Zen 4 cores: at 256 rows the layers'
 # GEMMs take 149 ms in bfloat16 against ~270 ms in ONNX Runtime; at 64 rows widening the
 # weights costs more than the GEMMs save).
 DENSE_PREFILL_TOKENS = 128
-
-
-@dataclass(frozen=True)
-class QuantPart:
-    """One quantized matrix [N, K] in the form the widening kernel reads."""
-
-    kind: str  # "q4" or "q8"
-    n: int
-    k: int
-    codes: torch.Tensor  # q4: packed [N, K/2] uint8 (even inputs in the low nibble); q8: [N, K]
-    scales: torch.Tensor  # [N, K/32] float32
-    mins: torch.Tensor | None = None  # q4 only
-
-    @classmethod
-    def of(cls, native: NativeWeight) -> QuantPart:
-        if isinstance(native, Q4_1Weight):
-            codes = native.codes.numpy()
-            packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-            return cls("q4", *codes.shape, torch.from_numpy(np.ascontiguousarray(packed)),
-                       native.scales.contiguous(), native.minimums.contiguous())
-        return cls("q8", *native.codes.shape, native.codes.contiguous(),
-                   native.scales.contiguous())
 
 
 def widen(lib: ctypes.CDLL, parts: list[QuantPart], buffer: torch.Tensor,
@@ -79,34 +56,16 @@ class DensePrefill:
     after the last layer (before the final norm). `attend(layer, qkv)` is the model's attention
     (RoPE, KV write, paged attention) of one layer: [T, (H + 2 Hkv) Dh] -> [T, H Dh].
 
-    Only for files whose every layer matrix is Q4_0/Q4_1/Q8_0 (`covers`): a float matrix would
-    need a bfloat16 copy kept beside ONNX Runtime's."""
-
-    MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-
-    @classmethod
-    def covers(cls, config: LlamaConfig, native: dict[str, NativeWeight]) -> bool:
-        return all(f"blk.{i}.{m}.weight" in native
-                   for i in range(config.num_layers) for m in cls.MATRICES)
+    Only for files whose every layer matrix is quantized (`quant_parts.covers`): a float
+    matrix would need a bfloat16 copy kept beside ONNX Runtime's."""
 
     def __init__(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
-                 native: dict[str, NativeWeight], lib: ctypes.CDLL, num_threads: int) -> None:
+                 layers: list[LayerParts], lib: ctypes.CDLL, num_threads: int) -> None:
         self.config, self.lib, self.num_threads = config, lib, num_threads
-
-        def part(name: str) -> QuantPart:
-            return QuantPart.of(native[name])
-
-        self.matrices: list[dict[str, list[QuantPart]]] = []  # per layer
-        self.norms: list[tuple[torch.Tensor, torch.Tensor]] = []  # (attention's, FFN's)
-        for i in range(config.num_layers):
-            p = f"blk.{i}."
-            self.matrices.append({
-                "qkv": [part(p + f"attn_{n}.weight") for n in "qkv"],
-                "o": [part(p + "attn_output.weight")],
-                "gate_up": [part(p + "ffn_gate.weight"), part(p + "ffn_up.weight")],
-                "down": [part(p + "ffn_down.weight")]})
-            self.norms.append((dense[p + "attn_norm.weight"].float(),
-                               dense[p + "ffn_norm.weight"].float()))
+        self.matrices = layers
+        self.norms: list[tuple[torch.Tensor, torch.Tensor]] = [  # (attention's, FFN's)
+            (dense[f"blk.{i}.attn_norm.weight"].float(), dense[f"blk.{i}.ffn_norm.weight"].float())
+            for i in range(config.num_layers)]
         largest = max(sum(q.n for q in parts) * parts[0].k
                       for layer in self.matrices for parts in layer.values())
         self._buffer = torch.empty(largest, dtype=torch.bfloat16)

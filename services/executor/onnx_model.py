@@ -7,8 +7,11 @@ the torch reference ops where no compiler built it), and hand the attention outp
 graph; last, the head graph on the rows that sample. Inputs and outputs are bound to torch
 tensors' memory (IOBinding), so nothing is copied across the boundary.
 
-Threads: every graph has two sessions, one single-threaded for small steps and one with the
-executor's threads for the rest; their pools never spin (see `_session`).
+Threads: every graph has a session with the executor's threads, whose pool never spins (see
+`_session`). Small steps (a few tokens: decodes of one or a handful of streams) run where they
+can use every core: in the fast mode llmbus's own int8 kernel takes their matmuls, on the
+attention's threads (small_step.py); in the exact mode a second, single-threaded session of each
+graph runs them, since waking a pool thread 31 times a step costs more than it gains.
 
 Big steps (prompt chunks of 128+ tokens) take bfloat16 GEMMs instead of the graphs in the fast
 mode on CPUs with bfloat16 in hardware (dense_prefill.py); the attention is the same.
@@ -30,14 +33,16 @@ from services.executor.gguf_loader import QUANT_GROUP, LlamaConfig, NativeWeight
 from services.executor.kv_cache import KVCache
 from services.executor.model import AttentionMetadata, TorchOps, rope_tables
 from services.executor.onnx_graphs import MatrixSource, head_graph, layer_graphs
+from services.executor.quant_parts import LAYER_MATRICES, QuantPart, covers, layer_parts
+from services.executor.small_step import SMALL_STEP_TOKENS, SmallStep
 
 ACCURACY_EXACT = 0  # float32 activations: the weights are the GGUF's values, the exact path
 ACCURACY_FAST = 4  # int8 activations per block, like llama.cpp's
+SINGLE_THREAD_TOKENS = 4  # without the small-step kernel, steps this small run on one thread
 # A 4-bit QKV projection always takes float32 activations: int8 ones there cost most of the
 # fast mode's perplexity (default model, tests/data text: exact 16.525; everything int8 16.783,
 # +1.6%; QKV float32, the rest int8 16.573, +0.3%) for ~1.4 of ~12 ms of a one-token step.
 # (8-bit weights keep int8 activations: see onnx_graphs.linear.)
-SMALL_STEP_TOKENS = 4  # steps of at most this many tokens run on one thread
 
 
 def _session(model_bytes: bytes, num_threads: int) -> ort.InferenceSession:
@@ -117,7 +122,10 @@ class OnnxLlamaModel:
     def __init__(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
                  native: dict[str, NativeWeight], *, max_positions: int,
                  accuracy_level: int = ACCURACY_FAST, num_threads: int = 1,
-                 dense_prefill: bool | None = None) -> None:
+                 dense_prefill: bool | None = None, small_step: bool | None = None) -> None:
+        """`dense_prefill` and `small_step` force those paths on or off (None: the fast mode
+        takes them where they run; see the module doc). Either runs only where the kernels
+        were built and every layer matrix is quantized."""
         if accuracy_level not in (ACCURACY_EXACT, ACCURACY_FAST):
             raise ValueError(f"accuracy_level {accuracy_level}: expected 0 (exact) or 4 (fast)")
         self.config, self.accuracy_level = config, accuracy_level
@@ -129,9 +137,7 @@ class OnnxLlamaModel:
                 return MatrixSource(native[name], None)
             return MatrixSource(None, dense[name].float().numpy())
 
-        names = [f"blk.{i}.{n}.weight" for i in range(config.num_layers)
-                 for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                           "ffn_down")]
+        names = [f"blk.{i}.{n}.weight" for i in range(config.num_layers) for n in LAYER_MATRICES]
         matrices = {n: matrix(n) for n in names}
         norms = {n: t.float().numpy() for n, t in dense.items() if n.endswith("norm.weight")}
         graphs = [g.SerializeToString()
@@ -139,21 +145,27 @@ class OnnxLlamaModel:
                                         qkv_q4_accuracy_level=ACCURACY_EXACT)]
         graphs.append(head_graph(config, matrix("output.weight"), norms["output_norm.weight"],
                                  accuracy_level).SerializeToString())
-        # Small steps (a few decodes) run single-threaded: their matmuls are too short to pay
-        # for waking a second thread 31 times a step (2 cores, one decode at 300 tokens:
-        # 14.5 ms per step alone, 15.9 ms with two threads that sleep between runs).
-        self.small_step_graphs = _sessions(graphs, 1)
-        self.graphs = self.small_step_graphs if num_threads == 1 else _sessions(graphs,
-                                                                                  num_threads)
+        fast = accuracy_level == ACCURACY_FAST
+        quantized = lib is not None and covers(config, native)
+        if small_step is None:
+            small_step = fast
+        small_step = small_step and quantized and "output.weight" in native
+        if dense_prefill is None:
+            dense_prefill = fast and has_native_bfloat16()
+        dense_prefill = dense_prefill and quantized
+        parts = layer_parts(config, native) if small_step or dense_prefill else None
+        self.small_step = (SmallStep(config, dense, parts, QuantPart.of(native["output.weight"]),
+                                     lib, num_threads) if small_step else None)
+        self.dense_prefill = (DensePrefill(config, dense, parts, lib, num_threads)
+                              if dense_prefill else None)
+        self.graphs = _sessions(graphs, num_threads)
+        # Without the kernel, small steps run single-threaded: their matmuls are too short to
+        # pay for waking a second pool thread 31 times a step (2 cores, one decode at 300
+        # tokens: 14.5 ms per step alone, 15.9 ms with two threads that sleep between runs).
+        self.single_thread_graphs = (None if self.small_step is not None or num_threads == 1
+                                     else _sessions(graphs, 1)) or self.graphs
         del graphs, matrices
         _return_freed_memory()
-        # Big steps as bfloat16 GEMMs (dense_prefill.py): by default in the fast mode on CPUs
-        # with bfloat16 in hardware; `dense_prefill` forces it on or off.
-        if dense_prefill is None:
-            dense_prefill = accuracy_level == ACCURACY_FAST and has_native_bfloat16()
-        usable = lib is not None and DensePrefill.covers(config, native)
-        self.dense_prefill = (DensePrefill(config, dense, native, lib, num_threads)
-                              if dense_prefill and usable else None)
         self.embed = _Embedding(native.get("token_embd.weight"), dense.get("token_embd.weight"))
         self.native_layers = any(n in native for n in names)
         self.weight_format = "native" if self.native_layers else "dense"
@@ -202,17 +214,26 @@ class OnnxLlamaModel:
         """
         cfg = self.config
         num_tokens = input_ids.shape[0]
-        *layers, head = (self.small_step_graphs if num_tokens <= SMALL_STEP_TOKENS
+        small = self.small_step is not None and num_tokens <= SMALL_STEP_TOKENS
+        *layers, head = (self.single_thread_graphs if num_tokens <= SINGLE_THREAD_TOKENS
                          else self.graphs)
         cos, sin = self.cos[positions], self.sin[positions]  # [T, Dh]
         hidden = self.embed(input_ids)  # [T, D], the residual stream
-        if self.dense_prefill is not None and num_tokens >= DENSE_PREFILL_TOKENS:
-            hidden = self.dense_prefill(hidden, lambda index, qkv: self.attend(
-                qkv, cos, sin, *kv_cache.layer(index), meta))
+
+        def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:
+            return self.attend(qkv, cos, sin, *kv_cache.layer(index), meta)
+
+        if small:
+            hidden = self.small_step.layers(hidden, attend)
+        elif self.dense_prefill is not None and num_tokens >= DENSE_PREFILL_TOKENS:
+            hidden = self.dense_prefill(hidden, attend)
         else:
             hidden = self._layers(layers, hidden, cos, sin, kv_cache, meta)
         rows = hidden[logits_indices].contiguous()  # [S, D]
+        if not rows.shape[0]:  # a step of prefill chunks alone samples nothing
+            return torch.empty(0, cfg.vocab_size)
+        if small:
+            return self.small_step.head(rows)
         logits = torch.empty(rows.shape[0], cfg.vocab_size)
-        if rows.shape[0]:  # a step of prefill chunks alone samples nothing
-            head.run({"hidden": rows}, {"logits": logits})
+        head.run({"hidden": rows}, {"logits": logits})
         return logits

@@ -28,6 +28,7 @@ from services.model_files import cache_root
 log = structlog.get_logger()
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=generic"),
              "avx512": ("-march=x86-64-v4", "-mtune=generic")}
@@ -54,6 +55,10 @@ SIGNATURES = {
     "paged_attention_f32": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
                              _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
                              _i32], _i32),
+    # small_step.cpp; its structures are small_step.py's, passed by address
+    "small_linear": ([_ptr, _ptr, _i64, _ptr, _i32, _i32], _i32),
+    "small_boundary": ([_ptr, _i64, _i64, ctypes.c_float, _ptr, _ptr, _ptr, _i32], _i32),
+    "small_head": ([_ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr, _ptr, _i32], _i32),
 }
 SIGNATURES["paged_attention_f16"] = SIGNATURES["paged_attention_f32"]
 
@@ -87,7 +92,7 @@ def _cpu_identity() -> str:
 
 def _library_path(compiler: str, isa: str) -> Path:
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         key.update(source.name.encode() + source.read_bytes())
     for part in (" ".join(ISA_FLAGS[isa]), " ".join(BASE_FLAGS), compiler, _cpu_identity()):
         key.update(part.encode())

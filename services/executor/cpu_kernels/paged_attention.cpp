@@ -39,11 +39,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "exp_nonpositive.h"
+
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
 namespace {
+
+using ::exp_nonpositive;  // the scalar one; the eight-lane one is below
 
 constexpr int MAX_HEAD_DIM = 256;
 constexpr int MAX_GROUP = 16;
@@ -107,27 +111,6 @@ void rope_and_store(const float* qkv, int64_t t, int64_t num_heads, const Cache<
             c.v[at + i] = KV(v[i]);
         }
     }
-}
-
-// exp(x) for x <= 0 (softmax arguments), written so the vectorizer can take it: 2^n * p(r)
-// with r in [-ln2/2, ln2/2] and a degree-6 polynomial, within 2 ulp of expf; below -87 it is
-// exp(-87) ~ 1.6e-38, as good as 0 next to the block's largest term, 1.
-inline float exp_nonpositive(float x) {
-    x = x < -87.f ? -87.f : x;
-    // round to nearest by the 1.5 * 2^23 trick: no libm call, so the loop vectorizes
-    const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
-    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    float p = 1.3888889e-3f;
-    p = p * r + 8.3333333e-3f;
-    p = p * r + 4.1666667e-2f;
-    p = p * r + 1.6666667e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    const int32_t bits = (int32_t(n) + 127) << 23;
-    float scale;
-    __builtin_memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 // Eight floats, one AVX register: GCC's vector extension, so the same code is AVX2 on an AVX2

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import ssl
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -35,6 +36,19 @@ log = structlog.get_logger()
 
 def new_instance_id() -> str:
     return uuid.uuid4().hex[:8]
+
+
+# Where a tls:// bus URL's server certificate is checked: a CA bundle, or the server's own
+# self-signed certificate (what `llmbus up --nats-tls-cert` sets for its services).
+TLS_CA_VARIABLE = "LLMBUS_NATS_TLS_CA"
+
+
+def tls_options(nats_url: str) -> dict[str, ssl.SSLContext]:
+    """nats.connect's TLS options for `nats_url`: none for nats://; for tls://, a context that
+    verifies the server against $LLMBUS_NATS_TLS_CA, or the system's CAs when unset."""
+    if not nats_url.startswith("tls://"):
+        return {}
+    return {"tls": ssl.create_default_context(cafile=os.environ.get(TLS_CA_VARIABLE) or None)}
 
 
 class ServiceRuntime:
@@ -65,7 +79,7 @@ class ServiceRuntime:
         self.nc = await nats.connect(
             self.nats_url, name=f"llmbus-{self.service}-{self.instance_id}",
             error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-            **credentials)
+            **credentials, **tls_options(self.nats_url))
         await self.on_request(subjects.ping(self.service), Ping, self._pong)
 
     async def _pong(self, _: Ping, __: Msg) -> Pong:

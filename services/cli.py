@@ -11,6 +11,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 from services.launcher import SERVICE_ORDER
@@ -74,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for every stage to be ready (default: 600)")
     up.add_argument("--no-nats-auth", action="store_true",
                     help="run the embedded nats-server without users and permissions")
+    up.add_argument("--nats-tls-cert", metavar="FILE", default=None,
+                    help="serve the embedded bus over TLS only, with this certificate (PEM); "
+                         "services check it against $LLMBUS_NATS_TLS_CA, or against the "
+                         "certificate itself (self-signed) when that is unset")
+    up.add_argument("--nats-tls-key", metavar="FILE", default=None,
+                    help="the private key (PEM) of --nats-tls-cert")
     up.add_argument("--replicas", default="",
                     help="copies per stage, e.g. api=2,tokenizer=2,detokenizer=2,engine=2 "
                          "(an engine is a scheduler with its executor; api copies share the "
@@ -183,13 +190,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"llmbus: {exc}", file=sys.stderr)
         return 2
+    if (args.nats_tls_cert is None) != (args.nats_tls_key is None):
+        print("llmbus: --nats-tls-cert and --nats-tls-key go together", file=sys.stderr)
+        return 2
+    tls = (args.nats_tls_cert, args.nats_tls_key) if args.nats_tls_cert else None
+    for path in tls or ():
+        if not Path(path).is_file():
+            print(f"llmbus: {path}: no such file", file=sys.stderr)
+            return 2
+    if tls and args.nats_url:
+        print("llmbus: --nats-tls-* configure the embedded bus; with --nats-url, give a tls:// "
+              "URL and set LLMBUS_NATS_TLS_CA instead", file=sys.stderr)
+        return 2
     for dest, variable in SECRET_OPTIONS.items():  # the children inherit the environment
         if getattr(args, dest, None) is not None:
             os.environ[variable] = getattr(args, dest)
     return run_stack({name: _argv_for(name, args) for name in SERVICE_ORDER},
                      nats_url=args.nats_url, api_host=args.host, api_port=args.port,
                      ready_timeout=args.ready_timeout, replicas=replicas,
-                     nats_auth=not args.no_nats_auth)
+                     nats_auth=not args.no_nats_auth, nats_tls=tls)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bus.runtime import TLS_CA_VARIABLE
 from services.nats_auth import generate_passwords, server_config
 
 SERVICE_ORDER = ("executor", "scheduler", "tokenizer", "detokenizer", "api")
@@ -85,27 +86,34 @@ class Stack:
         self._print_lock = threading.Lock()
         self._tmpdir = tempfile.TemporaryDirectory(prefix="llmbus-")
         self.passwords: dict[str, str] = {}
+        self.env: dict[str, str] = {}  # for every service
 
-    def start_nats(self, host: str = "127.0.0.1", auth: bool = True) -> str:
-        """An embedded nats-server on a free port; with auth, one user per service."""
+    def start_nats(self, host: str = "127.0.0.1", auth: bool = True,
+                   tls: tuple[str, str] | None = None) -> str:
+        """An embedded nats-server on a free port; with auth, one user per service; with `tls`
+        (certificate file, key file), TLS only. Its URL."""
         port = free_port(host)
         if auth:
             self.passwords = generate_passwords()
-            config = Path(self._tmpdir.name) / "nats.conf"
-            config.write_text(server_config(host, port, self.passwords))
-            config.chmod(0o600)
-            self._spawn("nats", [nats_server_binary(), "-c", str(config)])
-        else:
-            self._spawn("nats", [nats_server_binary(), "-a", host, "-p", str(port)])
+        if tls:
+            cert, key = (str(Path(f).resolve()) for f in tls)
+            tls = cert, key
+            # Services check the server against its own certificate unless told of a CA.
+            self.env.setdefault(TLS_CA_VARIABLE, os.environ.get(TLS_CA_VARIABLE) or cert)
+        config = Path(self._tmpdir.name) / "nats.conf"
+        config.touch(mode=0o600)
+        config.write_text(server_config(host, port, self.passwords, tls))
+        self._spawn("nats", [nats_server_binary(), "-c", str(config)])
         if not wait_for_port(host, port, timeout=10):
             raise RuntimeError("nats-server did not start listening within 10 s")
-        return f"nats://{host}:{port}"
+        return f"{'tls' if tls else 'nats'}://{host}:{port}"
 
     def observer_url(self, url: str) -> str:
         """The NATS URL with the read-mostly observer's credentials (for tests, dashboards)."""
         if not self.passwords:
             return url
-        return url.replace("nats://", f"nats://observer:{self.passwords['observer']}@", 1)
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://observer:{self.passwords['observer']}@{rest}"
 
     def observer_url_file(self, url: str) -> Path | None:
         """A file only this user can read holding `observer_url`: logs name the file, never
@@ -118,9 +126,9 @@ class Stack:
         return path
 
     def start_service(self, name: str, argv: list[str], label: str | None = None) -> None:
-        env = {}
+        env = dict(self.env)
         if self.passwords:
-            env = {"LLMBUS_NATS_USER": name, "LLMBUS_NATS_PASSWORD": self.passwords[name]}
+            env |= {"LLMBUS_NATS_USER": name, "LLMBUS_NATS_PASSWORD": self.passwords[name]}
         self._spawn(label or name,
                     [sys.executable, "-m", "services.cli", "serve", name, *argv], env)
 
@@ -229,7 +237,7 @@ def _start_services(stack: Stack, url: str, service_argv: dict[str, list[str]],
 
 def run_stack(service_argv: dict[str, list[str]], *, nats_url: str | None, api_host: str,
               api_port: int, ready_timeout: float, replicas: dict[str, int] | None = None,
-              nats_auth: bool = True) -> int:
+              nats_auth: bool = True, nats_tls: tuple[str, str] | None = None) -> int:
     """Start everything, wait for SIGINT/SIGTERM or a death, stop everything. Exit code."""
     stop_requested = threading.Event()
 
@@ -241,7 +249,7 @@ def run_stack(service_argv: dict[str, list[str]], *, nats_url: str | None, api_h
     stack = Stack()
     exit_code = 0
     try:
-        url = nats_url or stack.start_nats(auth=nats_auth)
+        url = nats_url or stack.start_nats(auth=nats_auth, tls=nats_tls)
         copies = _start_services(stack, url, service_argv,
                                  replicas or {name: 1 for name in REPLICABLE})
         try:

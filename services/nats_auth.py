@@ -10,8 +10,8 @@ no stage can read the replies another asked for (an executor's step results, say
 `_INBOX.` prefix, which no service uses; nothing else.
 
 Services read their credentials from LLMBUS_NATS_USER / LLMBUS_NATS_PASSWORD (not from the
-command line, which `ps` shows). For TLS, add a `tls { cert_file, key_file }` block to the
-server configuration and connect with `tls://` URLs; see README.
+command line, which `ps` shows). `llmbus up --nats-tls-cert/--nats-tls-key` adds a `tls` block,
+so that the bus is encrypted too; see README.
 """
 
 from __future__ import annotations
@@ -65,10 +65,17 @@ def generate_passwords() -> dict[str, str]:
     return {user: secrets.token_urlsafe(24) for user in PERMISSIONS}
 
 
-def server_config(host: str, port: int, passwords: dict[str, str]) -> str:
-    """A nats-server configuration with one user per service (JSON is valid NATS config)."""
-    users = [{"user": user, "password": passwords[user], "permissions": {
-        "publish": {"allow": perms["publish"]}, "subscribe": {"allow": perms["subscribe"]},
-        "allow_responses": True}} for user, perms in PERMISSIONS.items()]
-    return (f"host: {json.dumps(host)}\nport: {port}\n"
-            f"authorization: {json.dumps({'users': users}, indent=2)}\n")
+def server_config(host: str, port: int, passwords: dict[str, str] | None,
+                  tls: tuple[str, str] | None = None) -> str:
+    """A nats-server configuration (JSON is valid NATS config): with `passwords`, one user per
+    service; with `tls` (certificate file, key file), TLS required of every client."""
+    text = f"host: {json.dumps(host)}\nport: {port}\n"
+    if passwords:
+        users = [{"user": user, "password": passwords[user], "permissions": {
+            "publish": {"allow": perms["publish"]}, "subscribe": {"allow": perms["subscribe"]},
+            "allow_responses": True}} for user, perms in PERMISSIONS.items()]
+        text += f"authorization: {json.dumps({'users': users}, indent=2)}\n"
+    if tls:
+        cert, key = tls
+        text += f"tls: {json.dumps({'cert_file': cert, 'key_file': key})}\n"
+    return text

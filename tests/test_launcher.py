@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -147,3 +148,41 @@ async def test_no_stage_reads_replies_meant_for_another(stack):
         assert any("permissions violation" in str(e).lower() for e in errors)
     finally:
         await observer.close()
+
+
+@needs_default_model()
+@pytest.mark.model
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make a certificate")
+async def test_up_serves_the_bus_over_tls_only(tmp_path):
+    """`--nats-tls-cert/--nats-tls-key`: the embedded bus speaks TLS only, the services reach
+    it (a completion works), and only a client that trusts the certificate gets in."""
+    import ssl
+
+    import httpx
+
+    cert, key = tmp_path / "bus.pem", tmp_path / "bus.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    stack = start_stack(tmp_path, "--nats-tls-cert", str(cert), "--nats-tls-key", str(key))
+    try:
+        assert stack.nats_url.startswith("tls://observer:")
+        host, port = stack.nats_url.rsplit("@", 1)[1].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        info = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+        assert b'"tls_required":true' in info.replace(b" ", b"")  # no plaintext clients
+        async with httpx.AsyncClient(timeout=120) as http:
+            response = await http.post(f"{stack.base_url}/completions", json={
+                "model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3})
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 3
+        with pytest.raises(Exception, match="(?i)certificate"):  # the system's CAs: refused
+            await nats.connect(stack.nats_url, tls=ssl.create_default_context(),
+                               allow_reconnect=False, max_reconnect_attempts=0,
+                               connect_timeout=5)
+        trusting = await nats.connect(stack.nats_url,
+                                      tls=ssl.create_default_context(cafile=str(cert)))
+        await trusting.close()
+    finally:
+        assert stop_stack(stack) == 0

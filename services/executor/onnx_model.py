@@ -41,7 +41,8 @@ ACCURACY_FAST = 4  # int8 activations per block, like llama.cpp's
 SINGLE_THREAD_TOKENS = 4  # without the small-step kernel, steps this small run on one thread
 # A 4-bit QKV projection always takes float32 activations: int8 ones there cost most of the
 # fast mode's perplexity (default model, tests/data text: exact 16.525; everything int8 16.783,
-# +1.6%; QKV float32, the rest int8 16.573, +0.3%) for ~1.4 of ~12 ms of a one-token step.
+# +1.6%; QKV float32, the rest int8 16.573, +0.3%, when first measured; 16.632, +0.65%, with
+# today's float16 cache and attention kernel) for ~1.4 of ~12 ms of a one-token step.
 # (8-bit weights keep int8 activations: see onnx_graphs.linear.)
 
 

@@ -304,6 +304,17 @@ class EngineStats(_Msg):
     num_evictable_blocks: int = 0  # cached blocks no request holds (free for the taking)
 
 
+class ApiMetricsRequest(_Msg):
+    pass
+
+
+class ApiMetricsSnapshot(_Msg):
+    """One api copy's request metrics: sample lines (Prometheus text) by metric name."""
+
+    replica: str
+    samples: dict[str, list[str]] = {}
+
+
 class Heartbeat(_Msg):
     """I am alive (and this busy). Engines fill in the load fields; others leave them 0."""
 

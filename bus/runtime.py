@@ -125,6 +125,31 @@ class ServiceRuntime:
                                     headers=inject_headers())
         return decode(msg.data, reply_type)
 
+    async def gather(self, subject: str, message: msgspec.Struct, reply_type: type[R], *,
+                     expected: int, timeout: float) -> list[R]:
+        """Scatter-gather: every subscriber of `subject` answers; returns once `expected`
+        replies are in, or after `timeout` with those that came."""
+        assert self.nc is not None
+        inbox = self.nc.new_inbox()
+        replies: list[R] = []
+        enough = asyncio.Event()
+
+        async def collect(msg: Msg) -> None:
+            replies.append(decode(msg.data, reply_type))
+            if len(replies) >= expected:
+                enough.set()
+
+        subscription = await self.nc.subscribe(inbox, cb=collect)
+        try:
+            await self.nc.publish(subject, encode(message), reply=inbox)
+            try:
+                await asyncio.wait_for(enough.wait(), timeout)
+            except TimeoutError:
+                pass
+        finally:
+            await subscription.unsubscribe()
+        return replies
+
     def start_heartbeat(self, make: Callable[[], Heartbeat] | None = None) -> None:
         """Publish a heartbeat every HEARTBEAT_INTERVAL while the service is ready."""
         make = make or (lambda: Heartbeat(service=self.service, instance_id=self.instance_id,

@@ -35,6 +35,10 @@ def engine_stats(engine_id: str) -> str:
 
 
 
+# api -> every api copy (request, many replies): each copy's request metrics, so that a scrape
+# of any copy sharing the port sees them all.
+API_METRICS = f"{PREFIX}.api.metrics"
+
 # anyone -> every scheduler (publish): abort a request wherever it is.
 SCHEDULER_ABORT = f"{PREFIX}.engine.abort"
 

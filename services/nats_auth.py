@@ -32,8 +32,9 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "api": {
         "publish": [f"{P}.tokenizer.generate", f"{P}.tokenizer.encode", f"{P}.tokenizer.decode",
                     f"{P}.engine.abort", f"{P}.engine.model", f"{P}.engine.stats",
-                    f"{P}.ping.*", f"{P}.heartbeat.api"],
-        "subscribe": [f"{P}.api.*.deltas", f"{P}.heartbeat.*", f"{P}.ping.api", _inbox("api")],
+                    f"{P}.ping.*", f"{P}.heartbeat.api", f"{P}.api.metrics"],
+        "subscribe": [f"{P}.api.*.deltas", f"{P}.api.metrics", f"{P}.heartbeat.*",
+                      f"{P}.ping.api", _inbox("api")],
     },
     "tokenizer": {
         "publish": [f"{P}.engine.submit", f"{P}.engine.*.submit", f"{P}.heartbeat.tokenizer"],

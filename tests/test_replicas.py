@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 
+import httpx
 import msgspec
 import nats
 import openai
@@ -83,6 +85,40 @@ async def test_every_copy_serves_and_outputs_are_exact(replicas, stack):
     for service in ("api", "tokenizer", "detokenizer", "scheduler", "executor"):
         counts = [n for (s, _), n in work.items() if s == service]
         assert len(counts) == 2 and all(n > 0 for n in counts), (service, counts)
+
+
+def _finished_by_copy(metrics_text: str) -> dict[str, float]:
+    """`llmbus:request_success_total` summed per api copy (its `replica` label)."""
+    counts: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("llmbus:request_success_total{"):
+            replica = re.search(r'replica="([^"]+)"', line).group(1)
+            counts[replica] = counts.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+async def test_any_scrape_counts_the_requests_of_every_api_copy(replicas):
+    """The api copies share one port, so a scrape lands on either: each must show both
+    copies' request counters, adding up to every request served."""
+    _, base_url, _ = replicas
+    root = base_url.removesuffix("/v1")
+
+    async def scrape() -> dict[str, float]:
+        async with httpx.AsyncClient(timeout=30) as http:  # a new connection each time
+            response = await http.get(f"{root}/metrics")
+        assert response.status_code == 200
+        return _finished_by_copy(response.text)
+
+    before = sum((await scrape()).values())
+    for i in range(16):  # fresh connections, which the kernel spreads over the copies
+        async with httpx.AsyncClient(timeout=120) as http:
+            response = await http.post(f"{base_url}/completions", json={
+                "model": MODEL_NAME, "prompt": f"Count {i}:", "max_tokens": 2})
+        assert response.status_code == 200, response.text
+    for _ in range(6):
+        counts = await scrape()
+        assert len(counts) == 2, counts
+        assert sum(counts.values()) == before + 16, counts
 
 
 async def _engine_running(nats_url: str, engine_id: str) -> int:

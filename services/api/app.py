@@ -6,6 +6,7 @@ prompt is given and in the shape of the response.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -152,11 +153,13 @@ def _metrics(state: State, model: str) -> ApiMetrics:
 
 @get("/metrics", media_type="text/plain; version=0.0.4")
 async def metrics(state: State) -> str:
-    """Prometheus text format: this api copy's request metrics, every engine's state."""
+    """Prometheus text format: every api copy's request metrics, every engine's state."""
     info = await state.engine.model_info()
     registry = _metrics(state, info.model_name)
-    registry.set_engine_stats(await state.engine.engine_stats())
-    return registry.render()
+    stats, copies = await asyncio.gather(state.engine.engine_stats(),
+                                         state.engine.api_metrics())
+    registry.set_engine_stats(stats)
+    return registry.render(copies)
 
 
 @get("/health")

@@ -16,11 +16,12 @@ import structlog
 from nats.aio.msg import Msg
 
 from bus import subjects
-from bus.codec import decode, encode
 from bus.liveness import HEARTBEAT_INTERVAL, Liveness
 from bus.messages import (
     AbortRequest,
     Admission,
+    ApiMetricsRequest,
+    ApiMetricsSnapshot,
     DecodeRequest,
     DecodeResult,
     DeltaBatch,
@@ -153,23 +154,22 @@ class EngineClient:
         self._health = (time.monotonic(), health)
         return health
 
-    async def engine_stats(self, wait: float = 0.25) -> list[EngineStats]:
-        """Counters of every engine: one request, every scheduler answers (scatter-gather)."""
-        assert self.runtime.nc is not None
-        nc = self.runtime.nc
-        inbox = nc.new_inbox()
-        replies: list[EngineStats] = []
-
-        async def collect(msg: Msg) -> None:
-            replies.append(decode(msg.data, EngineStats))
-
-        subscription = await nc.subscribe(inbox, cb=collect)
-        try:
-            await nc.publish(subjects.ENGINE_STATS, encode(EngineStatsRequest()), reply=inbox)
-            await asyncio.sleep(wait)
-        finally:
-            await subscription.unsubscribe()
+    async def engine_stats(self, timeout: float = 0.25) -> list[EngineStats]:
+        """Counters of every engine: one request, every scheduler answers (scatter-gather);
+        done once every engine heard of lately has, else at `timeout`."""
+        expected = max(len(self.copies["scheduler"].alive(time.monotonic())), 1)
+        replies = await self.runtime.gather(subjects.ENGINE_STATS, EngineStatsRequest(),
+                                            EngineStats, expected=expected, timeout=timeout)
         return sorted(replies, key=lambda s: s.engine_id)
+
+    async def api_metrics(self, timeout: float = 0.25) -> list[ApiMetricsSnapshot]:
+        """Request metrics of every api copy, this one included (they share the port, so a
+        scrape reaches any one of them)."""
+        expected = max(len(self.copies["api"].alive(time.monotonic())), 1)
+        replies = await self.runtime.gather(subjects.API_METRICS, ApiMetricsRequest(),
+                                            ApiMetricsSnapshot, expected=expected,
+                                            timeout=timeout)
+        return sorted(replies, key=lambda s: s.replica)
 
     async def submit(self, request: GenerateRequest, queue: asyncio.Queue) -> Admission:
         """Send a request into the pipeline, its deltas to `queue`; raises OpenAIError when

@@ -4,11 +4,15 @@ counters fetched over the bus at scrape time.
 Names mirror vLLM's (`vllm:x` is `llmbus:x` here, same suffixes, same units) so dashboards
 made for vLLM adapt by changing the prefix; docs/metrics.md lists the mapping. Every series
 has a `replica` label: the api copy for request metrics, the engine for engine metrics.
+
+Api copies sharing one port (`llmbus up --replicas api=N`) each count their own requests; the
+copy a scrape reaches gathers every copy's request metrics over the bus (`snapshot`), so any
+scrape shows all of them.
 """
 
 from __future__ import annotations
 
-from bus.messages import EngineStats
+from bus.messages import ApiMetricsSnapshot, EngineStats
 from services.api.prometheus import Counter, Gauge, Histogram, Registry
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -87,6 +91,15 @@ class ApiMetrics:
         for reason in finish_reasons:
             self.finished.inc(*self.labels, reason)
 
+    def request_metrics(self):
+        return (self.ttft, self.itl, self.e2e, self.queue, self.prompt_len, self.output_len,
+                self.prompt_tokens, self.generation_tokens, self.finished)
+
+    def snapshot(self) -> ApiMetricsSnapshot:
+        """This copy's request metrics, for the copy a scrape reached."""
+        return ApiMetricsSnapshot(replica=self.labels[1], samples={
+            m.name: m.samples() for m in self.request_metrics()})
+
     def set_engine_stats(self, stats: list[EngineStats]) -> None:
         for gauge in (self.running, self.waiting, self.kv_usage, self.prefix_queries,
                       self.prefix_hits, self.preemptions):
@@ -101,5 +114,11 @@ class ApiMetrics:
             self.prefix_hits.set(*labels, value=s.num_prefix_hit_tokens)
             self.preemptions.set(*labels, value=s.num_preemptions)
 
-    def render(self) -> str:
-        return self.registry.render()
+    def render(self, copies: list[ApiMetricsSnapshot] | None = None) -> str:
+        """The exposition: request metrics of every copy in `copies` (default: this one's
+        only), engine metrics as last set."""
+        if copies is None:
+            return self.registry.render()
+        gathered = {m.name: [line for c in copies for line in c.samples.get(m.name, [])]
+                    for m in self.request_metrics()}
+        return self.registry.render(gathered)

@@ -1,6 +1,7 @@
 """A minimal Prometheus registry and text exposition (format 0.0.4), with no dependency.
 
-Only what the api needs: counters, gauges and histograms with labels.
+Only what the api needs: counters, gauges and histograms with labels, and sample lines that
+other processes rendered (api copies sharing a port, see services/api/metrics.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class _Metric:
     def header(self) -> list[str]:
         return [f"# HELP {self.name} {self.documentation}", f"# TYPE {self.name} {self.kind}"]
 
+    def samples(self) -> list[str]:
+        raise NotImplementedError
+
 
 class Counter(_Metric):
     kind = "counter"
@@ -52,9 +56,9 @@ class Counter(_Metric):
     def inc(self, *labels: str, amount: float = 1.0) -> None:
         self.values[labels] += amount
 
-    def render(self) -> list[str]:
-        return self.header() + [f"{self.name}_total{_labels(self.labelnames, k)} {_number(v)}"
-                                for k, v in sorted(self.values.items())]
+    def samples(self) -> list[str]:
+        return [f"{self.name}_total{_labels(self.labelnames, k)} {_number(v)}"
+                for k, v in sorted(self.values.items())]
 
 
 class Gauge(_Metric):
@@ -67,9 +71,9 @@ class Gauge(_Metric):
     def set(self, *labels: str, value: float) -> None:
         self.values[labels] = value
 
-    def render(self) -> list[str]:
-        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_number(v)}"
-                                for k, v in sorted(self.values.items())]
+    def samples(self) -> list[str]:
+        return [f"{self.name}{_labels(self.labelnames, k)} {_number(v)}"
+                for k, v in sorted(self.values.items())]
 
 
 class Histogram(_Metric):
@@ -92,8 +96,8 @@ class Histogram(_Metric):
     def count(self, *labels: str) -> int:
         return self.counts.get(labels, [0])[-1]
 
-    def render(self) -> list[str]:
-        lines = self.header()
+    def samples(self) -> list[str]:
+        lines = []
         for key, counts in sorted(self.counts.items()):
             for bound, count in zip(self.buckets, counts, strict=True):
                 lines.append(f"{self.name}_bucket"
@@ -113,5 +117,11 @@ class Registry:
         self.metrics.append(metric)
         return metric
 
-    def render(self) -> str:
-        return "\n".join(line for m in self.metrics for line in m.render()) + "\n"
+    def render(self, samples: dict[str, list[str]] | None = None) -> str:
+        """The exposition; `samples` replaces the sample lines of the metrics it names (those
+        gathered from several processes)."""
+        samples = samples or {}
+        lines = []
+        for m in self.metrics:
+            lines += m.header() + samples.get(m.name, m.samples())
+        return "\n".join(lines) + "\n"

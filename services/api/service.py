@@ -8,7 +8,10 @@ import socket
 
 import structlog
 import uvicorn
+from nats.aio.msg import Msg
 
+from bus import subjects
+from bus.messages import ApiMetricsRequest, ApiMetricsSnapshot
 from bus.runtime import ServiceRuntime
 from services.api.app import ApiSettings, create_app
 from services.api.engine_client import EngineClient
@@ -81,6 +84,13 @@ async def main(args: argparse.Namespace) -> None:
     server = DrainingServer(app, uvicorn.Config(
         app, host=args.host, port=args.port, log_config=None, access_log=False,
         timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"))
+
+    async def on_metrics(_: ApiMetricsRequest, __: Msg) -> ApiMetricsSnapshot:
+        metrics = app.state.get("metrics")  # made on the first request or scrape
+        return (metrics.snapshot() if metrics is not None
+                else ApiMetricsSnapshot(replica=runtime.instance_id))
+
+    await runtime.on_request(subjects.API_METRICS, ApiMetricsRequest, on_metrics)
     runtime.ready = True
     runtime.start_heartbeat()
     log.info("api listening", url=f"http://{args.host}:{args.port}")

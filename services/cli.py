@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
         "cache directory ($LLMBUS_CACHE_DIR or ~/.cache/llmbus) and verify its checksum.")
     pull.add_argument("--force", action="store_true", help="download even if present")
 
+    commands.add_parser(
+        "compose-env", help="print a .env for compose.yaml: random bus passwords, an API key",
+        description="Print a .env file for `docker compose`: a random password for every bus "
+        "user of deploy/nats.conf and an API key. Use: llmbus compose-env > .env")
+
     # Parsed by services.bench.cli (see main), so its imports stay out of every other command.
     commands.add_parser("bench", add_help=False,
                         help="benchmarks: `bench serve` loads any OpenAI-compatible server, "
@@ -171,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "compose-env":
+        from services.nats_auth import compose_env
+
+        print(compose_env(), end="")
+        return 0
     if args.command == "model":
         from services.model_files import pull_default_model
 

@@ -66,6 +66,31 @@ def generate_passwords() -> dict[str, str]:
     return {user: secrets.token_urlsafe(24) for user in PERMISSIONS}
 
 
+def password_variable(user: str) -> str:
+    """Where the compose stack keeps a bus user's password: an environment variable."""
+    return f"LLMBUS_NATS_PASSWORD_{user.upper()}"
+
+
+def compose_server_config() -> str:
+    """deploy/nats.conf, the compose stack's nats-server configuration: the same users and
+    permissions as `llmbus up`'s, each password read from $LLMBUS_NATS_PASSWORD_<USER> (NATS
+    configuration resolves `$NAME` from the environment)."""
+    markers = {user: f"@{password_variable(user)}@" for user in PERMISSIONS}
+    text = server_config("0.0.0.0", 4222, markers)
+    for user, marker in markers.items():
+        text = text.replace(json.dumps(marker), "$" + password_variable(user))
+    return ("# The compose stack's nats-server configuration (compose.yaml). Generated from\n"
+            "# services/nats_auth.py by `python -m services.nats_auth`; a test keeps it current.\n"
+            + text)
+
+
+def compose_env() -> str:
+    """A .env file for compose.yaml: a random password for every bus user and an API key."""
+    lines = [f"{password_variable(user)}={password}"
+             for user, password in generate_passwords().items()]
+    return "\n".join([*lines, f"LLMBUS_API_KEY={secrets.token_urlsafe(32)}"]) + "\n"
+
+
 def server_config(host: str, port: int, passwords: dict[str, str] | None,
                   tls: tuple[str, str] | None = None) -> str:
     """A nats-server configuration (JSON is valid NATS config): with `passwords`, one user per
@@ -80,3 +105,7 @@ def server_config(host: str, port: int, passwords: dict[str, str] | None,
         cert, key = tls
         text += f"tls: {json.dumps({'cert_file': cert, 'key_file': key})}\n"
     return text
+
+
+if __name__ == "__main__":
+    print(compose_server_config(), end="")

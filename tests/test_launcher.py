@@ -16,7 +16,8 @@ import yaml
 
 from bus import subjects
 from services.cli import build_parser
-from services.launcher import SERVICE_ORDER, free_port, wait_for_port
+from services.launcher import SERVICE_ORDER, free_port, nats_server_binary, wait_for_port
+from services.nats_auth import PERMISSIONS, compose_env, compose_server_config, password_variable
 from tests.conftest import AUTH, MODEL_NAME, REPO, needs_default_model, start_stack, stop_stack
 
 
@@ -83,6 +84,69 @@ def test_compose_runs_exactly_the_launchers_services():
         environment = services[name]["environment"]
         assert environment["LLMBUS_NATS_URL"] == "nats://nats:4222"
         assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
+        # each stage is its own bus user, its password from .env
+        assert environment["LLMBUS_NATS_USER"] == name
+        assert environment["LLMBUS_NATS_PASSWORD"].startswith(
+            "${" + password_variable(name) + ":?")
+
+
+def test_compose_stack_is_locked():
+    """The bus is not published on the host and runs deploy/nats.conf (current with
+    services/nats_auth.py); the api needs a key; the trace viewer is this host's only."""
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    nats_service = compose["services"]["nats"]
+    assert "ports" not in nats_service
+    assert nats_service["entrypoint"] == ["nats-server", "-c", "/etc/llmbus/nats.conf"]
+    assert "./deploy/nats.conf:/etc/llmbus/nats.conf:ro" in nats_service["volumes"]
+    assert set(nats_service["environment"]) == {password_variable(u) for u in PERMISSIONS}
+    assert (REPO / "deploy" / "nats.conf").read_text() == compose_server_config()
+    assert compose["services"]["api"]["environment"]["LLMBUS_API_KEY"].startswith(
+        "${LLMBUS_API_KEY:?")
+    assert all(port.startswith("127.0.0.1:")
+               for port in compose["services"]["jaeger"]["ports"])
+
+
+async def test_compose_bus_config_admits_only_its_users(tmp_path):
+    """deploy/nats.conf on a real nats-server, passwords from a `llmbus compose-env` file:
+    a stage with its password gets in and stays within its permissions; a wrong password or
+    no credentials do not."""
+    env = dict(line.split("=", 1) for line in compose_env().splitlines())
+    port = free_port()
+    config = tmp_path / "nats.conf"
+    config.write_text((REPO / "deploy" / "nats.conf").read_text()
+                      .replace('host: "0.0.0.0"', 'host: "127.0.0.1"')
+                      .replace("port: 4222", f"port: {port}"))
+    server = subprocess.Popen([nats_server_binary(), "-c", str(config)],
+                              env=dict(os.environ, **env), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for_port("127.0.0.1", port, timeout=10)
+        url = f"nats://127.0.0.1:{port}"
+        executor = await nats.connect(url, user="executor",
+                                      password=env[password_variable("executor")])
+        errors = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(exc)
+
+        api = await nats.connect(url, user="api", password=env[password_variable("api")],
+                                 error_cb=on_error)
+        await api.publish(subjects.executor_step("engine0"), b"junk")  # not the api's to send
+        await api.flush()
+        for _ in range(20):
+            if errors:
+                break
+            await asyncio.sleep(0.1)
+        assert any("permissions violation" in str(e).lower() for e in errors)
+        await api.close()
+        await executor.close()
+        for credentials in ({"user": "api", "password": "wrong"}, {}):
+            with pytest.raises(Exception, match="(?i)authorization"):
+                await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0,
+                                   connect_timeout=2, **credentials)
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["up", "--help"], ["model", "pull", "--help"],

@@ -231,6 +231,10 @@ class RequestTokens(_Msg):
     # message header cannot carry it) and how long it waited before its first step.
     traceparent: str = ""
     queue_seconds: float = 0.0
+    # When a completion moves to another detokenizer copy (its copy died): the tokens the old
+    # copy already had. The new copy decodes them first without sending their text, which
+    # restores what the old one held back for a stop string, then goes on with new_token_ids.
+    replay_token_ids: list[int] = []
 
 
 class TokenBatch(_Msg):

@@ -178,3 +178,31 @@ def test_stop_strings_property(tokenizer, case, include, seed):
     assert "".join(texts) == expected
     assert stopped == expected_stopped
     assert not any("\ufffd" in t for t in texts)
+
+
+@pytest.mark.model
+def test_a_copy_taking_over_keeps_the_text_held_back_for_a_stop_string(tokenizer):
+    """A detokenizer copy dies while it holds back "Par" (it might start the stop string
+    "Paris"); the copy taking the completion over replays the dead copy's tokens, so the
+    client still gets "Parade", and every character exactly once."""
+    from bus.messages import FinishReason, RequestTokens, TokenBatch
+    from services.detokenizer.service import Detokenization
+
+    ids = tokenizer.encode("We went to the Parade today.")
+    cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("Par"))
+
+    def item(new: list[int], replay: list[int] = (), finish=FinishReason.NONE):
+        return TokenBatch(engine_id="e0", items=[RequestTokens(
+            request_id="r", reply_subject="api", new_token_ids=new, stop=["Paris"],
+            replay_token_ids=list(replay), finish_reason=finish)])
+
+    def text(deltas: dict) -> str:
+        return "".join(d.text for d in deltas.get("api", []))
+
+    dying = Detokenization(tokenizer)
+    before = text(dying.process(item(ids[:cut]))[0])
+    assert before == "We went to the "  # "Par" held back
+    survivor = Detokenization(tokenizer)
+    after = text(survivor.process(item(ids[cut:], replay=ids[:cut],
+                                       finish=FinishReason.LENGTH))[0])
+    assert before + after == "We went to the Parade today."

@@ -90,3 +90,29 @@ def test_detokenizer_routing_is_sticky_and_moves_off_dead_copies():
     moved = routing.route([update("r0", FinishReason.STOP)], now=3.0)
     assert dead not in moved
     assert ("r0", 0) not in routing.assigned  # finished: forgotten
+
+
+def test_a_moved_completion_carries_the_tokens_its_dead_copy_had():
+    """The copy taking a completion over gets the tokens sent so far, to replay (and only
+    then); a completion that stays put gets none."""
+    routing = DetokenizerRouting(Liveness(dead_after=2.0))
+    for name in ("d0", "d1"):
+        routing.liveness.seen(beat(name, service="detokenizer"), now=0.0)
+    sent = []
+    for step in range(3):
+        item = RequestTokens(request_id="r", reply_subject="api",
+                             new_token_ids=[10 + step, 20 + step])
+        [(owner, [routed])] = routing.route([item], now=0.1 * step).items()
+        assert routed.replay_token_ids == []
+        sent += item.new_token_ids
+    survivor = "d1" if owner == subjects.detokenizer_tokens("d0") else "d0"
+    routing.liveness.seen(beat(survivor, service="detokenizer"), now=2.5)
+    item = RequestTokens(request_id="r", reply_subject="api", new_token_ids=[99])
+    [(subject, [routed])] = routing.route([item], now=3.0).items()
+    assert subject == subjects.detokenizer_tokens(survivor)
+    assert routed.replay_token_ids == sent
+    later = RequestTokens(request_id="r", reply_subject="api", new_token_ids=[100],
+                          finish_reason=FinishReason.LENGTH)
+    [(_, [routed])] = routing.route([later], now=3.1).items()
+    assert routed.replay_token_ids == []  # it stayed on the survivor
+    assert ("r", 0) not in routing.sent  # finished: forgotten

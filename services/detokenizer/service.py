@@ -112,6 +112,10 @@ class Detokenization:
                     include_stop_str_in_output=item.include_stop_str_in_output)
                 self.states[key] = state
                 self.started[key] = (now_ns, item.traceparent)
+                if item.replay_token_ids:  # taken over from a copy that died: its text went
+                    # out already; decoding its tokens again restores what it held back for a
+                    # stop string (or, had they ended it, keeps the completion stopped)
+                    state.step(item.replay_token_ids)
             delta = state.step(item.new_token_ids)
             text, reason = delta.text, FinishReason(item.finish_reason)
             if delta.stopped:

@@ -5,8 +5,9 @@ for stop strings), so all tokens of one completion must reach the same copy, in 
 scheduler, the only sender of tokens, assigns each completion to a live copy by rendezvous
 hashing (stable while the set of copies is stable) and sends it there on the copy's own
 subject; NATS keeps the order of one publisher's messages on one subject. When a copy dies,
-its completions move to another copy, which starts them afresh from the next tokens (their
-text so far was already delivered; only text held back for a stop string can be lost).
+its completions move to another copy, with the tokens the dead copy had (`replay_token_ids`):
+the new copy decodes them silently, which restores the text the old one held back for a stop
+string (its text so far was already delivered), then goes on from the next tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def _weight(key: str, instance_id: str) -> int:
 class DetokenizerRouting:
     liveness: Liveness = field(default_factory=Liveness)
     assigned: dict[tuple[str, int], str] = field(default_factory=dict)
+    sent: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # tokens so far
 
     def route(self, updates: list[RequestTokens], now: float) -> dict[str, list[RequestTokens]]:
         """Updates grouped by the subject of the detokenizer copy each completion goes to."""
@@ -38,12 +40,16 @@ class DetokenizerRouting:
             key = (update.request_id, update.index)
             instance = self.assigned.get(key)
             if instance not in alive:
+                if instance is not None:  # its copy died: the next one catches up first
+                    update.replay_token_ids = list(self.sent.get(key, ()))
                 instance = (max(alive, key=lambda i: _weight(f"{key[0]}#{key[1]}", i))
                             if alive else None)
             if update.finish_reason != FinishReason.NONE:
                 self.assigned.pop(key, None)
+                self.sent.pop(key, None)
             elif instance is not None:
                 self.assigned[key] = instance
+                self.sent.setdefault(key, []).extend(update.new_token_ids)
             # No copy heard from yet (start-up): the shared subject, where copies queue.
             subject = (subjects.detokenizer_tokens(instance) if instance is not None
                        else subjects.DETOKENIZER_TOKENS)

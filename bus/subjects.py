@@ -84,6 +84,12 @@ def engine_submit(engine_id: str) -> str:
     return f"{PREFIX}.engine.{engine_id}.submit"
 
 
+def engine_withdraw(engine_id: str) -> str:
+    """router (tokenizer) -> one scheduler (publish): a request it did not admit in time went
+    to another engine; drop it silently, now or when its submit arrives."""
+    return f"{PREFIX}.engine.{engine_id}.withdraw"
+
+
 def detokenizer_tokens(instance_id: str) -> str:
     """scheduler -> the detokenizer copy a request is assigned to (publish)."""
     return f"{PREFIX}.detokenizer.{instance_id}.tokens"

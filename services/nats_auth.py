@@ -37,7 +37,8 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
                       f"{P}.ping.api", _inbox("api")],
     },
     "tokenizer": {
-        "publish": [f"{P}.engine.submit", f"{P}.engine.*.submit", f"{P}.heartbeat.tokenizer"],
+        "publish": [f"{P}.engine.submit", f"{P}.engine.*.submit", f"{P}.engine.*.withdraw",
+                    f"{P}.heartbeat.tokenizer"],
         "subscribe": [f"{P}.tokenizer.>", f"{P}.heartbeat.scheduler",
                       f"{P}.engine.cache_events", f"{P}.ping.tokenizer", _inbox("tokenizer")],
     },

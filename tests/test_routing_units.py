@@ -116,3 +116,59 @@ def test_a_moved_completion_carries_the_tokens_its_dead_copy_had():
     [(_, [routed])] = routing.route([later], now=3.1).items()
     assert routed.replay_token_ids == []  # it stayed on the survivor
     assert ("r", 0) not in routing.sent  # finished: forgotten
+
+
+async def test_an_engine_too_slow_to_admit_is_told_to_withdraw():
+    """The chosen engine does not answer the submit in time: the request goes to the other
+    engine, and the slow one is told to withdraw it (it may admit it later, when it wakes),
+    so that it never runs twice. Real nats-server; the two engines are plain subscribers."""
+    import asyncio
+
+    import nats
+
+    from bus.codec import decode, encode
+    from bus.messages import AbortRequest, Admission, SubmitRequest
+    from bus.runtime import ServiceRuntime
+    from services.launcher import Stack
+    from services.tokenizer.service import submit_to_an_engine
+
+    stack = Stack()
+    try:
+        url = stack.start_nats(auth=False)
+        engines = await nats.connect(url)
+        withdrawn = []
+
+        async def slow(msg) -> None:
+            await asyncio.sleep(1.0)  # stalled past the router's patience
+            await msg.respond(encode(Admission(engine_id="slow")))
+
+        async def fast(msg) -> None:
+            await msg.respond(encode(Admission(engine_id="fast")))
+
+        async def on_withdraw(msg) -> None:
+            withdrawn.append(decode(msg.data, AbortRequest).request_id)
+
+        await engines.subscribe(subjects.engine_submit("e0"), cb=slow)
+        await engines.subscribe(subjects.engine_submit("e1"), cb=fast)
+        await engines.subscribe(subjects.engine_withdraw("e0"), cb=on_withdraw)
+        await engines.subscribe(subjects.engine_withdraw("e1"), cb=on_withdraw)
+        await engines.flush()
+        router = Router()
+        router.on_heartbeat(beat("e0"), now=0.0)
+        router.on_heartbeat(beat("e1", running=3), now=0.0)  # busier: e0 is tried first
+        router.liveness.dead_after = 1e9  # the test's clock is not the router's
+        runtime = ServiceRuntime("tokenizer", url)
+        await runtime.connect()
+        submit = SubmitRequest(request_id="req-1", reply_subject="api",
+                               prompt_token_ids=[1, 2, 3], params=SamplingParams())
+        admission = await submit_to_an_engine(runtime, router, submit, timeout=0.3)
+        assert admission.engine_id == "fast"
+        for _ in range(50):
+            if withdrawn:
+                break
+            await asyncio.sleep(0.05)
+        assert withdrawn == ["req-1"]  # told to e0 only
+        await runtime.close()
+        await engines.close()
+    finally:
+        stack.stop()

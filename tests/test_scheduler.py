@@ -124,6 +124,28 @@ def test_abort_frees_blocks_wherever_the_request_is():
     assert s.schedule().finished_request_ids == ["running"]
 
 
+def test_a_withdrawn_request_leaves_silently_or_is_refused_when_it_comes():
+    """The router gave up on this engine's admission and sent the request elsewhere: running
+    or queued, it goes without an update or a count (the other engine serves the client);
+    withdrawn before it arrived, it is refused when it does."""
+    s = make()
+    add(s, "running", num_prompt=5, n=2)
+    run_step(s)
+    add(s, "queued", num_prompt=5)
+    s.withdraw("running")
+    s.withdraw("queued")
+    assert not s.requests and not s.families
+    assert s.allocator.num_free == s.allocator.num_usable
+    s.check_invariants()
+    assert s.take_ended_updates() == [] and s.take_finished() == [] and s.num_finished == 0
+    assert "running#prompt" in s.schedule().finished_request_ids  # the executor forgets it
+    s.withdraw("late")
+    with pytest.raises(AdmissionError, match="withdrawn"):
+        add(s, "late", num_prompt=5)
+    add(s, "late", num_prompt=5)  # the withdrawal is used up
+    assert "late" in s.requests
+
+
 def test_eos_and_stop_token_ids_finish_with_stop():
     s = make()
     add(s, "eos", num_prompt=3)

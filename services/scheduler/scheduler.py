@@ -41,6 +41,9 @@ from services.scheduler.block_allocator import BlockAllocator
 from services.scheduler.prefix_tree import PrefixTree
 from services.scheduler.request import Request, RequestStatus
 
+# Withdrawals of requests that had not arrived yet, remembered until they do (oldest dropped).
+MAX_WITHDRAWN_REMEMBERED = 10_000
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -74,15 +77,20 @@ class Scheduler:
         self._preempted_ids: list[str] = []
         self._copies: list[BlockCopy] = []
         self._finished: list[Request] = []  # for the adapter's traces: take_finished()
+        self._withdrawn: dict[str, None] = {}  # withdrawn before they arrived (ordered set)
 
     # ------------------------------------------------------------------ admission
 
     def add_request(self, request_id: str, reply_subject: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float = 0.0, n: int = 1,
                     traceparent: str = "") -> None:
-        """Queue a request (n completions of it), or raise AdmissionError if it can never run."""
+        """Queue a request (n completions of it), or raise AdmissionError if it can never run
+        (or was withdrawn before it arrived)."""
         if request_id in self.families:
             raise AdmissionError(f"duplicate request id {request_id}")
+        if request_id in self._withdrawn:
+            del self._withdrawn[request_id]
+            raise AdmissionError(f"request {request_id} was withdrawn (admitted elsewhere)")
         max_tokens = resolve_max_tokens(self.config, self.allocator.num_usable,
                                         len(prompt_token_ids), params, n)
 
@@ -115,6 +123,21 @@ class Scheduler:
             self._ended_updates.extend(self._end_updates(request))
             ended = True
         return ended
+
+    def withdraw(self, request_id: str) -> None:
+        """The router gave up waiting for this engine's admission and sent the request to
+        another engine: drop it without a word downstream (the other engine's output is the
+        one the client gets), or, not here yet, refuse it when it comes."""
+        family = self.families.get(request_id)
+        if family is None:
+            self._withdrawn[request_id] = None
+            while len(self._withdrawn) > MAX_WITHDRAWN_REMEMBERED:
+                del self._withdrawn[next(iter(self._withdrawn))]
+            return
+        for internal_id in list(family):
+            request = self.requests[internal_id]
+            self._remove(request)
+            self._drop(request, FinishReason.ABORT)  # never served: no spans, no counts
 
     def abort_for_reply_subject(self, reply_subject: str) -> int:
         """Abort every request whose api copy (reply subject) is gone; returns how many."""
@@ -427,6 +450,12 @@ class Scheduler:
             self.running.remove(request)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        self._drop(request, reason)
+        self.num_finished += 1
+        self._finished.append(request)
+
+    def _drop(self, request: Request, reason: FinishReason) -> None:
+        """Forget a request (already out of the queues): blocks, ids, the executor's copy."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._release_blocks(request)
@@ -437,8 +466,6 @@ class Scheduler:
             del self.families[request.public_id]
         if request.known_to_executor:
             self._forget_ids.append(request.request_id)
-        self.num_finished += 1
-        self._finished.append(request)
 
     def _token_update(self, request: Request, error: str = "",
                       index: int | None = None) -> RequestTokens:

@@ -108,6 +108,8 @@ class SchedulerService:
         await runtime.on_request(subjects.ENGINE_SUBMIT, SubmitRequest, self.on_submit,
                                  queue=group)
         await runtime.on_message(subjects.SCHEDULER_ABORT, AbortRequest, self.on_abort)
+        await runtime.on_message(subjects.engine_withdraw(self.engine_id), AbortRequest,
+                                 self.on_withdraw)
         await runtime.on_request(subjects.ENGINE_MODEL, ModelInfoRequest, self.on_model_info,
                                  queue=group)
         await runtime.on_request(subjects.engine_stats(self.engine_id), EngineStatsRequest,
@@ -173,6 +175,11 @@ class SchedulerService:
         if self.scheduler.abort_request(abort.request_id, abort.index):
             log.info("aborted", request_id=abort.request_id, index=abort.index)
             self.wakeup.set()
+
+    async def on_withdraw(self, withdrawal: AbortRequest, _: Msg) -> None:
+        assert self.scheduler is not None
+        self.scheduler.withdraw(withdrawal.request_id)
+        log.info("withdrawn: admitted elsewhere", request_id=withdrawal.request_id)
 
     async def on_detokenizer_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
         now = time.monotonic()

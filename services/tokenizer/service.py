@@ -17,6 +17,7 @@ from opentelemetry import trace
 
 from bus import subjects
 from bus.messages import (
+    AbortRequest,
     Admission,
     CacheEvent,
     DecodeRequest,
@@ -77,6 +78,43 @@ class Tokenization:
         return tok.encode(request.prompt or "", add_special_tokens=True)
 
 
+ADMISSION_TIMEOUT = 3.0  # seconds an engine has to answer a submit before the next is tried
+
+
+async def submit_to_an_engine(runtime: ServiceRuntime, router: Router, submit: SubmitRequest,
+                              timeout: float = ADMISSION_TIMEOUT) -> Admission:
+    """Route to the best engine; on a dead or silent one, try the next. Never hangs.
+
+    An engine that did not answer in time may still admit the request later (a stalled
+    process): it is told to withdraw it, so that it never runs on two engines.
+    """
+    tried: set[str] = set()
+    refused: Admission | None = None
+    while True:
+        chosen = router.choose(submit.prompt_token_ids, time.monotonic(),
+                               exclude=frozenset(tried))
+        subject = (subjects.engine_submit(chosen.engine_id) if chosen is not None
+                   else subjects.ENGINE_SUBMIT)  # no heartbeat yet: any engine
+        try:
+            admission = await runtime.request(subject, submit, Admission, timeout=timeout)
+            if admission.error_code != ErrorCode.OVERLOADED or chosen is None:
+                return admission
+            refused = admission  # this engine's queue is full: try the others
+            tried.add(chosen.instance_id)
+            continue
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+            log.warning("engine did not admit the request", request_id=submit.request_id,
+                        engine=chosen.engine_id if chosen else None, error=type(exc).__name__)
+            if chosen is None:
+                break
+            if isinstance(exc, nats.errors.TimeoutError):
+                await runtime.publish(subjects.engine_withdraw(chosen.engine_id),
+                                      AbortRequest(submit.request_id))
+            tried.add(chosen.instance_id)
+    return refused or Admission(error_code=ErrorCode.OVERLOADED,
+                                error_message="no engine is available; retry shortly")
+
+
 async def main(args: argparse.Namespace) -> None:
     runtime = ServiceRuntime("tokenizer", args.nats_url, args.instance_id)
     await runtime.connect()
@@ -107,38 +145,12 @@ async def main(args: argparse.Namespace) -> None:
                                reply_subject=request.reply_subject,
                                prompt_token_ids=token_ids, params=request.params,
                                arrival_time=time.time(), n=request.n)
-        admission = await submit_to_an_engine(submit)
+        admission = await submit_to_an_engine(runtime, router, submit)
         if admission.error_code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and request.messages:
             admission.error_param = admission.error_param or "messages"
         elif admission.error_param == "messages" and not request.messages:
             admission.error_param = "prompt"
         return admission
-
-    async def submit_to_an_engine(submit: SubmitRequest) -> Admission:
-        """Route to the best engine; on a dead one, try the next. Never hangs."""
-        tried: set[str] = set()
-        refused: Admission | None = None
-        while True:
-            chosen = router.choose(submit.prompt_token_ids, time.monotonic(),
-                                   exclude=frozenset(tried))
-            subject = (subjects.engine_submit(chosen.engine_id) if chosen is not None
-                       else subjects.ENGINE_SUBMIT)  # no heartbeat yet: any engine
-            try:
-                admission = await runtime.request(subject, submit, Admission, timeout=3.0)
-                if admission.error_code != ErrorCode.OVERLOADED or chosen is None:
-                    return admission
-                refused = admission  # this engine's queue is full: try the others
-                tried.add(chosen.instance_id)
-                continue
-            except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
-                log.warning("engine did not admit the request", request_id=submit.request_id,
-                            engine=chosen.engine_id if chosen else None,
-                            error=type(exc).__name__)
-                if chosen is None:
-                    break
-                tried.add(chosen.instance_id)
-        return refused or Admission(error_code=ErrorCode.OVERLOADED,
-                                    error_message="no engine is available; retry shortly")
 
     async def on_engine_heartbeat(heartbeat: Heartbeat, _: Msg) -> None:
         now = time.monotonic()

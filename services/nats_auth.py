@@ -19,52 +19,58 @@ from __future__ import annotations
 import json
 import secrets
 
-from bus.subjects import inbox_prefix
+from bus import subjects as S
 
-P = "llmbus.v1"
+ANY = "*"  # one subject token: every engine, copy or service
 
 
 def _inbox(user: str) -> str:
-    return f"{inbox_prefix(user)}.>"
+    return f"{S.inbox_prefix(user)}.>"
 
 
+# Built from bus/subjects.py (never spelled out here), so a renamed subject cannot drift.
 PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "api": {
-        "publish": [f"{P}.tokenizer.generate", f"{P}.tokenizer.encode", f"{P}.tokenizer.decode",
-                    f"{P}.engine.abort", f"{P}.engine.model", f"{P}.engine.stats",
-                    f"{P}.ping.*", f"{P}.heartbeat.api", f"{P}.api.metrics"],
-        "subscribe": [f"{P}.api.*.deltas", f"{P}.api.metrics", f"{P}.heartbeat.*",
-                      f"{P}.ping.api", _inbox("api")],
+        "publish": [S.TOKENIZER_GENERATE, S.TOKENIZER_ENCODE, S.TOKENIZER_DECODE,
+                    S.SCHEDULER_ABORT, S.ENGINE_MODEL, S.ENGINE_STATS, S.ping(ANY),
+                    S.heartbeat("api"), S.API_METRICS],
+        "subscribe": [S.api_deltas(ANY), S.API_METRICS, S.heartbeat(ANY), S.ping("api"),
+                      _inbox("api")],
     },
     "tokenizer": {
-        "publish": [f"{P}.engine.submit", f"{P}.engine.*.submit", f"{P}.engine.*.withdraw",
-                    f"{P}.heartbeat.tokenizer"],
-        "subscribe": [f"{P}.tokenizer.>", f"{P}.heartbeat.scheduler",
-                      f"{P}.engine.cache_events", f"{P}.ping.tokenizer", _inbox("tokenizer")],
+        "publish": [S.ENGINE_SUBMIT, S.engine_submit(ANY), S.engine_withdraw(ANY),
+                    S.heartbeat("tokenizer")],
+        "subscribe": [S.TOKENIZER_GENERATE, S.TOKENIZER_ENCODE, S.TOKENIZER_DECODE,
+                      S.heartbeat("scheduler"), S.ENGINE_CACHE_EVENTS, S.ping("tokenizer"),
+                      _inbox("tokenizer")],
     },
     "scheduler": {
-        "publish": [f"{P}.engine.*.executor.>", f"{P}.detokenizer.>",
-                    f"{P}.engine.cache_events", f"{P}.heartbeat.scheduler"],
-        "subscribe": [f"{P}.engine.>", f"{P}.heartbeat.*", f"{P}.ping.scheduler",
-                      _inbox("scheduler")],
+        "publish": [S.executor_info(ANY), S.executor_step(ANY), S.DETOKENIZER_TOKENS,
+                    S.detokenizer_tokens(ANY), S.ENGINE_CACHE_EVENTS, S.heartbeat("scheduler")],
+        "subscribe": [S.ENGINE_SUBMIT, S.engine_submit(ANY), S.engine_withdraw(ANY),
+                      S.SCHEDULER_ABORT, S.ENGINE_MODEL, S.ENGINE_STATS, S.engine_stats(ANY),
+                      S.heartbeat("detokenizer"), S.heartbeat("api"), S.heartbeat("executor"),
+                      S.ping("scheduler"), _inbox("scheduler")],
     },
     "executor": {
-        "publish": [f"{P}.heartbeat.executor"],
-        "subscribe": [f"{P}.engine.*.executor.>", f"{P}.ping.executor"],
+        "publish": [S.heartbeat("executor")],
+        "subscribe": [S.executor_info(ANY), S.executor_step(ANY), S.ping("executor")],
     },
     "detokenizer": {
-        "publish": [f"{P}.api.*.deltas", f"{P}.engine.abort", f"{P}.heartbeat.detokenizer"],
-        "subscribe": [f"{P}.detokenizer.>", f"{P}.ping.detokenizer"],
+        "publish": [S.api_deltas(ANY), S.SCHEDULER_ABORT, S.heartbeat("detokenizer")],
+        "subscribe": [S.DETOKENIZER_TOKENS, S.detokenizer_tokens(ANY), S.ping("detokenizer")],
     },
     "observer": {
-        "publish": [f"{P}.engine.stats", f"{P}.engine.*.stats", f"{P}.ping.*"],
-        "subscribe": [f"{P}.heartbeat.*", "_INBOX.>"],
+        "publish": [S.ENGINE_STATS, S.engine_stats(ANY), S.ping(ANY)],
+        "subscribe": [S.heartbeat(ANY), "_INBOX.>"],
     },
 }
 
 
 def generate_passwords() -> dict[str, str]:
-    return {user: secrets.token_urlsafe(24) for user in PERMISSIONS}
+    """192 random bits each, as a letter then hex digits: deploy/nats.conf takes them from the
+    environment unquoted, where NATS would read `-…` or digits alone as a number."""
+    return {user: "p" + secrets.token_hex(24) for user in PERMISSIONS}
 
 
 def password_variable(user: str) -> str:

@@ -107,39 +107,47 @@ def test_compose_stack_is_locked():
 
 
 async def test_compose_bus_config_admits_only_its_users(tmp_path):
-    """deploy/nats.conf on a real nats-server, passwords from a `llmbus compose-env` file:
-    a stage with its password gets in and stays within its permissions; a wrong password or
-    no credentials do not."""
+    """deploy/nats.conf on a real nats-server, passwords from a `llmbus compose-env` file.
+    Every bus user gets in with its password and is held to its permissions: it cannot read
+    another user's inbox (where, for the scheduler, the executor's step results arrive), nor
+    publish a step plan unless it is the scheduler. A wrong password or none gets nothing."""
     env = dict(line.split("=", 1) for line in compose_env().splitlines())
+    # NATS reads these unquoted: a leading "-" or digits alone would parse as a number
+    assert all(re.fullmatch("p[0-9a-f]{48}", value) for name, value in env.items()
+               if name.startswith("LLMBUS_NATS_PASSWORD_"))
     port = free_port()
     config = tmp_path / "nats.conf"
     config.write_text((REPO / "deploy" / "nats.conf").read_text()
                       .replace('host: "0.0.0.0"', 'host: "127.0.0.1"')
                       .replace("port: 4222", f"port: {port}"))
-    server = subprocess.Popen([nats_server_binary(), "-c", str(config)],
-                              env=dict(os.environ, **env), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    log = tmp_path / "nats.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([nats_server_binary(), "-c", str(config)],
+                                  env=dict(os.environ, **env), stdout=out, stderr=out)
     try:
-        assert wait_for_port("127.0.0.1", port, timeout=10)
+        assert wait_for_port("127.0.0.1", port, timeout=30), log.read_text()
         url = f"nats://127.0.0.1:{port}"
-        executor = await nats.connect(url, user="executor",
-                                      password=env[password_variable("executor")])
-        errors = []
+        for user in PERMISSIONS:
+            errors = []
 
-        async def on_error(exc: Exception) -> None:
-            errors.append(exc)
+            async def on_error(exc: Exception, errors=errors) -> None:
+                errors.append(str(exc).lower())
 
-        api = await nats.connect(url, user="api", password=env[password_variable("api")],
-                                 error_cb=on_error)
-        await api.publish(subjects.executor_step("engine0"), b"junk")  # not the api's to send
-        await api.flush()
-        for _ in range(20):
-            if errors:
-                break
-            await asyncio.sleep(0.1)
-        assert any("permissions violation" in str(e).lower() for e in errors)
-        await api.close()
-        await executor.close()
+            client = await nats.connect(url, user=user, error_cb=on_error,
+                                        password=env[password_variable(user)])
+            other = "api" if user == "scheduler" else "scheduler"
+            await client.subscribe(f"{subjects.inbox_prefix(other)}.x")
+            if user != "scheduler":
+                await client.publish(subjects.executor_step("engine0"), b"junk")
+            await client.flush()
+            wanted = 1 if user == "scheduler" else 2
+            for _ in range(30):
+                if len(errors) >= wanted:
+                    break
+                await asyncio.sleep(0.1)
+            assert len([e for e in errors if "permissions violation" in e]) == wanted, \
+                (user, errors)
+            await client.close()
         for credentials in ({"user": "api", "password": "wrong"}, {}):
             with pytest.raises(Exception, match="(?i)authorization"):
                 await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0,

@@ -14,15 +14,38 @@ from collections.abc import Sequence
 from functools import cache
 from os import PathLike
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens such as <|im_end|>
 USER_DEFINED_TOKEN_TYPE = 4  # added tokens matched whole in text, but not special
 SUPPORTED_TOKENIZER_MODEL = "gpt2"  # llama.cpp's name for byte-level BPE
-# llama.cpp's names (`tokenizer.ggml.pre`) of the pre-tokenizers built here: SmolLM2's, digits
-# one by one before byte-level BPE. Llama 3's, Qwen2's and the rest split text differently, so
-# serving them with this one would give wrong ids: they are refused by name instead.
-SUPPORTED_PRE_TOKENIZERS = ("smollm",)
+# How text is cut into words before byte-level BPE, by llama.cpp's name for it in a GGUF
+# (`tokenizer.ggml.pre`). Each family splits differently (digits one by one or in threes,
+# contractions, newlines), and the wrong split gives wrong ids silently, so a name not here is
+# refused. Llama 3's and Qwen2's patterns are those of their published tokenizer.json files.
+_LLAMA3_WORDS = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_WORDS = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+PRE_TOKENIZERS = {
+    # SmolLM2: digits one by one, then GPT-2's words
+    "smollm": lambda: pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
+    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    "llama-bpe": lambda: _split_then_bytes(_LLAMA3_WORDS),  # Llama 3.x
+    "qwen2": lambda: _split_then_bytes(_QWEN2_WORDS),  # Qwen2, Qwen2.5
+}
+NFC_PRE_TOKENIZERS = ("qwen2",)  # text is NFC-normalized first
+SUPPORTED_PRE_TOKENIZERS = tuple(PRE_TOKENIZERS)
 
 
 class UnsupportedTokenizerError(ValueError):
@@ -47,15 +70,21 @@ def byte_alphabet() -> dict[int, str]:
 class GGUFTokenizer:
     """Encode/decode with the vocabulary of a GGUF model (byte-level BPE only).
 
-    Matches transformers' `AutoTokenizer.from_pretrained(dir, gguf_file=...)` ids on ordinary
-    text. Digits are split one by one before byte-level BPE, as in the SmolLM2 `tokenizer.json`
-    and llama.cpp's `smollm` pre-tokenizer; transformers' GGUF loader omits that step, which only
-    changes ids for non-ASCII numerals after a space or next to each other (e.g. " ½").
+    Words are split as the file's `tokenizer.ggml.pre` names (PRE_TOKENIZERS). For SmolLM2
+    (`smollm`) this matches transformers' `AutoTokenizer.from_pretrained(dir, gguf_file=...)`
+    ids on ordinary text; digits are split one by one before byte-level BPE, as in the SmolLM2
+    `tokenizer.json`, a step transformers' GGUF loader omits, which only changes ids for
+    non-ASCII numerals after a space or next to each other (e.g. " ½").
     """
 
     def __init__(self, *, tokens: Sequence[str], token_types: Sequence[int],
                  merges: Sequence[str], bos_token_id: int | None, eos_token_id: int | None,
-                 chat_template: str | None = None, add_bos_token: bool = False) -> None:
+                 chat_template: str | None = None, add_bos_token: bool = False,
+                 pre: str = "smollm") -> None:
+        if pre not in PRE_TOKENIZERS:
+            raise UnsupportedTokenizerError(
+                f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; supported: "
+                f"{', '.join(SUPPORTED_PRE_TOKENIZERS)}")
         spelling = byte_alphabet()
         alphabet = set(spelling.values())
         # Files should spell every token in the byte alphabet; respell the odd one that is not.
@@ -66,10 +95,9 @@ class GGUFTokenizer:
         bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
                          fuse_unk=False)
         tokenizer = Tokenizer(bpe)
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        if pre in NFC_PRE_TOKENIZERS:
+            tokenizer.normalizer = normalizers.NFC()
+        tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
         tokenizer.decoder = decoders.ByteLevel()
         # A control token spelled outside the byte alphabet is a llama.cpp mislabel (transformers
         # skips those too): adding it would grow the vocabulary past the model's embedding size.
@@ -119,6 +147,7 @@ class GGUFTokenizer:
             eos_token_id=get("tokenizer.ggml.eos_token_id"),
             chat_template=get("tokenizer.chat_template"),
             add_bos_token=bool(get("tokenizer.ggml.add_bos_token", False)),
+            pre=pre or "smollm",  # absent: files predating the key, split as SmolLM2 does
         )
 
     @property

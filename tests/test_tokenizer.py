@@ -154,20 +154,100 @@ def test_tiny_vocabulary_without_a_model_file():
     assert tok.decode(tok.encode("😀")[:2]).endswith("\ufffd")
 
 
-def test_rejects_a_pre_tokenizer_it_does_not_build(tmp_path):
-    """A Llama-3 file's byte-level BPE splits text its own way (`tokenizer.ggml.pre`); read
-    with SmolLM2's splitting it would get wrong ids silently, so it is refused by name."""
+# Digits in runs, contractions, newlines and spaces of every kind, NFC-sensitive letters: where
+# the pre-tokenizers of the families differ.
+SPLIT_TEXT = ("It's 2024-11-30; I'M here, we'LL see.\n\n  Ünïcödé café (cafe\u0301) 日本語テキスト "
+              "1234567 89 ½ ²³ 😀👍🏽\t tabs   spaces\r\nend  \n  x")
+
+
+@pytest.fixture(scope="module")
+def vocab_files(tokenizer, tmp_path_factory):
+    """The default model's byte-level vocabulary and merges as vocab.json / merges.txt."""
+    import json
+
+    from gguf import GGUFReader
+
+    fields = GGUFReader(MODEL_PATH).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    merges = fields["tokenizer.ggml.merges"].contents()
+    folder = tmp_path_factory.mktemp("vocab")
+    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    return tokens, merges, folder
+
+
+def _with_pre(tokens: list[str], merges: list[str], pre: str) -> GGUFTokenizer:
+    return GGUFTokenizer(tokens=tokens, token_types=[1] * len(tokens), merges=merges,
+                         bos_token_id=None, eos_token_id=None, pre=pre)
+
+
+@pytest.mark.parametrize("pre,hf_class", [("gpt2", "GPT2Tokenizer"),
+                                          ("qwen2", "Qwen2Tokenizer")])
+def test_pre_tokenizers_match_transformers(vocab_files, pre, hf_class):
+    """Each family's split (`tokenizer.ggml.pre`) against transformers' own Python
+    tokenizer of that family, on the same vocabulary and merges."""
+    transformers = pytest.importorskip("transformers")
+    tokens, merges, folder = vocab_files
+    hf = getattr(transformers, hf_class)(str(folder / "vocab.json"), str(folder / "merges.txt"))
+    ours = _with_pre(tokens, merges, pre)
+    for text in (SPLIT_TEXT, *(t for t in TEXTS if "<|" not in t)):  # no special tokens here
+        assert ours.encode(text) == hf.encode(text, add_special_tokens=False), text
+
+
+def test_llama3_split_follows_its_published_pattern(vocab_files):
+    """transformers has no Python Llama 3 tokenizer: its words are checked against the
+    `regex` module running the pattern of Llama 3's tokenizer.json, and they differ from
+    GPT-2's and Qwen2's where they should (digits in threes)."""
+    import regex
+
+    from services.gguf_tokenizer import _LLAMA3_WORDS
+
+    tokens, merges, _ = vocab_files
+    spell = byte_alphabet()
+    ours = _with_pre(tokens, merges, "llama-bpe").backend.pre_tokenizer
+    for text in (SPLIT_TEXT, *TEXTS):
+        words = [w for w, _ in ours.pre_tokenize_str(text)]
+        expected = ["".join(spell[b] for b in w.encode()) for w in
+                    regex.findall(_LLAMA3_WORDS, text)]
+        assert words == expected, text
+    pieces = {pre: [w for w, _ in _with_pre(tokens, merges, pre).backend.pre_tokenizer
+                    .pre_tokenize_str("1234567")] for pre in ("llama-bpe", "qwen2", "gpt2")}
+    assert pieces == {"llama-bpe": ["123", "456", "7"], "qwen2": list("1234567"),
+                      "gpt2": ["1234567"]}
+
+
+def test_a_file_names_its_pre_tokenizer(tmp_path):
+    """`tokenizer.ggml.pre` in the file picks the split (here Llama 3's digits in threes)."""
+    alphabet = byte_alphabet()
     path = tmp_path / "llama3-like.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list([alphabet[b] for b in range(256)])
+    writer.add_token_merges([])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    split = GGUFTokenizer.from_gguf(path).backend.pre_tokenizer.pre_tokenize_str("1234567")
+    assert [w for w, _ in split] == ["123", "456", "7"]
+
+
+def test_rejects_a_pre_tokenizer_it_does_not_build(tmp_path):
+    """A file whose byte-level BPE splits text in a way not built here (`tokenizer.ggml.pre`)
+    would get wrong ids silently, so it is refused by name."""
+    path = tmp_path / "deepseek-like.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("deepseek-llm")
     writer.add_token_list(["a", "b", "ab"])
     writer.add_token_merges(["a b"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedTokenizerError, match=r"'llama-bpe' \(tokenizer.ggml.pre\)"):
+    with pytest.raises(UnsupportedTokenizerError,
+                       match=r"'deepseek-llm' \(tokenizer.ggml.pre\)"):
         GGUFTokenizer.from_gguf(path)
 
 

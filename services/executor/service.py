@@ -3,7 +3,7 @@
 The forward runs in a worker thread so that the event loop keeps answering pings while the
 model computes: always the same one, since OpenMP gives every thread that starts parallel work
 a team of its own, and teams of alternating threads would fight over the cores (2 Zen 4 cores,
-one stream: ~15 ms per token with the default pool's threads taking turns, ~9 with one). Steps
+one stream: ~15 ms per token with the default pool's threads taking turns, ~11 with one). Steps
 of one engine arrive one at a time (the bus hands this handler one message after another).
 """
 

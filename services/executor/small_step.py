@@ -77,10 +77,10 @@ class SmallStep:
     [T, H Dh].
 
     4-bit QKV and down projections take float32 activations, the rest int8 ones. Perplexity of
-    the default model on tests/data (exact 16.525): all int8 16.665 (+0.85%), float32 into QKV
-    alone 16.665, into QKV and down 16.590 (+0.4%). In a one-token step the float32 down
-    projection costs nothing measurable (memory-bound: 6.1 ms per step either way on 2 Zen 4
-    cores); at four tokens ~1 ms of 11.
+    the default model on tests/data (exact 16.525), float32 into QKV and int8 elsewhere: 16.665
+    (+0.85%); into QKV and also O 16.614, gate/up 16.616, down 16.590 (+0.4%). In a one-token
+    step the float32 down projection costs nothing measurable (memory-bound: 6.1 ms per step
+    either way on 2 Zen 4 cores); at four tokens ~1 ms of 11.
     """
 
     def __init__(self, config: LlamaConfig, dense: dict[str, torch.Tensor],

@@ -16,8 +16,9 @@ TOKENIZER_ENCODE = f"{PREFIX}.tokenizer.encode"
 TOKENIZER_DECODE = f"{PREFIX}.tokenizer.decode"
 
 
-# tokenizer -> a scheduler (request/reply, queue group "scheduler"): enqueue a tokenized request.
-# With several engines the queue group spreads requests; cache-aware routing replaces it later.
+# tokenizer -> any scheduler (request/reply, queue group "scheduler"): enqueue a tokenized
+# request, before any engine has been heard from; after that the router picks one engine
+# (engine_submit).
 ENGINE_SUBMIT = f"{PREFIX}.engine.submit"
 
 # api -> any scheduler (request/reply, queue group "scheduler"): the served model and its limits.

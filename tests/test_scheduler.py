@@ -41,7 +41,7 @@ def test_allocator_reserves_null_block_and_recycles_in_order():
     allocator = BlockAllocator(5)
     assert allocator.allocate(2) == [1, 2]
     assert allocator.allocate(2) == [3, 4]
-    assert not allocator.can_allocate(1)
+    assert allocator.num_free == 0
     allocator.free([3, 1])
     assert allocator.allocate(2) == [3, 1]
     with pytest.raises(AssertionError):

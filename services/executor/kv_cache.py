@@ -84,10 +84,6 @@ class KVCache:
         # each: [num_blocks, block_size, num_kv_heads, head_dim]
         return self.k[index], self.v[index]
 
-    @property
-    def num_bytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: block `dst` gets every layer's K and V of block `src`."""
         self.k[:, dst].copy_(self.k[:, src])

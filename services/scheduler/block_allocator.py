@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from collections import deque
 
-NULL_BLOCK = 0
-
 
 class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
@@ -27,11 +25,8 @@ class BlockAllocator:
     def num_usable(self) -> int:
         return self.num_blocks - 1
 
-    def can_allocate(self, num: int) -> bool:
-        return num <= len(self._free_ids)
-
     def allocate(self, num: int) -> list[int]:
-        """Take `num` free blocks (ref count 1 each); the caller checked can_allocate."""
+        """Take `num` free blocks (ref count 1 each); the caller checked `num_free`."""
         if num > len(self._free_ids):
             raise RuntimeError(f"out of KV blocks: want {num}, have {len(self._free_ids)}")
         block_ids = [self._free_ids.popleft() for _ in range(num)]

@@ -1,7 +1,7 @@
-"""Where one decode step's time goes, in-process: the dense work (ONNX Runtime graphs, or the
-small-step kernel's calls for steps of a few tokens), attention, the rest of the forward
-(embedding, rotary rows, the head's row gather), and everything outside the forward (sampling,
-logprobs, metadata, request bookkeeping).
+"""Where one decode step's time goes, in-process: the dense work (the integer kernel's calls,
+or ONNX Runtime's graphs), attention, the rest of the forward (embedding, rotary rows, the
+head's row gather), and everything outside the forward (sampling, logprobs, metadata, request
+bookkeeping).
 
     python bench/step_profile.py [--batch 1,16] [--context 300,1060] [--exact] [--threads 2]
 
@@ -47,11 +47,11 @@ def profile(runner, batch: int, context: int, num_steps: int) -> dict[str, float
     graphs = list({id(g): g for g in model.graphs + model.single_thread_graphs}.values())
     for graph in graphs:
         graph.run = _Timed(graph.run)
-    kernel = model.small_step.lib if model.small_step else None
-    if kernel is not None:  # time the small-step kernel's calls too
-        model.small_step.lib = types.SimpleNamespace(
-            small_boundary=_Timed(kernel.small_boundary), small_head=_Timed(kernel.small_head))
-        timers = [model.small_step.lib.small_boundary, model.small_step.lib.small_head]
+    kernel = model.int_step.lib if model.int_step else None
+    if kernel is not None:  # time the integer kernel's calls too
+        model.int_step.lib = types.SimpleNamespace(
+            int_boundary=_Timed(kernel.int_boundary), int_head=_Timed(kernel.int_head))
+        timers = [model.int_step.lib.int_boundary, model.int_step.lib.int_head]
     else:
         timers = []
     model.attend = attend = _Timed(model.attend)
@@ -79,7 +79,7 @@ def profile(runner, batch: int, context: int, num_steps: int) -> dict[str, float
     for graph in graphs:
         graph.run = graph.run.fn
     if kernel is not None:
-        model.small_step.lib = kernel
+        model.int_step.lib = kernel
     del model.attend, model.forward  # back to the class's methods
     assert isinstance(model, onnx_model.OnnxLlamaModel)
     per_step = 1000 / num_steps

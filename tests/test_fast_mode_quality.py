@@ -2,12 +2,12 @@
 fixed text (tests/data/perplexity_text.txt, ~2,300 tokens) through each backend's own forward,
 prefill in chunks over the paged cache.
 
-The fast mode has three forwards, and each is held to it: llmbus's small-step kernel (steps of
-up to SMALL_STEP_TOKENS tokens: one stream's decodes, a handful of requests'; run here in chunks
-of that size), ONNX Runtime's int8 graphs (bigger steps below 128 tokens, and every big step on
-CPUs without bfloat16 in hardware), and the bfloat16 GEMMs that bigger steps take where the CPU
-has them (dense_prefill.py; forced on here, so every CPU checks its numerics, slowly where
-bfloat16 is emulated)."""
+The fast mode has three forwards, and each is held to it: llmbus's integer kernel (int_step.py:
+every step where it was built, run here in chunks of 8 tokens, whose down projections take
+int16 activations, and of 64, whose take int8 ones), ONNX Runtime's int8 graphs (where no
+compiler built the kernel), and the bfloat16 GEMMs that big steps take where the CPU has them
+(dense_prefill.py; forced on here, so every CPU checks its numerics, slowly where bfloat16 is
+emulated)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from services.executor.gguf_loader import load_gguf
+from services.executor.int_step import WIDE_DOWN_TOKENS
 from services.executor.kv_cache import KVCache
 from services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
 from services.executor.perplexity import perplexity
-from services.executor.small_step import SMALL_STEP_TOKENS
 from services.gguf_tokenizer import GGUFTokenizer
 from services.model_files import default_model_path
 
@@ -39,15 +39,18 @@ def test_fast_mode_perplexity_is_within_one_percent_of_exact():
     config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
     num_blocks = len(token_ids) // 16 + 2
     results = {}
-    for name, level, kv_dtype, dense_prefill, chunk in (
-            ("exact", ACCURACY_EXACT, torch.float32, False, 256),
-            ("fast, int8 graphs", ACCURACY_FAST, torch.float16, False, 256),
-            ("fast, bfloat16 GEMMs", ACCURACY_FAST, torch.float16, True, 256),
-            ("fast, small-step kernel", ACCURACY_FAST, torch.float16, False, SMALL_STEP_TOKENS)):
+    for name, level, kv_dtype, dense_prefill, int_step, chunk in (
+            ("exact", ACCURACY_EXACT, torch.float32, False, False, 256),
+            ("fast, int8 graphs", ACCURACY_FAST, torch.float16, False, False, 256),
+            ("fast, bfloat16 GEMMs", ACCURACY_FAST, torch.float16, True, False, 256),
+            ("fast, integer kernel, small steps", ACCURACY_FAST, torch.float16, False, True,
+             WIDE_DOWN_TOKENS),
+            ("fast, integer kernel", ACCURACY_FAST, torch.float16, False, True, 64)):
         model = OnnxLlamaModel(config, dense, native, max_positions=len(token_ids),
-                               accuracy_level=level, num_threads=2, dense_prefill=dense_prefill)
+                               accuracy_level=level, num_threads=2, dense_prefill=dense_prefill,
+                               int_step=int_step)
         if (dense_prefill and model.dense_prefill is None) or (
-                chunk == SMALL_STEP_TOKENS and model.small_step is None):
+                int_step and model.int_step is None):
             continue  # no C++ compiler, so no such kernel: this path never runs
         results[name] = perplexity(model, KVCache(config, num_blocks, 16, kv_dtype), token_ids,
                                    chunk_size=chunk)

@@ -1,20 +1,21 @@
-"""The model on ONNX Runtime: quantized dense work in ONNX graphs, paged attention between.
+"""The model on ONNX Runtime and llmbus's CPU kernels: quantized dense work, paged attention.
 
 Same contract as `model.LlamaModel.forward`, so the runner drives either. Per step: embed the
-tokens (from the GGUF's own codes), then for each layer run the graph up to its QKV, write
+tokens (from the GGUF's own codes), then for each layer do the dense work up to its QKV, write
 RoPE'd K/V into the paged cache and attend (llmbus's C++ kernel, cpu_kernels/paged_attention;
 the torch reference ops where no compiler built it), and hand the attention output to the next
-graph; last, the head graph on the rows that sample. Inputs and outputs are bound to torch
-tensors' memory (IOBinding), so nothing is copied across the boundary.
+layer's dense work; last, the head on the rows that sample.
 
-Threads: every graph has a session with the executor's threads, whose pool never spins (see
-`_session`). Small steps (a few tokens: decodes of one or a handful of streams) run where they
-can use every core: in the fast mode llmbus's own int8 kernel takes their matmuls, on the
-attention's threads (small_step.py); in the exact mode a second, single-threaded session of each
-graph runs them, since waking a pool thread 31 times a step costs more than it gains.
-
-Big steps (prompt chunks of 128+ tokens) take bfloat16 GEMMs instead of the graphs in the fast
-mode on CPUs with bfloat16 in hardware (dense_prefill.py); the attention is the same.
+The dense work runs in one of three places:
+- fast mode (the default), where the kernels were built and cover the file: llmbus's integer
+  kernel (int_step.py), every step; on the attention's OpenMP threads, no ONNX Runtime session;
+- fast mode on CPUs with AMX: prompt chunks of 128+ tokens as bfloat16 GEMMs (dense_prefill.py);
+- otherwise (the exact mode; the fast mode without a compiler or with matrices the kernel does
+  not take): ONNX Runtime graphs built from the GGUF (onnx_graphs.py), weights kept quantized
+  (MatMulNBits), inputs and outputs bound to torch tensors' memory (IOBinding) so nothing is
+  copied. Every graph has a session with the executor's threads, whose pool never spins (see
+  `_session`), and a single-threaded twin for steps of a few tokens, where waking a pool
+  thread 31 times a step costs more than it gains.
 """
 
 from __future__ import annotations
@@ -25,24 +26,25 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from services.cpu_features import has_native_bfloat16
+from services.cpu_features import has_amx_bfloat16
 from services.executor.cpu_kernels.library import load_library
 from services.executor.cpu_kernels.paged_attention import PagedAttention
 from services.executor.dense_prefill import DENSE_PREFILL_TOKENS, DensePrefill
 from services.executor.gguf_loader import QUANT_GROUP, LlamaConfig, NativeWeight, Q8_0Weight
+from services.executor.int_step import IntStep
 from services.executor.kv_cache import KVCache
 from services.executor.model import AttentionMetadata, TorchOps, rope_tables
 from services.executor.onnx_graphs import MatrixSource, head_graph, layer_graphs
 from services.executor.quant_parts import LAYER_MATRICES, QuantPart, covers, layer_parts
-from services.executor.small_step import SMALL_STEP_TOKENS, SmallStep
 
 ACCURACY_EXACT = 0  # float32 activations: the weights are the GGUF's values, the exact path
 ACCURACY_FAST = 4  # int8 activations per block, like llama.cpp's
-SINGLE_THREAD_TOKENS = 4  # without the small-step kernel, steps this small run on one thread
-# A 4-bit QKV projection always takes float32 activations: int8 ones there cost most of the
-# fast mode's perplexity (default model, tests/data text: exact 16.525; everything int8 16.783,
-# +1.6%; QKV float32, the rest int8 16.573, +0.3%, when first measured; 16.632, +0.65%, with
-# today's float16 cache and attention kernel) for ~1.4 of ~12 ms of a one-token step.
+SINGLE_THREAD_TOKENS = 4  # in ONNX Runtime's graphs, steps this small run on one thread
+# In the graphs, a 4-bit QKV projection always takes float32 activations (the integer
+# kernel: int16 ones): int8 ones there cost most of the fast mode's perplexity (default model,
+# tests/data text: exact 16.525; everything int8 16.783, +1.6%; QKV float32, the rest int8
+# 16.573, +0.3%, when first measured; 16.632, +0.65%, with today's float16 cache and attention
+# kernel) for ~1.4 of ~12 ms of a one-token step.
 # (8-bit weights keep int8 activations: see onnx_graphs.linear.)
 
 
@@ -123,8 +125,8 @@ class OnnxLlamaModel:
     def __init__(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
                  native: dict[str, NativeWeight], *, max_positions: int,
                  accuracy_level: int = ACCURACY_FAST, num_threads: int = 1,
-                 dense_prefill: bool | None = None, small_step: bool | None = None) -> None:
-        """`dense_prefill` and `small_step` force those paths on or off (None: the fast mode
+                 dense_prefill: bool | None = None, int_step: bool | None = None) -> None:
+        """`dense_prefill` and `int_step` force those paths on or off (None: the fast mode
         takes them where they run; see the module doc). Either runs only where the kernels
         were built and every layer matrix is quantized."""
         if accuracy_level not in (ACCURACY_EXACT, ACCURACY_FAST):
@@ -133,6 +135,34 @@ class OnnxLlamaModel:
         lib = load_library()  # None without a C++ compiler: torch attention then
         self.paged_attention = PagedAttention(lib, num_threads) if lib else None
 
+        fast = accuracy_level == ACCURACY_FAST
+        quantized = lib is not None and covers(config, native)
+        if int_step is None:
+            int_step = fast
+        int_step = int_step and quantized and "output.weight" in native
+        if dense_prefill is None:
+            dense_prefill = fast and has_amx_bfloat16()
+        dense_prefill = dense_prefill and quantized
+        parts = layer_parts(config, native) if int_step or dense_prefill else None
+        self.int_step = (IntStep(config, dense, parts, QuantPart.of(native["output.weight"]),
+                                 lib, num_threads) if int_step else None)
+        self.dense_prefill = (DensePrefill(config, dense, parts, lib, num_threads)
+                              if dense_prefill else None)
+        # ONNX Runtime runs what llmbus's kernels do not: every step of the exact mode, and the
+        # fast mode's where no compiler built the kernels or the file has matrices they do not
+        # take. Where they do, no graph is built, and no copy of the weights kept for one.
+        self.graphs = self.single_thread_graphs = []
+        if self.int_step is None:
+            self._build_graphs(config, dense, native, num_threads)
+        self.embed = _Embedding(native.get("token_embd.weight"), dense.get("token_embd.weight"))
+        self.native_layers = any(f"blk.{i}.{n}.weight" in native
+                                 for i in range(config.num_layers) for n in LAYER_MATRICES)
+        self.weight_format = "native" if self.native_layers else "dense"
+        self.set_max_positions(max_positions)
+        self.scale = config.head_dim ** -0.5
+
+    def _build_graphs(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
+                      native: dict[str, NativeWeight], num_threads: int) -> None:
         def matrix(name: str) -> MatrixSource:
             if name in native:
                 return MatrixSource(native[name], None)
@@ -142,36 +172,17 @@ class OnnxLlamaModel:
         matrices = {n: matrix(n) for n in names}
         norms = {n: t.float().numpy() for n, t in dense.items() if n.endswith("norm.weight")}
         graphs = [g.SerializeToString()
-                  for g in layer_graphs(config, matrices, norms, accuracy_level,
+                  for g in layer_graphs(config, matrices, norms, self.accuracy_level,
                                         qkv_q4_accuracy_level=ACCURACY_EXACT)]
         graphs.append(head_graph(config, matrix("output.weight"), norms["output_norm.weight"],
-                                 accuracy_level).SerializeToString())
-        fast = accuracy_level == ACCURACY_FAST
-        quantized = lib is not None and covers(config, native)
-        if small_step is None:
-            small_step = fast
-        small_step = small_step and quantized and "output.weight" in native
-        if dense_prefill is None:
-            dense_prefill = fast and has_native_bfloat16()
-        dense_prefill = dense_prefill and quantized
-        parts = layer_parts(config, native) if small_step or dense_prefill else None
-        self.small_step = (SmallStep(config, dense, parts, QuantPart.of(native["output.weight"]),
-                                     lib, num_threads) if small_step else None)
-        self.dense_prefill = (DensePrefill(config, dense, parts, lib, num_threads)
-                              if dense_prefill else None)
+                                 self.accuracy_level).SerializeToString())
         self.graphs = _sessions(graphs, num_threads)
-        # Without the kernel, small steps run single-threaded: their matmuls are too short to
-        # pay for waking a second pool thread 31 times a step (2 cores, one decode at 300
-        # tokens: 14.5 ms per step alone, 15.9 ms with two threads that sleep between runs).
-        self.single_thread_graphs = (None if self.small_step is not None or num_threads == 1
-                                     else _sessions(graphs, 1)) or self.graphs
+        # Small steps run single-threaded: their matmuls are too short to pay for waking a
+        # second pool thread 31 times a step (2 cores, one decode at 300 tokens: 14.5 ms per
+        # step alone, 15.9 ms with two threads that sleep between runs).
+        self.single_thread_graphs = (_sessions(graphs, 1) if num_threads > 1 else self.graphs)
         del graphs, matrices
         _return_freed_memory()
-        self.embed = _Embedding(native.get("token_embd.weight"), dense.get("token_embd.weight"))
-        self.native_layers = any(n in native for n in names)
-        self.weight_format = "native" if self.native_layers else "dense"
-        self.set_max_positions(max_positions)
-        self.scale = config.head_dim ** -0.5
 
     def set_max_positions(self, max_positions: int) -> None:
         """Size the rotary tables for positions [0, max_positions)."""
@@ -215,26 +226,25 @@ class OnnxLlamaModel:
         """
         cfg = self.config
         num_tokens = input_ids.shape[0]
-        small = self.small_step is not None and num_tokens <= SMALL_STEP_TOKENS
-        *layers, head = (self.single_thread_graphs if num_tokens <= SINGLE_THREAD_TOKENS
-                         else self.graphs)
         cos, sin = self.cos[positions], self.sin[positions]  # [T, Dh]
         hidden = self.embed(input_ids)  # [T, D], the residual stream
 
         def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:
             return self.attend(qkv, cos, sin, *kv_cache.layer(index), meta)
 
-        if small:
-            hidden = self.small_step.layers(hidden, attend)
-        elif self.dense_prefill is not None and num_tokens >= DENSE_PREFILL_TOKENS:
+        *layers, head = (self.single_thread_graphs if num_tokens <= SINGLE_THREAD_TOKENS
+                         else self.graphs) or [None]
+        if self.dense_prefill is not None and num_tokens >= DENSE_PREFILL_TOKENS:
             hidden = self.dense_prefill(hidden, attend)
+        elif self.int_step is not None:
+            hidden = self.int_step.layers(hidden, attend)
         else:
             hidden = self._layers(layers, hidden, cos, sin, kv_cache, meta)
         rows = hidden[logits_indices].contiguous()  # [S, D]
         if not rows.shape[0]:  # a step of prefill chunks alone samples nothing
             return torch.empty(0, cfg.vocab_size)
-        if small:
-            return self.small_step.head(rows)
+        if self.int_step is not None:
+            return self.int_step.head(rows)
         logits = torch.empty(rows.shape[0], cfg.vocab_size)
         head.run({"hidden": rows}, {"logits": logits})
         return logits

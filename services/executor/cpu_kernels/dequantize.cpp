@@ -5,11 +5,11 @@
 // MatMulNBits. The weights stay quantized in memory; each layer's matrices are widened into
 // one reusable buffer just before use, which costs far less than the GEMM it feeds.
 //
-// Layouts: [N, K] row-major, blocks of 32 along K.
-//   Q4 (Q4_1, and Q4_0 in Q4_1 form): packed [N, K/2] uint8, input 2i in the low nibble of
-//      byte i and input 2i+1 in the high one; scales, mins [N, K/32] float32;
-//      w = scale * code + min.
-//   Q8_0: codes [N, K] int8, scales [N, K/32] float32; w = scale * code.
+// Layouts: the kernels' tiles (cpu_kernels/int_step.cpp, quant_parts.py): column group c
+// holds output rows 8c .. 8c + 7 of an [N, K] matrix, blocks of 32 along K.
+//   Q4 (Q4_1, and Q4_0 in Q4_1 form): codes [N/8, K/32, 4, 32] uint8; scales, mins
+//      [N/8, K/32, 8] float32; w = scale * code + min.
+//   Q8_0: codes [N/8, K/32, 8, 32] int8, scales [N/8, K/32, 8] float32; w = scale * code.
 // bfloat16 by round-to-nearest-even, as torch's float32 -> bfloat16 conversion.
 
 #include <cstdint>
@@ -18,6 +18,7 @@
 namespace {
 
 constexpr int64_t GROUP = 32;
+constexpr int64_t COLUMNS = 8;
 
 inline uint16_t to_bf16(float x) {
     uint32_t u;
@@ -30,20 +31,24 @@ inline uint16_t to_bf16(float x) {
 
 extern "C" {
 
-int q4_dequantize_bf16(const uint8_t* packed, const float* scales, const float* mins, int64_t N,
+int q4_dequantize_bf16(const uint8_t* codes, const float* scales, const float* mins, int64_t N,
                        int64_t K, uint16_t* out, int num_threads) {
-    if (K % GROUP) return 1;
+    if (K % GROUP || N % COLUMNS) return 1;
+    const int64_t G = K / GROUP;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-        const uint8_t* codes = packed + n * (K / 2);
-        uint16_t* row = out + n * K;
-        for (int64_t g = 0; g < K / GROUP; ++g) {
-            const float d = scales[n * (K / GROUP) + g], m = mins[n * (K / GROUP) + g];
-#pragma omp simd
-            for (int64_t i = 0; i < GROUP / 2; ++i) {
-                const uint8_t byte = codes[g * GROUP / 2 + i];
-                row[g * GROUP + 2 * i] = to_bf16(d * float(byte & 0xF) + m);
-                row[g * GROUP + 2 * i + 1] = to_bf16(d * float(byte >> 4) + m);
+    for (int64_t c = 0; c < N / COLUMNS; ++c) {
+        for (int64_t g = 0; g < G; ++g) {
+            const uint8_t* block = codes + (c * G + g) * 128;
+            for (int64_t j = 0; j < COLUMNS; ++j) {
+                const float d = scales[(c * G + g) * COLUMNS + j];
+                const float m = mins[(c * G + g) * COLUMNS + j];
+                uint16_t* row = out + (c * COLUMNS + j) * K + g * GROUP;
+                for (int h = 0; h < 4; ++h)
+                    for (int i = 0; i < 4; ++i) {
+                        const uint8_t byte = block[h * 32 + 4 * j + i];
+                        row[8 * h + i] = to_bf16(d * float(byte & 0xF) + m);
+                        row[8 * h + 4 + i] = to_bf16(d * float(byte >> 4) + m);
+                    }
             }
         }
     }
@@ -52,14 +57,19 @@ int q4_dequantize_bf16(const uint8_t* packed, const float* scales, const float* 
 
 int q8_0_dequantize_bf16(const int8_t* codes, const float* scales, int64_t N, int64_t K,
                          uint16_t* out, int num_threads) {
-    if (K % GROUP) return 1;
+    if (K % GROUP || N % COLUMNS) return 1;
+    const int64_t G = K / GROUP;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-        for (int64_t g = 0; g < K / GROUP; ++g) {
-            const float d = scales[n * (K / GROUP) + g];
-#pragma omp simd
-            for (int64_t i = 0; i < GROUP; ++i)
-                out[n * K + g * GROUP + i] = to_bf16(d * float(codes[n * K + g * GROUP + i]));
+    for (int64_t c = 0; c < N / COLUMNS; ++c) {
+        for (int64_t g = 0; g < G; ++g) {
+            const int8_t* block = codes + (c * G + g) * 256;
+            for (int64_t j = 0; j < COLUMNS; ++j) {
+                const float d = scales[(c * G + g) * COLUMNS + j];
+                uint16_t* row = out + (c * COLUMNS + j) * K + g * GROUP;
+                for (int e = 0; e < 8; ++e)
+                    for (int i = 0; i < 4; ++i)
+                        row[4 * e + i] = to_bf16(d * float(block[e * 32 + 4 * j + i]));
+            }
         }
     }
     return 0;

@@ -5,8 +5,9 @@ llmbus cache directory, keyed by the sources, the flags, the compiler and the CP
 headers, so the build takes a few seconds. Where no compiler works, `load_library()` logs
 why and returns None, and the executor keeps to torch.
 
-`LLMBUS_CPU_ISA=avx2` builds for x86-64-v3 (AVX2, FMA, F16C) instead, and `avx512` for
-x86-64-v4, so that an AVX-512 machine can run and test the code an AVX2-only one gets.
+`LLMBUS_CPU_ISA=avx2` builds for x86-64-v3 (AVX2, FMA, F16C) instead, `avx512` for x86-64-v4,
+and `generic` for plain x86-64 (the kernels' loops without intrinsics), so that one machine can
+run and test the code every other one gets.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ log = structlog.get_logger()
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-ISA_FLAGS = {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=generic"),
+ISA_FLAGS = {"native": ("-march=native",), "generic": ("-march=x86-64", "-mtune=generic"),
+             "avx2": ("-march=x86-64-v3", "-mtune=generic"),
              "avx512": ("-march=x86-64-v4", "-mtune=generic")}
 
 
@@ -55,10 +57,10 @@ SIGNATURES = {
     "paged_attention_f32": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
                              _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
                              _i32], _i32),
-    # small_step.cpp; its structures are small_step.py's, passed by address
-    "small_linear": ([_ptr, _ptr, _i64, _ptr, _i32, _i32], _i32),
-    "small_boundary": ([_ptr, _i64, _i64, ctypes.c_float, _ptr, _ptr, _ptr, _i32], _i32),
-    "small_head": ([_ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr, _ptr, _i32], _i32),
+    # int_step.cpp; its structures are int_step.py's, passed by address
+    "int_linear": ([_ptr, _ptr, _i64, _ptr, _i32, _i32], _i32),
+    "int_boundary": ([_ptr, _i64, _i64, ctypes.c_float, _ptr, _ptr, _ptr, _i32], _i32),
+    "int_head": ([_ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr, _ptr, _i32], _i32),
 }
 SIGNATURES["paged_attention_f16"] = SIGNATURES["paged_attention_f32"]
 

@@ -1,11 +1,14 @@
-"""Small steps (a few tokens) through every layer on the CPU kernels' own threads.
+"""The fast mode's steps through every layer in llmbus's integer kernel (int_step.cpp).
 
-A one-token step streams every weight once and wants both cores; ONNX Runtime can give it only
-one (see small_step.cpp). So in the fast mode, steps of up to `SMALL_STEP_TOKENS` tokens run
-their matmuls in llmbus's kernel (int8 activations on the GGUF's codes, as ONNX Runtime's fast
-path does), between the same attention calls, on the OpenMP threads the attention uses. The
-layers are cut at the attention as onnx_graphs.layer_graphs cuts them: L + 1 boundary calls,
-then the head.
+Every step the kernel takes, from one stream's decode to a 2,048-token prompt chunk: the
+matmuls on the GGUF's codes with integer activations, norms and SwiGLU, between the model's
+attention calls, all on the OpenMP threads the attention uses. The layers are cut at the
+attention as onnx_graphs.layer_graphs cuts them: L + 1 boundary calls, then the head.
+
+Dense work of a decode step (bench/step_profile.py: layers and head, 2 Zen 4 cores, default
+model): 16 sequences 13.5 ms, where ONNX Runtime's MatMulNBits graphs took 33.8; one sequence
+3.6, where this kernel's earlier per-column form took 5.3. The 30 layers' matmuls alone at 16
+tokens: 9.7 ms built for this CPU (VNNI), 15.2 built for plain AVX2. See int_step.cpp for why.
 """
 
 from __future__ import annotations
@@ -18,69 +21,69 @@ import torch
 from services.executor.gguf_loader import LlamaConfig
 from services.executor.quant_parts import LayerParts, QuantPart
 
-# Steps of at most this many tokens are small. Per step, 2 Zen 4 cores, decodes at ~100 tokens
-# of context, this kernel against ONNX Runtime (single-threaded pools at 1 and 4 tokens, as
-# before this kernel; two threads above): 1 token 6.1 against 10.9 ms, 4: 11.7 against 21.3,
-# 8: 22 against 28, 12: 35 against 36, 16: 45 against 43 (±10% from run to run).
-SMALL_STEP_TOKENS = 8
+# 4-bit QKV projections always take int16 activations: int8 ones there cost most of the fast
+# mode's perplexity (see OnnxLlamaModel); the down projection takes them in steps of up to this
+# many tokens, which are bound by memory, so that the wider activations cost nothing there.
+WIDE_DOWN_TOKENS = 8
+ALWAYS = 1 << 62
 _KINDS = {"q4": 1, "q8": 2}
 _MAX_PARTS = 3
 
 
-class SmallMatrix(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int32), ("float_input", ctypes.c_int32),
+class IntMatrix(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("pad", ctypes.c_int32), ("wide_rows", ctypes.c_int64),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("codes", ctypes.c_void_p),
                 ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
 
 
-class SmallLinear(ctypes.Structure):
-    _fields_ = [("parts", SmallMatrix * _MAX_PARTS), ("num_parts", ctypes.c_int64)]
+class IntLinear(ctypes.Structure):
+    _fields_ = [("parts", IntMatrix * _MAX_PARTS), ("num_parts", ctypes.c_int64)]
 
     @classmethod
-    def of(cls, parts: list[QuantPart], float_q4_input: bool = False) -> SmallLinear:
-        """The row-stack of `parts` (int8 activations, or float32 ones into 4-bit parts with
-        `float_q4_input`); the parts' tensors must outlive it."""
+    def of(cls, parts: list[QuantPart], wide_rows: int = 0) -> IntLinear:
+        """The row-stack of `parts`; its 4-bit parts take int16 activations in steps of at most
+        `wide_rows` tokens, int8 ones above. The parts' tensors must outlive it."""
         if not 1 <= len(parts) <= _MAX_PARTS:
-            raise ValueError(f"{len(parts)} parts: a small-step matmul takes 1 to {_MAX_PARTS}")
+            raise ValueError(f"{len(parts)} parts: an integer matmul takes 1 to {_MAX_PARTS}")
         linear = cls(num_parts=len(parts))
         for slot, q in zip(linear.parts[:len(parts)], parts, strict=True):
             slot.kind, slot.n, slot.k = _KINDS[q.kind], q.n, q.k
-            slot.float_input = int(float_q4_input and q.kind == "q4")
+            slot.wide_rows = wide_rows if q.kind == "q4" else 0
             slot.codes, slot.scales = q.codes.data_ptr(), q.scales.data_ptr()
             slot.mins = q.mins.data_ptr() if q.mins is not None else None
         return linear
 
 
-class SmallBoundary(ctypes.Structure):
-    _fields_ = [("o", SmallLinear), ("gate_up", SmallLinear), ("down", SmallLinear),
-                ("ffn_norm", ctypes.c_void_p), ("qkv", SmallLinear),
+class IntBoundary(ctypes.Structure):
+    _fields_ = [("o", IntLinear), ("gate_up", IntLinear), ("down", IntLinear),
+                ("ffn_norm", ctypes.c_void_p), ("qkv", IntLinear),
                 ("attn_norm", ctypes.c_void_p)]
 
 
-def small_linear(lib: ctypes.CDLL, parts: list[QuantPart], x: torch.Tensor,
-                 float_q4_input: bool = False, num_threads: int = 1) -> torch.Tensor:
+def int_linear(lib: ctypes.CDLL, parts: list[QuantPart], x: torch.Tensor,
+                 wide_rows: int = 0, num_threads: int = 1) -> torch.Tensor:
     """x [T, K] float32 @ Wᵀ -> [T, sum N] in the kernel (one matmul, for tests)."""
-    linear = SmallLinear.of(parts, float_q4_input)
+    linear = IntLinear.of(parts, wide_rows)
     x = x.contiguous()
     y = torch.empty(x.shape[0], sum(q.n for q in parts))
-    if lib.small_linear(ctypes.addressof(linear), x.data_ptr(), x.shape[0], y.data_ptr(), 0,
+    if lib.int_linear(ctypes.addressof(linear), x.data_ptr(), x.shape[0], y.data_ptr(), 0,
                         num_threads) != 0:
-        raise RuntimeError(f"small_linear refused parts {[(q.kind, q.n, q.k) for q in parts]}")
+        raise RuntimeError(f"int_linear refused parts {[(q.kind, q.n, q.k) for q in parts]}")
     return y
 
 
-class SmallStep:
+class IntStep:
     """`layers(hidden, attend)`: every layer on hidden [T, D] -> the residual stream after the
     last layer; `head(rows)`: the final norm and vocab projection -> logits [S, V].
 
     `attend(layer, qkv)` is the model's attention of one layer, [T, (H + 2 Hkv) Dh] ->
     [T, H Dh].
 
-    4-bit QKV and down projections take float32 activations, the rest int8 ones. Perplexity of
-    the default model on tests/data (exact 16.525), float32 into QKV and int8 elsewhere: 16.665
-    (+0.85%); into QKV and also O 16.614, gate/up 16.616, down 16.590 (+0.4%). In a one-token
-    step the float32 down projection costs nothing measurable (memory-bound: 6.1 ms per step
-    either way on 2 Zen 4 cores); at four tokens ~1 ms of 11.
+    4-bit QKV projections take int16 activations, and so do down projections in steps of up
+    to WIDE_DOWN_TOKENS tokens; the rest take int8 ones. Perplexity of the default model on
+    tests/data (exact 16.525; ONNX Runtime's int8 graphs, float32 into QKV: 16.632): steps of 8
+    tokens 16.585 (+0.36%), of 64 tokens 16.643 (+0.71%). Everything int8 was +1.6%, float32
+    into QKV alone +0.85%, into QKV and down +0.39% (as int16 now).
     """
 
     def __init__(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
@@ -92,15 +95,15 @@ class SmallStep:
                        for k in ("attn", "ffn")] + ["output_norm.weight"]]
         norms = iter(t.data_ptr() for t in self._keep)
         self._layers, self._head_parts = layers, head  # the kernels read their memory
-        self.boundaries = [SmallBoundary() for _ in range(config.num_layers + 1)]
+        self.boundaries = [IntBoundary() for _ in range(config.num_layers + 1)]
         for i, m in enumerate(layers):
             before, after = self.boundaries[i], self.boundaries[i + 1]
             before.attn_norm = next(norms)
-            before.qkv = SmallLinear.of(m["qkv"], float_q4_input=True)
-            after.o, after.gate_up = SmallLinear.of(m["o"]), SmallLinear.of(m["gate_up"])
-            after.down = SmallLinear.of(m["down"], float_q4_input=True)
+            before.qkv = IntLinear.of(m["qkv"], wide_rows=ALWAYS)
+            after.o, after.gate_up = IntLinear.of(m["o"]), IntLinear.of(m["gate_up"])
+            after.down = IntLinear.of(m["down"], wide_rows=WIDE_DOWN_TOKENS)
             after.ffn_norm = next(norms)
-        self.head_linear = SmallLinear.of([head])
+        self.head_linear = IntLinear.of([head])
         self.output_norm = next(norms)
         self.qkv_width = sum(q.n for q in layers[0]["qkv"])
 
@@ -112,12 +115,12 @@ class SmallStep:
         qkv = torch.empty(tokens, self.qkv_width)
         attn = None
         for index, boundary in enumerate(self.boundaries):
-            status = lib.small_boundary(ctypes.addressof(boundary), tokens, cfg.hidden_size,
+            status = lib.int_boundary(ctypes.addressof(boundary), tokens, cfg.hidden_size,
                                         cfg.rms_norm_eps, hidden.data_ptr(),
                                         attn.data_ptr() if attn is not None else None,
                                         qkv.data_ptr(), self.num_threads)
             if status != 0:
-                raise RuntimeError(f"small_boundary {index} failed ({status})")
+                raise RuntimeError(f"int_boundary {index} failed ({status})")
             if index < cfg.num_layers:
                 attn = attend(index, qkv).contiguous()
         return hidden
@@ -126,9 +129,9 @@ class SmallStep:
         cfg = self.config
         rows = rows.contiguous()
         logits = torch.empty(rows.shape[0], self._head_parts.n)
-        status = self.lib.small_head(ctypes.addressof(self.head_linear), self.output_norm,
+        status = self.lib.int_head(ctypes.addressof(self.head_linear), self.output_norm,
                                      rows.shape[0], cfg.hidden_size, cfg.rms_norm_eps,
                                      rows.data_ptr(), logits.data_ptr(), self.num_threads)
         if status != 0:
-            raise RuntimeError(f"small_head failed ({status})")
+            raise RuntimeError(f"int_head failed ({status})")
         return logits

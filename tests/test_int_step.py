@@ -1,6 +1,6 @@
-"""Small steps in llmbus's own kernel (cpu_kernels/small_step.cpp, executor/small_step.py):
+"""Small steps in llmbus's own kernel (cpu_kernels/int_step.cpp, executor/int_step.py):
 each matmul kind against a torch reference of the same arithmetic, for every ISA build this CPU
-can run, and the whole small-step forward against the exact one on the default model."""
+can run, and the whole forward against the exact one on the default model."""
 
 from __future__ import annotations
 
@@ -9,16 +9,17 @@ import torch
 
 from services.executor.cpu_kernels.library import load_library
 from services.executor.gguf_loader import Q4_1Weight, Q8_0Weight, load_gguf
+from services.executor.int_step import int_linear
 from services.executor.kv_cache import KVCache
 from services.executor.model import build_attention_metadata
 from services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
 from services.executor.quant_parts import QuantPart
-from services.executor.small_step import SMALL_STEP_TOKENS, small_linear
 from services.model_files import default_model_path
 from tests.cpu_isas import ISAS
 
 needs_compiler = pytest.mark.skipif(load_library() is None, reason="no C++ compiler here")
 GROUP = 32
+BATCH = 12  # decodes of a step: above the small steps' int16 down projections
 
 
 def _weight(kind: str, n: int, k: int, gen: torch.Generator) -> Q4_1Weight | Q8_0Weight:
@@ -32,18 +33,15 @@ def _weight(kind: str, n: int, k: int, gen: torch.Generator) -> Q4_1Weight | Q8_
                       mins)
 
 
-def _reference(weight: Q4_1Weight | Q8_0Weight, x: torch.Tensor, float_input: bool
-               ) -> torch.Tensor:
-    """The kernel's arithmetic in float64: x quantized to int8 per block of 32
-    (d = max|x| / 127, round half to even) unless `float_input`; Q4's minimums times the
-    block's float sum of x."""
+def _reference(weight: Q4_1Weight | Q8_0Weight, x: torch.Tensor, wide: bool) -> torch.Tensor:
+    """The kernel's arithmetic in float64: x quantized per block of 32 (d = max|x| / 127 for
+    int8, / 32767 for the int16 of `wide` Q4 inputs; round half to even); Q4's minimums times
+    the block's float sum of x."""
     t, k = x.shape
     blocks = x.double().view(t, k // GROUP, GROUP)
-    if float_input:
-        xq = blocks
-    else:
-        d = blocks.abs().amax(-1, keepdim=True) / 127
-        xq = torch.where(d > 0, torch.round(blocks / d), 0) * d
+    top = 32767 if wide and isinstance(weight, Q4_1Weight) else 127
+    d = blocks.abs().amax(-1, keepdim=True) / top
+    xq = torch.where(d > 0, torch.round(blocks / d), 0) * d
     codes = weight.codes.double().view(-1, k // GROUP, GROUP)  # [N, G, 32]
     y = torch.einsum("tgi,ngi,ng->tn", xq, codes, weight.scales.double())
     if isinstance(weight, Q4_1Weight):
@@ -53,22 +51,23 @@ def _reference(weight: Q4_1Weight | Q8_0Weight, x: torch.Tensor, float_input: bo
 
 @needs_compiler
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kind,float_input", [("q4_1", False), ("q4_1", True), ("q4_0", False),
-                                              ("q4_0", True), ("q8_0", False)])
+@pytest.mark.parametrize("kind,wide", [("q4_1", False), ("q4_1", True), ("q4_0", False),
+                                       ("q4_0", True), ("q8_0", False), ("q8_0", True)])
 @pytest.mark.parametrize("tokens,k", [(1, 256), (3, 96), (4, 256), (7, 256), (9, 96),
-                                      (16, 256), (19, 256)])
-def test_matmul_matches_reference(isa, kind, float_input, tokens, k):
-    """Row counts around the kernels' register tiles (4 and 8 rows), and an odd number of
-    blocks (k = 96), which the AVX-512 kernel takes in pairs."""
+                                      (16, 256), (19, 256), (300, 64)])
+def test_matmul_matches_reference(isa, kind, wide, tokens, k):
+    """Row counts around the kernels' register tiles (8 rows with AVX-512, else 4; then 2 and
+    1), an odd number of blocks (k = 96), int8 and int16 (`wide`) activations."""
     lib = load_library(isa)
     gen = torch.Generator().manual_seed(tokens)
     weights = [_weight(kind, n, k, gen) for n in (40, 24)]  # a row-stack of two, like gate+up
     x = torch.randn(tokens, k, generator=gen)
     x[:, 5] *= 30  # an outlier channel, as hidden states have
     x[0, :GROUP] = 0  # an all-zero block quantizes to zeros, not NaN
-    expected = torch.cat([_reference(w, x, float_input) for w in weights], dim=1)
+    expected = torch.cat([_reference(w, x, wide) for w in weights], dim=1)
     for threads in (1, 2):
-        got = small_linear(lib, [QuantPart.of(w) for w in weights], x, float_input, threads)
+        got = int_linear(lib, [QuantPart.of(w) for w in weights], x, tokens if wide else 0,
+                           threads)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -78,18 +77,20 @@ def test_refuses_what_it_cannot_multiply():
     gen = torch.Generator().manual_seed(0)
     part = QuantPart.of(_weight("q4_1", 8, 64, gen))
     with pytest.raises(RuntimeError, match="refused"):  # parts of different widths
-        small_linear(lib, [part, QuantPart.of(_weight("q8_0", 8, 32, gen))], torch.ones(1, 64))
+        int_linear(lib, [part, QuantPart.of(_weight("q8_0", 8, 32, gen))], torch.ones(1, 64))
+    with pytest.raises(ValueError, match="N % 8"):  # no whole column groups to tile
+        QuantPart.of(_weight("q4_1", 12, 64, gen))
     with pytest.raises(ValueError, match="1 to 3"):
-        small_linear(lib, [part] * 4, torch.ones(1, 64))
+        int_linear(lib, [part] * 4, torch.ones(1, 64))
 
 
 @pytest.mark.model
 @needs_compiler
 @pytest.mark.skipif(not default_model_path().is_file(), reason="default model not pulled")
-def test_small_steps_follow_the_exact_forward():
-    """Decode steps of one and of SMALL_STEP_TOKENS sequences after a prompt, through the
-    kernel and through the exact graphs: the same next tokens, nearly the same logits. The
-    fast model keeps no single-threaded ONNX Runtime sessions (the kernel replaces them)."""
+def test_steps_follow_the_exact_forward():
+    """A prompt step, then decode steps of one and of BATCH sequences, through the kernel and
+    through the exact graphs: the same next tokens, nearly the same logits. The fast model
+    builds no ONNX Runtime session (the kernel replaces them all)."""
     config, dense, native = load_gguf(default_model_path(), keep_native=True,
                                       dense_for_native=False)
     prompt = [(i * 7919) % 20000 + 100 for i in range(40)]
@@ -97,25 +98,25 @@ def test_small_steps_follow_the_exact_forward():
     for name, level in (("exact", ACCURACY_EXACT), ("kernel", ACCURACY_FAST)):
         model = OnnxLlamaModel(config, dense, native, max_positions=64, accuracy_level=level,
                                num_threads=2, dense_prefill=False)
-        assert (model.small_step is not None) == (name == "kernel")
-        if name == "kernel":
-            assert model.single_thread_graphs is model.graphs
-        kv = KVCache(config, 1 + 4 * SMALL_STEP_TOKENS, 16, torch.float32)
-        tables = [list(range(1 + 4 * s, 5 + 4 * s)) for s in range(SMALL_STEP_TOKENS)]
-        meta = build_attention_metadata([len(prompt)] * SMALL_STEP_TOKENS,
-                                        [len(prompt)] * SMALL_STEP_TOKENS, tables, 16)
-        model.forward(torch.tensor(prompt * SMALL_STEP_TOKENS), meta.positions, meta, kv,
-                      torch.empty(0, dtype=torch.long))  # a big step: graphs in both models
-        steps, lengths = [], [len(prompt)] * SMALL_STEP_TOKENS
-        for batch in [1, SMALL_STEP_TOKENS] * 4:
+        assert (model.int_step is not None) == (name == "kernel")
+        assert (model.graphs == []) == (name == "kernel")
+        kv = KVCache(config, 1 + 4 * BATCH, 16, torch.float32)
+        tables = [list(range(1 + 4 * s, 5 + 4 * s)) for s in range(BATCH)]
+        meta = build_attention_metadata([len(prompt)] * BATCH,
+                                        [len(prompt)] * BATCH, tables, 16)
+        model.forward(torch.tensor(prompt * BATCH), meta.positions, meta, kv,
+                      torch.empty(0, dtype=torch.long))  # the prompts: one big step
+        steps, lengths = [], [len(prompt)] * BATCH
+        for batch in [1, BATCH] * 4:
             lengths[:batch] = [n + 1 for n in lengths[:batch]]
             meta = build_attention_metadata([1] * batch, lengths[:batch], tables[:batch], 16)
             ids = torch.tensor([(n * 31 + s) % 20000 + 100 for s, n in enumerate(lengths[:batch])])
             steps.append(model.forward(ids, meta.positions, meta, kv, torch.arange(batch)))
         logits[name] = torch.cat(steps)
     exact, fast = logits["exact"], logits["kernel"]
-    cosine = torch.nn.functional.cosine_similarity(exact, fast, dim=-1).min()
-    assert cosine > 0.999, float(cosine)
+    cosine = torch.nn.functional.cosine_similarity(exact, fast, dim=-1)
+    # seen: median 0.99995, the lowest of 52 rows 0.9989 (a batch step's int8 down projection)
+    assert cosine.median() > 0.9998 and cosine.min() > 0.998, cosine.tolist()
     # Random tokens make flat predictions: where the picks differ, the kernel's pick must be a
     # near-tie in the exact logits (seen: up to 0.25 apart; 5 of 36 picks differ).
     picked = exact.gather(1, fast.argmax(-1, keepdim=True))[:, 0]

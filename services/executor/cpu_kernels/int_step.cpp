@@ -103,16 +103,6 @@ struct Quantized {
     std::vector<float> d8, d16, sum;
 };
 
-void block_sums(const float* x, int64_t T, int64_t k, std::vector<float>& sums) {
-    sums.resize(T * (k / GROUP));
-    for (int64_t b = 0; b < int64_t(sums.size()); ++b) {
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int i = 0; i < GROUP; ++i) s += x[b * GROUP + i];
-        sums[b] = s;
-    }
-}
-
 float block_amax(const float* v) {
     float amax = 0.f;
 #pragma omp simd reduction(max : amax)
@@ -120,38 +110,33 @@ float block_amax(const float* v) {
     return amax;
 }
 
-void quantize_int8(const float* x, int64_t T, int64_t k, Quantized& out) {
-    const int64_t blocks = T * (k / GROUP);
-    out.q8.resize(T * k);
-    out.d8.resize(blocks);
-    for (int64_t b = 0; b < blocks; ++b) {
-        const float* v = x + b * GROUP;
-        const float amax = block_amax(v);
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int8_t* q = out.q8.data() + b * GROUP;
-#pragma omp simd
-        for (int i = 0; i < GROUP; ++i) q[i] = int8_t(std::nearbyint(v[i] * inv));
-        out.d8[b] = amax / 127.f;
-    }
+float block_sum(const float* v) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < GROUP; ++i) sum += v[i];
+    return sum;
 }
 
-void quantize_int16(const float* x, int64_t T, int64_t k, Quantized& out) {
-    const int64_t blocks = T * (k / GROUP);
-    out.q16.resize(T * k);
-    out.d16.resize(blocks);
-    for (int64_t b = 0; b < blocks; ++b) {
-        const float* v = x + b * GROUP;
-        const float amax = block_amax(v);
-        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-        int16_t* q = out.q16.data() + b * GROUP;
-        for (int i = 0; i < GROUP; i += 4) {  // pair order 0, 2, 1, 3 in each four
-            q[i] = int16_t(std::nearbyint(v[i] * inv));
-            q[i + 1] = int16_t(std::nearbyint(v[i + 2] * inv));
-            q[i + 2] = int16_t(std::nearbyint(v[i + 1] * inv));
-            q[i + 3] = int16_t(std::nearbyint(v[i + 3] * inv));
-        }
-        out.d16[b] = amax / 32767.f;
+// One block of 32 inputs to int8 codes; returns its scale.
+float quantize_int8(const float* v, int8_t* q) {
+    const float amax = block_amax(v);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+#pragma omp simd
+    for (int i = 0; i < GROUP; ++i) q[i] = int8_t(std::nearbyint(v[i] * inv));
+    return amax / 127.f;
+}
+
+// One block of 32 inputs to int16 codes, each four in the order 0, 2, 1, 3; returns its scale.
+float quantize_int16(const float* v, int16_t* q) {
+    const float amax = block_amax(v);
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    for (int i = 0; i < GROUP; i += 4) {
+        q[i] = int16_t(std::nearbyint(v[i] * inv));
+        q[i + 1] = int16_t(std::nearbyint(v[i + 2] * inv));
+        q[i + 2] = int16_t(std::nearbyint(v[i + 1] * inv));
+        q[i + 3] = int16_t(std::nearbyint(v[i + 3] * inv));
     }
+    return amax / 32767.f;
 }
 
 // One call's inputs to every tile: the quantized rows (from `first` on: a panel of rows whose
@@ -359,7 +344,8 @@ struct Scratch {
     std::vector<float> normed, gate_up, act;
 };
 
-// y [T, width(l)] (=, or += with `accumulate`) x [T, k] @ W^T.
+// y [T, width(l)] (=, or += with `accumulate`) x [T, k] @ W^T: the rows quantized, then each
+// panel of rows against every column group, both shared among the threads.
 void linear(const IntLinear& l, const float* x, int64_t T, float* y, bool accumulate,
             Scratch& scratch, int num_threads) {
     const int64_t k = l.parts[0].k;
@@ -369,31 +355,48 @@ void linear(const IntLinear& l, const float* x, int64_t T, float* y, bool accumu
         any_wide |= wide;
         any_int8 |= !wide;
     }
-    if (any_int8) quantize_int8(x, T, k, scratch.quantized);
-    if (any_wide) quantize_int16(x, T, k, scratch.quantized);
-    block_sums(x, T, k, scratch.quantized.sum);
+    Quantized& q = scratch.quantized;
+    const int64_t blocks = T * (k / GROUP);
+    q.sum.resize(blocks);
+    if (any_int8) {
+        q.q8.resize(T * k);
+        q.d8.resize(blocks);
+    }
+    if (any_wide) {
+        q.q16.resize(T * k);
+        q.d16.resize(blocks);
+    }
     const int64_t ldy = width(l);
     int64_t groups = 0;  // column groups over all parts: the work items
     for (int64_t p = 0; p < l.num_parts; ++p) groups += l.parts[p].n / COLUMNS;
 #pragma omp parallel num_threads(num_threads)
-    for (int64_t first = 0; first < T; first += PANEL) {
-        const Inputs in{&scratch.quantized, k, first, std::min(T, first + PANEL)};
+    {
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < groups; ++item) {
-            int64_t p = 0, c = item, offset = 0;
-            while (c >= l.parts[p].n / COLUMNS) {
-                c -= l.parts[p].n / COLUMNS;
-                offset += l.parts[p].n;
-                ++p;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float* v = x + b * GROUP;
+            q.sum[b] = block_sum(v);
+            if (any_int8) q.d8[b] = quantize_int8(v, q.q8.data() + b * GROUP);
+            if (any_wide) q.d16[b] = quantize_int16(v, q.q16.data() + b * GROUP);
+        }
+        for (int64_t first = 0; first < T; first += PANEL) {
+            const Inputs in{&q, k, first, std::min(T, first + PANEL)};
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < groups; ++item) {
+                int64_t p = 0, c = item, offset = 0;
+                while (c >= l.parts[p].n / COLUMNS) {
+                    c -= l.parts[p].n / COLUMNS;
+                    offset += l.parts[p].n;
+                    ++p;
+                }
+                const IntMatrix& w = l.parts[p];
+                float* out = y + offset;
+                if (w.kind == Q8)
+                    column_group<Q8, false>(w, c, in, out, ldy, accumulate);
+                else if (takes_wide(w, T))
+                    column_group<Q4, true>(w, c, in, out, ldy, accumulate);
+                else
+                    column_group<Q4, false>(w, c, in, out, ldy, accumulate);
             }
-            const IntMatrix& w = l.parts[p];
-            float* out = y + offset;
-            if (w.kind == Q8)
-                column_group<Q8, false>(w, c, in, out, ldy, accumulate);
-            else if (takes_wide(w, T))
-                column_group<Q4, true>(w, c, in, out, ldy, accumulate);
-            else
-                column_group<Q4, false>(w, c, in, out, ldy, accumulate);
         }
     }
 }

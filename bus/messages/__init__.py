@@ -1,0 +1,71 @@
+"""Typed messages of the pipeline, one module per receiving stage, all re-exported here.
+
+All structs are `array_like` msgspec structs: the field order *is* the wire format. Append new
+fields at the end with a default, never reorder or retype; tests/test_bus_messages.py pins every
+struct's bytes. A reply lives in the module of its request (the stage that serves it).
+`gc=False` because these are plain data with no cycles.
+
+Three id spaces, each named so:
+- `request_id` in GenerateRequest, SubmitRequest, AbortRequest, RequestTokens and TextDelta: the
+  api's id of one prompt (the public `cmpl-...`/`chatcmpl-...` id, or that id plus `-p` for
+  prompt p of a batched /v1/completions); a request's n completions share it and are told
+  apart by `index`.
+- `request_id` in NewRequestData and ScheduledRequest (the executor's): one sequence of the
+  engine, the prompt's id with `#i` for completion i of n (or `#prompt` for a prompt that n
+  completions will fork from).
+- `engine_id`: an engine's `--engine-id` name (its scheduler and executor share it);
+  `instance_id`: one process of a stage, new on every start.
+"""
+
+from bus.messages.common import (
+    ChatMessage,
+    ErrorCode,
+    FinishReason,
+    SamplingParams,
+    TokenLogprobs,
+)
+from bus.messages.to_api import (
+    ApiMetricsRequest,
+    ApiMetricsSnapshot,
+    DeltaBatch,
+    TextDelta,
+    TextLogprob,
+)
+from bus.messages.to_detokenizer import RequestTokens, TokenBatch
+from bus.messages.to_every_stage import Heartbeat, Ping, Pong
+from bus.messages.to_executor import (
+    BlockCopy,
+    ExecutorInfo,
+    ExecutorInfoRequest,
+    NewRequestData,
+    ScheduledRequest,
+    StepPlan,
+    StepResult,
+)
+from bus.messages.to_scheduler import (
+    AbortRequest,
+    EngineStats,
+    EngineStatsRequest,
+    ModelInfo,
+    ModelInfoRequest,
+    SubmitRequest,
+)
+from bus.messages.to_tokenizer import (
+    Admission,
+    CacheEvent,
+    DecodeRequest,
+    DecodeResult,
+    EncodeRequest,
+    EncodeResult,
+    GenerateRequest,
+)
+
+__all__ = [
+    "AbortRequest", "Admission", "ApiMetricsRequest", "ApiMetricsSnapshot", "BlockCopy",
+    "CacheEvent", "ChatMessage", "DecodeRequest", "DecodeResult", "DeltaBatch", "EncodeRequest",
+    "EncodeResult", "EngineStats", "EngineStatsRequest", "ErrorCode", "ExecutorInfo",
+    "ExecutorInfoRequest", "FinishReason", "GenerateRequest", "Heartbeat", "ModelInfo",
+    "ModelInfoRequest", "NewRequestData", "Ping", "Pong", "RequestTokens", "SamplingParams",
+    "ScheduledRequest", "StepPlan", "StepResult", "SubmitRequest", "TextDelta", "TextLogprob",
+    "TokenBatch", "TokenLogprobs",
+]

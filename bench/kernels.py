@@ -146,8 +146,8 @@ def bench_prefill(s: Shapes, dtype, num_seqs: int, chunk: int, prefix: int) -> N
 
 def bench_sampling(s: Shapes, num_rows: int) -> None:
     from services.executor.kernels.sampling import sample
-    from services.executor.sampler import SamplingTensors
     from services.executor.sampler import sample as torch_sample
+    from services.executor.sampling_tensors import SamplingTensors
 
     logits = torch.randn(num_rows, s.vocab, device=DEVICE) * 3
     tensors = SamplingTensors(

@@ -13,7 +13,8 @@ import statistics
 import time
 
 from bus.messages import SamplingParams, StepResult
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.scheduler import Scheduler
 
 
 def measure(num_running: int, num_steps: int, prefix_caching: bool) -> list[float]:

@@ -186,31 +186,38 @@ def main(argv: list[str] | None = None) -> int:
 
         pull_default_model(force=args.force)
         return 0
-    from services.launcher import run_stack
+    return _up(args)
+
+
+def _tls_files(args: argparse.Namespace) -> tuple[str, str] | None:
+    """The embedded bus's TLS certificate and key, checked; ValueError says what is wrong."""
+    if (args.nats_tls_cert is None) != (args.nats_tls_key is None):
+        raise ValueError("--nats-tls-cert and --nats-tls-key go together")
+    if args.nats_tls_cert is None:
+        return None
+    for path in (args.nats_tls_cert, args.nats_tls_key):
+        if not Path(path).is_file():
+            raise ValueError(f"{path}: no such file")
+    if args.nats_url:
+        raise ValueError("--nats-tls-* configure the embedded bus; with --nats-url, give a "
+                         "tls:// URL and set LLMBUS_NATS_TLS_CA instead")
+    return args.nats_tls_cert, args.nats_tls_key
+
+
+def _up(args: argparse.Namespace) -> int:
+    """`llmbus up`: the whole stack, after the default model is there and the options check."""
+    from services.launcher import parse_replicas, run_stack
 
     if args.model is None:  # the default model must be there before the stack starts
         from services.model_files import default_model_path, pull_default_model
 
         if not default_model_path().is_file():
             pull_default_model()
-    from services.launcher import parse_replicas
-
     try:
         replicas = parse_replicas(args.replicas)
+        tls = _tls_files(args)
     except ValueError as exc:
         print(f"llmbus: {exc}", file=sys.stderr)
-        return 2
-    if (args.nats_tls_cert is None) != (args.nats_tls_key is None):
-        print("llmbus: --nats-tls-cert and --nats-tls-key go together", file=sys.stderr)
-        return 2
-    tls = (args.nats_tls_cert, args.nats_tls_key) if args.nats_tls_cert else None
-    for path in tls or ():
-        if not Path(path).is_file():
-            print(f"llmbus: {path}: no such file", file=sys.stderr)
-            return 2
-    if tls and args.nats_url:
-        print("llmbus: --nats-tls-* configure the embedded bus; with --nats-url, give a tls:// "
-              "URL and set LLMBUS_NATS_TLS_CA instead", file=sys.stderr)
         return 2
     for dest, variable in SECRET_OPTIONS.items():  # the children inherit the environment
         if getattr(args, dest, None) is not None:

@@ -1,4 +1,4 @@
-"""The wire format is the field order of each message: pin it."""
+"""The wire format is the field order of each message: every struct's bytes are pinned."""
 
 from __future__ import annotations
 
@@ -8,29 +8,157 @@ import pytest
 from bus import messages as m
 from bus.codec import decode, encode
 
-PARAMS = m.SamplingParams(temperature=0.0, max_tokens=8, stop=["\n"])
+PARAMS = m.SamplingParams(
+    temperature=0.5, top_p=0.9, top_k=40, max_tokens=8, seed=7, ignore_eos=True,
+    stop_token_ids=[2], stop=["\n"], include_stop_str_in_output=True, min_p=0.05,
+    presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1, min_tokens=1,
+    logprobs=2, logit_bias={5: -1.0})
+LOGPROBS = m.TokenLogprobs(logprob=-0.5, top_token_ids=[42, 7], top_logprobs=[-0.5, -1.5])
+CHAT = m.ChatMessage(role="user", content="hi")
+TOKENS = m.RequestTokens(
+    request_id="r1", reply_subject="api.x", new_token_ids=[42],
+    finish_reason=m.FinishReason.STOP, num_prompt_tokens=2, stop=["x"],
+    include_stop_str_in_output=True, error="e", step_id=3, index=1, logprobs=[LOGPROBS],
+    traceparent="00-t-s-01", queue_seconds=0.25, replay_token_ids=[41])
+TEXT_LOGPROB = m.TextLogprob(token="h", logprob=-0.5, top_tokens=["h", "y"],
+                             top_logprobs=[-0.5, -1.5], token_bytes=b"h",
+                             top_token_bytes=[b"h", b"y"])
+DELTA = m.TextDelta(request_id="r1", text="hé", num_new_tokens=1,
+                    finish_reason=m.FinishReason.LENGTH, num_prompt_tokens=2,
+                    num_output_tokens=3, error="e", step_id=3, index=1, logprobs=[TEXT_LOGPROB],
+                    queue_seconds=0.25)
 
+# One example of every message, every field set away from its default.
 EXAMPLES = [
-    PARAMS,
+    PARAMS, LOGPROBS, CHAT,
     m.GenerateRequest(request_id="r1", reply_subject="api.x", model="m", params=PARAMS,
-                      messages=[m.ChatMessage(role="user", content="hi")]),
-    m.Admission(num_prompt_tokens=3),
-    m.Admission(error_code=m.ErrorCode.CONTEXT_LENGTH_EXCEEDED, error_message="too long",
-                error_param="messages"),
+                      messages=[CHAT], prompt="p", prompt_token_ids=[1],
+                      add_generation_prompt=False, n=2),
+    m.Admission(num_prompt_tokens=3, error_code=m.ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                error_message="too long", error_param="messages", scheduler_instance_id="s1"),
+    m.EncodeRequest(messages=[CHAT], prompt="p", add_generation_prompt=False,
+                    add_special_tokens=False),
+    m.EncodeResult(token_ids=[1, 2], error_message="e"),
+    m.DecodeRequest(token_ids=[1, 2]),
+    m.DecodeResult(text="t", error_message="e"),
+    m.CacheEvent(engine_id="e0", stored=[11], removed=[12], cleared=True, instance_id="s1"),
     m.SubmitRequest(request_id="r1", reply_subject="api.x", prompt_token_ids=[1, 2],
-                    params=PARAMS, arrival_time=1.5),
-    m.StepPlan(step_id=3, new_requests=[m.NewRequestData("r1", [1, 2], PARAMS)],
-               scheduled=[m.ScheduledRequest("r1", 0, 2, [5], True)],
-               finished_request_ids=["r0"], preempted_request_ids=["r9"]),
-    m.StepResult(step_id=3, sampled_token_ids=[42], forward_seconds=0.01, batch_size=1,
-                 num_tokens=2),
-    m.TokenBatch(engine_id="e0", items=[m.RequestTokens(
-        request_id="r1", reply_subject="api.x", new_token_ids=[42],
-        finish_reason=m.FinishReason.STOP, num_prompt_tokens=2, stop=["x"])]),
-    m.DeltaBatch(items=[m.TextDelta(request_id="r1", text="hé", num_new_tokens=1)]),
+                    params=PARAMS, arrival_time=1.5, n=2),
+    m.AbortRequest(request_id="r1", index=1),
+    m.EngineStatsRequest(),
+    m.EngineStats(engine_id="e0", num_steps=1, num_running=2, num_waiting=3, num_free_blocks=4,
+                  num_total_blocks=5, max_batch_size=6, num_preemptions=7, num_finished=8,
+                  num_cached_blocks=9, num_prefix_query_tokens=10, num_prefix_hit_tokens=11,
+                  executor_busy_seconds=1.5, executor_idle_seconds=0.5,
+                  num_evictable_blocks=12),
+    m.ModelInfoRequest(),
+    m.ModelInfo(model_name="m", max_model_len=8192, engine_id="e0"),
+    m.ExecutorInfoRequest(),
     m.ExecutorInfo(model_name="m", max_model_len=8192, num_blocks=100, block_size=16,
                    eos_token_ids=[2], vocab_size=49152),
+    m.NewRequestData(request_id="r1", prompt_token_ids=[1, 2], params=PARAMS,
+                     traceparent="00-t-s-01"),
+    m.ScheduledRequest(request_id="r1", start=0, num_tokens=2, new_block_ids=[5],
+                       sample=False),
+    m.BlockCopy(src=1, dst=2),
+    m.StepPlan(step_id=3, new_requests=[m.NewRequestData(request_id="r1",
+                                                         prompt_token_ids=[1], params=PARAMS)],
+               scheduled=[m.ScheduledRequest(request_id="r1", start=0, num_tokens=1)],
+               finished_request_ids=["r0"], preempted_request_ids=["r9"],
+               copy_blocks=[m.BlockCopy(src=1, dst=2)]),
+    m.StepResult(step_id=3, sampled_token_ids=[42], forward_seconds=0.01, batch_size=1,
+                 num_tokens=2, error="e", idle_seconds=0.5, logprobs=[LOGPROBS, None]),
+    TOKENS,
+    m.TokenBatch(engine_id="e0", items=[TOKENS]),
+    TEXT_LOGPROB, DELTA,
+    m.DeltaBatch(items=[DELTA]),
+    m.ApiMetricsRequest(),
+    m.ApiMetricsSnapshot(replica="a1", samples={"x": ["x 1"]}),
+    m.Heartbeat(service="scheduler", instance_id="s1", engine_id="e0", num_running=1,
+                num_waiting=2, num_free_blocks=3, num_total_blocks=4, block_size=16,
+                num_handled=5),
+    m.Ping(),
+    m.Pong(service="api", instance_id="a1", ready=False),
 ]
+
+# encode(example).hex() for each example above, as first written. A message whose bytes change
+# breaks every running peer of the other version: append fields with defaults instead, and add
+# the new field's value to its example and its bytes here.
+GOLDEN = {
+    "SamplingParams": (
+        "dc0010cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999999999999acb3f"
+        "e0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff0000000000000"),
+    "TokenLogprobs": "93cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000",
+    "ChatMessage": "92a475736572a26869",
+    "GenerateRequest": (
+        "99a27231a56170692e78a16ddc0010cb3fe0000000000000cb3feccccccccccccd280807c3910291a10a"
+        "c3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cb"
+        "bff00000000000009192a475736572a26869a1709101c202"),
+    "Admission": "950302a8746f6f206c6f6e67a86d65737361676573a27331",
+    "EncodeRequest": "949192a475736572a26869a170c2c2",
+    "EncodeResult": "92920102a165",
+    "DecodeRequest": "91920102",
+    "DecodeResult": "92a174a165",
+    "CacheEvent": "95a26530910b910cc3a27331",
+    "SubmitRequest": (
+        "96a27231a56170692e78920102dc0010cb3fe0000000000000cb3feccccccccccccd280807c3910291a1"
+        "0ac3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105"
+        "cbbff0000000000000cb3ff800000000000002"),
+    "AbortRequest": "92a2723101",
+    "EngineStatsRequest": "90",
+    "EngineStats": "9fa265300102030405060708090a0bcb3ff8000000000000cb3fe00000000000000c",
+    "ModelInfoRequest": "90",
+    "ModelInfo": "93a16dcd2000a26530",
+    "ExecutorInfoRequest": "90",
+    "ExecutorInfo": "96a16dcd200064109102cdc000",
+    "NewRequestData": (
+        "94a27231920102dc0010cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999"
+        "999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff0000000"
+        "000000a930302d742d732d3031"),
+    "ScheduledRequest": "95a2723100029105c2",
+    "BlockCopy": "920102",
+    "StepPlan": (
+        "96039194a272319101dc0010cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3f"
+        "a999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff000"
+        "0000000000a09195a27231000190c391a2723091a2723991920102"),
+    "StepResult": (
+        "9803912acb3f847ae147ae147b0102a165cb3fe00000000000009293cbbfe0000000000000922a0792cb"
+        "bfe0000000000000cbbff8000000000000c0"),
+    "RequestTokens": (
+        "9ea27231a56170692e78912a010291a178c3a16503019193cbbfe0000000000000922a0792cbbfe00000"
+        "00000000cbbff8000000000000a930302d742d732d3031cb3fd00000000000009129"),
+    "TokenBatch": (
+        "92a26530919ea27231a56170692e78912a010291a178c3a16503019193cbbfe0000000000000922a0792"
+        "cbbfe0000000000000cbbff8000000000000a930302d742d732d3031cb3fd00000000000009129"),
+    "TextLogprob": (
+        "96a168cbbfe000000000000092a168a17992cbbfe0000000000000cbbff8000000000000c4016892c401"
+        "68c40179"),
+    "TextDelta": (
+        "9ba27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe000000000"
+        "0000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000"),
+    "DeltaBatch": (
+        "91919ba27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe00000"
+        "00000000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000"),
+    "ApiMetricsRequest": "90",
+    "ApiMetricsSnapshot": "92a2613181a17891a3782031",
+    "Heartbeat": "99a97363686564756c6572a27331a26530010203041005",
+    "Ping": "90",
+    "Pong": "93a3617069a26131c2",
+}
+
+
+def _structs() -> list[str]:
+    return [name for name in m.__all__
+            if isinstance(getattr(m, name), type) and issubclass(getattr(m, name), msgspec.Struct)]
+
+
+def test_every_message_has_pinned_bytes():
+    assert sorted(type(e).__name__ for e in EXAMPLES) == sorted(_structs()) == sorted(GOLDEN)
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda x: type(x).__name__)
+def test_bytes_are_pinned(message):
+    assert encode(message).hex() == GOLDEN[type(message).__name__]
 
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda x: type(x).__name__)
@@ -38,15 +166,30 @@ def test_round_trip(message):
     assert decode(encode(message), type(message)) == message
 
 
+def test_every_field_of_the_examples_is_set():
+    """A field left at its default could move without changing the bytes of a default-heavy
+    example; every field set pins every position."""
+    for example in EXAMPLES:
+        for field in msgspec.structs.fields(example):
+            if field.default is not msgspec.NODEFAULT:
+                assert getattr(example, field.name) != field.default, (example, field.name)
+
+
+def test_enums_arrive_as_enums():
+    delta = decode(encode(m.TextDelta(request_id="r", text="", finish_reason=2)), m.TextDelta)
+    assert delta.finish_reason is m.FinishReason.LENGTH
+    with pytest.raises(msgspec.ValidationError):  # not a finish reason
+        decode(encode(m.TextDelta(request_id="r", text="", finish_reason=9)), m.TextDelta)
+
+
 def test_field_order_is_the_wire_format():
     # Array-like: positional, in declaration order. Changing this breaks running peers.
-    assert msgspec.msgpack.decode(encode(m.ScheduledRequest("r1", 4, 1))) == [
+    assert msgspec.msgpack.decode(encode(m.ScheduledRequest(request_id="r1", start=4,
+                                                            num_tokens=1))) == [
         "r1", 4, 1, [], True]
-    assert msgspec.msgpack.decode(encode(m.Admission(num_prompt_tokens=7))) == [
-        7, 0, "", None, ""]
-    assert encode(m.AbortRequest("r1")).hex() == "92a27231c0"
+    assert encode(m.AbortRequest(request_id="r1")).hex() == "92a27231c0"
 
 
 def test_schema_mismatch_is_rejected():
     with pytest.raises(msgspec.ValidationError):
-        decode(encode(m.AbortRequest("r1")), m.StepResult)
+        decode(encode(m.AbortRequest(request_id="r1")), m.StepResult)

@@ -14,7 +14,8 @@ from services.executor.gguf_loader import UnsupportedModelError, load_gguf
 from services.executor.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from services.executor.model import LlamaModel, build_attention_metadata
 from services.executor.runner import ModelRunner
-from services.executor.sampler import SamplingTensors, sample
+from services.executor.sampler import sample
+from services.executor.sampling_tensors import SamplingTensors
 from tests.gguf_fixtures import GREEDY, TinySpec, generate, write_tiny_llama
 
 SPEC = TinySpec()

@@ -6,8 +6,9 @@ from bus import subjects
 from bus.block_hash import block_hashes
 from bus.liveness import Liveness
 from bus.messages import CacheEvent, FinishReason, Heartbeat, RequestTokens, SamplingParams
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.detokenizer_routing import DetokenizerRouting
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.scheduler import Scheduler
 from services.tokenizer.router import BALANCE_SLACK, Router
 
 
@@ -140,10 +141,10 @@ async def test_an_engine_too_slow_to_admit_is_told_to_withdraw():
 
         async def slow(msg) -> None:
             await asyncio.sleep(1.0)  # stalled past the router's patience
-            await msg.respond(encode(Admission(engine_id="slow")))
+            await msg.respond(encode(Admission(scheduler_instance_id="slow")))
 
         async def fast(msg) -> None:
-            await msg.respond(encode(Admission(engine_id="fast")))
+            await msg.respond(encode(Admission(scheduler_instance_id="fast")))
 
         async def on_withdraw(msg) -> None:
             withdrawn.append(decode(msg.data, AbortRequest).request_id)
@@ -162,7 +163,7 @@ async def test_an_engine_too_slow_to_admit_is_told_to_withdraw():
         submit = SubmitRequest(request_id="req-1", reply_subject="api",
                                prompt_token_ids=[1, 2, 3], params=SamplingParams())
         admission = await submit_to_an_engine(runtime, router, submit, timeout=0.3)
-        assert admission.engine_id == "fast"
+        assert admission.scheduler_instance_id == "fast"
         for _ in range(50):
             if withdrawn:
                 break

@@ -23,7 +23,8 @@ from bus.messages import (
 from services.executor.logprobs import MAX_LOGPROBS, token_logprobs
 from services.executor.penalties import TokenCounts, apply_penalties_
 from services.executor.runner import ModelRunner
-from services.executor.sampler import SamplingTensors, process_logits, sample
+from services.executor.sampler import process_logits, sample
+from services.executor.sampling_tensors import SamplingTensors
 from services.executor.truncation import (
     NUM_CANDIDATES,
     filter_logits,

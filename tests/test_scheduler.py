@@ -7,7 +7,8 @@ import pytest
 from bus.messages import FinishReason, SamplingParams, StepResult
 from services.scheduler.admission import AdmissionError
 from services.scheduler.block_allocator import BlockAllocator
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.scheduler import Scheduler
 
 EOS = 2
 

@@ -47,7 +47,7 @@ log = structlog.get_logger()
 
 @dataclass
 class _Placement:
-    engine: str  # the scheduler copy holding the request
+    scheduler_instance_id: str  # the scheduler process holding the request
     request: GenerateRequest  # kept to move it if that engine dies before any output
     queue: asyncio.Queue
     got_output: bool = False
@@ -109,9 +109,10 @@ class EngineClient:
                         request_id=request_id, text="", finish_reason=FinishReason.ERROR,
                         error="no detokenizer is running"))
                     continue
-                if placement.engine not in dead:
+                if placement.scheduler_instance_id not in dead:
                     continue
-                log.warning("engine gone", request_id=request_id, engine=placement.engine)
+                log.warning("engine gone", request_id=request_id,
+                            scheduler=placement.scheduler_instance_id)
                 if not placement.got_output:
                     try:
                         await self._admit(placement.request, placement.queue)
@@ -199,7 +200,8 @@ class EngineClient:
                     if admission.error_code == ErrorCode.CONTEXT_LENGTH_EXCEEDED else None)
             raise OpenAIError(status, admission.error_message, param=admission.error_param,
                               code=code, headers={"Retry-After": "1"} if status == 503 else None)
-        self._placements[request.request_id] = _Placement(admission.engine_id, request, queue)
+        self._placements[request.request_id] = _Placement(admission.scheduler_instance_id,
+                                                          request, queue)
         return admission
 
     async def deltas(self, queue: asyncio.Queue, num_choices: int,

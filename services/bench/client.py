@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -39,6 +39,26 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return choice.get("text") or ""
 
 
+async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of a Server-Sent Events stream, up to `[DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def _count_usage(result: RequestResult, chunk: dict[str, Any]) -> None:
+    usage = chunk.get("usage")
+    if usage and usage.get("completion_tokens") is not None:
+        result.output_tokens = usage["completion_tokens"]
+        result.usage_counted = True
+        if result.prompt_len is None:
+            result.prompt_len = usage.get("prompt_tokens")
+
+
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], *,
                          headers: dict[str, str], prompt_len: int | None = None,
                          count_tokens: Callable[[str], int] | None = None) -> RequestResult:
@@ -53,22 +73,11 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
                 text = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {text[:300]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in _sse_chunks(response):
                 if chunk.get("error"):
                     result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
                     return result
-                usage = chunk.get("usage")
-                if usage and usage.get("completion_tokens") is not None:
-                    result.output_tokens = usage["completion_tokens"]
-                    result.usage_counted = True
-                    if result.prompt_len is None:
-                        result.prompt_len = usage.get("prompt_tokens")
+                _count_usage(result, chunk)
                 text = _chunk_text(chunk)
                 if text:
                     now = time.perf_counter()

@@ -17,6 +17,7 @@ from bus.messages import (
     ExecutorInfo,
     NewRequestData,
     SamplingParams,
+    ScheduledRequest,
     StepPlan,
     StepResult,
     TokenLogprobs,
@@ -31,7 +32,8 @@ from services.executor.linear import native_kernels_run
 from services.executor.logprobs import token_logprobs
 from services.executor.model import LlamaModel, build_attention_metadata
 from services.executor.penalties import TokenCounts
-from services.executor.sampler import RequestSampling, SamplingTensors, sample
+from services.executor.sampler import sample
+from services.executor.sampling_tensors import RequestSampling, SamplingTensors
 
 
 @dataclass
@@ -197,7 +199,9 @@ class ModelRunner:
             list(new.prompt_token_ids), len(new.prompt_token_ids), new.params, sampling,
             generator, slot)
 
-    def _step(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def _apply_plan_changes(self, plan: StepPlan) -> None:
+        """What the plan changes before its forward: forgotten, preempted and new requests,
+        copy-on-write block copies."""
         for request_id in plan.finished_request_ids:
             self._forget(request_id)
         for request_id in plan.preempted_request_ids:
@@ -207,6 +211,25 @@ class ModelRunner:
             self._register(new)
         for copy in plan.copy_blocks:  # copy-on-write of blocks shared by forked requests
             self.kv_cache.copy_block(copy.src, copy.dst)
+
+    def _check_scheduled(self, sched: ScheduledRequest, state: _RequestState) -> None:
+        """Refuse a share of a step that the request's tokens and blocks cannot serve."""
+        end = sched.start + sched.num_tokens
+        if sched.num_tokens < 1 or sched.start < 0 or end > len(state.token_ids):
+            raise ValueError(f"request {sched.request_id!r}: tokens [{sched.start}, {end}) "
+                             f"outside its {len(state.token_ids)} known tokens")
+        if sched.sample and end != len(state.token_ids):
+            raise ValueError(f"request {sched.request_id!r}: sampling after token {end} "
+                             f"of {len(state.token_ids)} would skip known tokens")
+        if end > self.max_model_len:
+            raise ValueError(f"request {sched.request_id!r}: {end} tokens exceed "
+                             f"max_model_len {self.max_model_len}")
+        if len(state.block_table) * self.block_size < end:
+            raise ValueError(f"request {sched.request_id!r}: {len(state.block_table)} "
+                             f"blocks cannot hold {end} tokens")
+
+    def _step(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprobs | None]]:
+        self._apply_plan_changes(plan)
         if not plan.scheduled:
             return [], []
 
@@ -218,19 +241,8 @@ class ModelRunner:
             if state is None:
                 raise KeyError(f"unknown request {sched.request_id!r}")
             state.block_table.extend(sched.new_block_ids)
+            self._check_scheduled(sched, state)
             end = sched.start + sched.num_tokens
-            if sched.num_tokens < 1 or sched.start < 0 or end > len(state.token_ids):
-                raise ValueError(f"request {sched.request_id!r}: tokens [{sched.start}, {end}) "
-                                 f"outside its {len(state.token_ids)} known tokens")
-            if sched.sample and end != len(state.token_ids):
-                raise ValueError(f"request {sched.request_id!r}: sampling after token {end} "
-                                 f"of {len(state.token_ids)} would skip known tokens")
-            if end > self.max_model_len:
-                raise ValueError(f"request {sched.request_id!r}: {end} tokens exceed "
-                                 f"max_model_len {self.max_model_len}")
-            if len(state.block_table) * self.block_size < end:
-                raise ValueError(f"request {sched.request_id!r}: {len(state.block_table)} "
-                                 f"blocks cannot hold {end} tokens")
             input_ids.extend(state.token_ids[sched.start:end])
             query_lens.append(sched.num_tokens)
             context_lens.append(end)

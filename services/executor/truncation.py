@@ -9,14 +9,10 @@ logits already divided by the temperature.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from services.executor.logprobs import logsumexp
-
-if TYPE_CHECKING:
-    from services.executor.sampler import SamplingTensors
+from services.executor.sampling_tensors import SamplingTensors
 
 NUM_CANDIDATES = 256
 _NEG_INF = float("-inf")

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 
 from bus.messages import SamplingParams
-
-if TYPE_CHECKING:
-    from services.scheduler.scheduler import SchedulerConfig
+from services.scheduler.config import SchedulerConfig
 
 
 class AdmissionError(ValueError):

@@ -24,7 +24,6 @@ No I/O, no clock, no torch.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from bus.messages import (
     BlockCopy,
@@ -38,22 +37,12 @@ from bus.messages import (
 )
 from services.scheduler.admission import AdmissionError, params_for, resolve_max_tokens
 from services.scheduler.block_allocator import BlockAllocator
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.prefix_tree import PrefixTree
 from services.scheduler.request import Request, RequestStatus
 
 # Withdrawals of requests that had not arrived yet, remembered until they do (oldest dropped).
 MAX_WITHDRAWN_REMEMBERED = 10_000
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...] = ()
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_prefix_caching: bool = True
 
 
 class Scheduler:
@@ -204,13 +193,28 @@ class Scheduler:
 
         `now` only stamps requests for traces and queue-time metrics.
         """
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
         for parent in [r for r in self.running if r.is_parent
                        and r.num_computed_tokens >= r.target_tokens]:
             self._fork(parent)
+        scheduled: list[tuple[Request, int]] = []
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
+        self._schedule_waiting(budget, scheduled)
+        plan = StepPlan(step_id=self.num_steps, finished_request_ids=self._forget_ids,
+                        preempted_request_ids=self._preempted_ids, copy_blocks=self._copies)
+        self._forget_ids, self._preempted_ids, self._copies = [], [], []
+        for request, num_new in scheduled:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                request.prefill_chunks.append((now, num_new))
+            plan.scheduled.append(self._plan_item(request, num_new, plan))
+        self.num_steps += 1
+        self.max_batch_size = max(self.max_batch_size, len(plan.scheduled))
+        return plan
 
-        # Running requests first, oldest first; the newest give way when blocks run out.
+    def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+        """Running requests first, oldest first; the newest give way when blocks run out.
+        Appends to `scheduled`; returns the token budget left."""
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -222,15 +226,14 @@ class Scheduler:
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is request:
-                    break
-            else:
-                scheduled.append((request, num_new))
-                budget -= num_new
-                index += 1
-                continue
-            break  # the request preempted itself; everything after it is gone too
+                    return budget  # it preempted itself; everything after it is gone too
+            scheduled.append((request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
 
-        # Then waiting requests, in order, while budget, sequence slots and blocks allow.
+    def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
+        """Then waiting requests, in order, while budget, sequence slots and blocks allow."""
         num_seqs = sum(r.num_forks for r in self.running)
         while self.waiting and budget > 0:
             request = self.waiting[0]
@@ -251,19 +254,6 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
             num_seqs += request.num_forks
-
-        plan = StepPlan(step_id=self.num_steps, finished_request_ids=self._forget_ids,
-                        preempted_request_ids=self._preempted_ids, copy_blocks=self._copies)
-        self._forget_ids, self._preempted_ids, self._copies = [], [], []
-        for request, num_new in scheduled:
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            if request.num_computed_tokens < request.num_prompt_tokens:
-                request.prefill_chunks.append((now, num_new))
-            plan.scheduled.append(self._plan_item(request, num_new, plan))
-        self.num_steps += 1
-        self.max_batch_size = max(self.max_batch_size, len(plan.scheduled))
-        return plan
 
     def unschedule_empty(self, plan: StepPlan) -> None:
         """Take back a plan with nothing scheduled: its bookkeeping rides the next plan."""

@@ -41,8 +41,9 @@ from bus.messages import (
 from bus.runtime import ServiceRuntime
 from bus.tracing import current_traceparent
 from services.scheduler.admission import AdmissionError
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.detokenizer_routing import DetokenizerRouting
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.scheduler import Scheduler
 from services.scheduler.spans import record_request_spans
 
 log = structlog.get_logger()
@@ -168,7 +169,7 @@ class SchedulerService:
             return Admission(error_code=code, error_message=str(exc), error_param=exc.param)
         self.wakeup.set()
         return Admission(num_prompt_tokens=len(submit.prompt_token_ids),
-                         engine_id=self.runtime.instance_id)
+                         scheduler_instance_id=self.runtime.instance_id)
 
     async def on_abort(self, abort: AbortRequest, _: Msg) -> None:
         assert self.scheduler is not None

@@ -115,23 +115,37 @@ async def submit_to_an_engine(runtime: ServiceRuntime, router: Router, submit: S
                                 error_message="no engine is available; retry shortly")
 
 
-async def main(args: argparse.Namespace) -> None:
-    runtime = ServiceRuntime("tokenizer", args.nats_url, args.instance_id)
-    await runtime.connect()
-    runtime.install_signal_handlers()
-    tokenization = Tokenization(GGUFTokenizer.from_gguf(resolve_model(args.model)))
+class TokenizerService:
+    """The tokenizer stage's handlers: prompts to token ids, routed to an engine."""
 
-    async def on_generate(request: GenerateRequest, _: Msg) -> Admission:
-        runtime.num_handled += 1
+    def __init__(self, runtime: ServiceRuntime, tokenization: Tokenization,
+                 router: Router) -> None:
+        self.runtime, self.tokenization, self.router = runtime, tokenization, router
+
+    async def subscribe(self) -> None:
+        runtime, group = self.runtime, subjects.queue_group("tokenizer")
+        await runtime.on_message(subjects.heartbeat("scheduler"), Heartbeat,
+                                 self.on_engine_heartbeat)
+        await runtime.on_message(subjects.ENGINE_CACHE_EVENTS, CacheEvent, self.on_cache_event)
+        await runtime.on_request(subjects.TOKENIZER_GENERATE, GenerateRequest, self.on_generate,
+                                 queue=group)
+        await runtime.on_request(subjects.TOKENIZER_ENCODE, EncodeRequest, self.on_encode,
+                                 queue=group)
+        await runtime.on_request(subjects.TOKENIZER_DECODE, DecodeRequest, self.on_decode,
+                                 queue=group)
+
+    def _prompt_token_ids(self, request: GenerateRequest) -> list[int] | Admission:
+        """The prompt's token ids, or the refusal of a request that cannot be tokenized."""
         try:
-            tokenization.check_token_ids(list(request.params.logit_bias), "logit_bias key")
+            self.tokenization.check_token_ids(list(request.params.logit_bias),
+                                              "logit_bias key")
         except ValueError as exc:
             return Admission(error_code=ErrorCode.INVALID_REQUEST, error_message=str(exc),
                              error_param="logit_bias")
         with _tracer.start_as_current_span("tokenize", attributes={
                 "llmbus.request_id": request.request_id}) as span:
             try:
-                token_ids = tokenization.prompt_token_ids(request)
+                token_ids = self.tokenization.prompt_token_ids(request)
             except (ValueError, ChatTemplateError) as exc:
                 param = "messages" if request.messages else "prompt"
                 return Admission(error_code=ErrorCode.INVALID_REQUEST,
@@ -141,47 +155,54 @@ async def main(args: argparse.Namespace) -> None:
             return Admission(error_code=ErrorCode.INVALID_REQUEST,
                              error_message="the prompt is empty after tokenization",
                              error_param="prompt")
+        return token_ids
+
+    async def on_generate(self, request: GenerateRequest, _: Msg) -> Admission:
+        self.runtime.num_handled += 1
+        token_ids = self._prompt_token_ids(request)
+        if isinstance(token_ids, Admission):
+            return token_ids
         submit = SubmitRequest(request_id=request.request_id,
                                reply_subject=request.reply_subject,
                                prompt_token_ids=token_ids, params=request.params,
                                arrival_time=time.time(), n=request.n)
-        admission = await submit_to_an_engine(runtime, router, submit)
+        admission = await submit_to_an_engine(self.runtime, self.router, submit)
+        # the engine names the chat's field; a plain prompt's is `prompt`
         if admission.error_code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and request.messages:
             admission.error_param = admission.error_param or "messages"
         elif admission.error_param == "messages" and not request.messages:
             admission.error_param = "prompt"
         return admission
 
-    async def on_engine_heartbeat(heartbeat: Heartbeat, _: Msg) -> None:
+    async def on_engine_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
         now = time.monotonic()
-        router.on_heartbeat(heartbeat, now)
-        for dead in router.forget_dead(now):
+        self.router.on_heartbeat(heartbeat, now)
+        for dead in self.router.forget_dead(now):
             log.warning("engine gone", engine=dead.engine_id, instance=dead.instance_id)
 
-    async def on_cache_event(event: CacheEvent, _: Msg) -> None:
-        router.on_cache_event(event.instance_id, event)
+    async def on_cache_event(self, event: CacheEvent, _: Msg) -> None:
+        self.router.on_cache_event(event.instance_id, event)
 
-    async def on_encode(request: EncodeRequest, _: Msg) -> EncodeResult:
+    async def on_encode(self, request: EncodeRequest, _: Msg) -> EncodeResult:
         try:
-            return EncodeResult(token_ids=tokenization.prompt_token_ids(request))
+            return EncodeResult(token_ids=self.tokenization.prompt_token_ids(request))
         except (ValueError, ChatTemplateError) as exc:
             return EncodeResult(error_message=str(exc))
 
-    async def on_decode(request: DecodeRequest, _: Msg) -> DecodeResult:
+    async def on_decode(self, request: DecodeRequest, _: Msg) -> DecodeResult:
         try:
-            tokenization.check_token_ids(request.token_ids)
+            self.tokenization.check_token_ids(request.token_ids)
         except ValueError as exc:
             return DecodeResult(error_message=str(exc))
-        return DecodeResult(text=tokenization.tokenizer.decode(request.token_ids))
+        return DecodeResult(text=self.tokenization.tokenizer.decode(request.token_ids))
 
-    router = Router(policy=args.routing)
-    await runtime.on_message(subjects.heartbeat("scheduler"), Heartbeat, on_engine_heartbeat)
-    await runtime.on_message(subjects.ENGINE_CACHE_EVENTS, CacheEvent, on_cache_event)
-    group = subjects.queue_group("tokenizer")
-    await runtime.on_request(subjects.TOKENIZER_GENERATE, GenerateRequest, on_generate,
-                             queue=group)
-    await runtime.on_request(subjects.TOKENIZER_ENCODE, EncodeRequest, on_encode, queue=group)
-    await runtime.on_request(subjects.TOKENIZER_DECODE, DecodeRequest, on_decode, queue=group)
+
+async def main(args: argparse.Namespace) -> None:
+    runtime = ServiceRuntime("tokenizer", args.nats_url, args.instance_id)
+    await runtime.connect()
+    runtime.install_signal_handlers()
+    tokenization = Tokenization(GGUFTokenizer.from_gguf(resolve_model(args.model)))
+    await TokenizerService(runtime, tokenization, Router(policy=args.routing)).subscribe()
     runtime.ready = True
     runtime.start_heartbeat()
     log.info("tokenizer ready", vocab_size=tokenization.tokenizer.vocab_size)

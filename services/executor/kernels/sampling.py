@@ -31,7 +31,7 @@ from services.executor.kernels._checks import (
     check_tensor,
     interpreting,
 )
-from services.executor.sampler import apply_top_k, apply_top_p
+from services.executor.truncation import apply_top_k, apply_top_p
 
 # Threshold search: 16 probes per pass keep 1/16 of the key range, so 8 passes cover 2**32.
 _PROBES = 16

@@ -1,0 +1,62 @@
+"""Shared by several messages: the base struct, enums, sampling parameters."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class Message(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True):
+    """Every message on the bus (see the package doc for the wire rules)."""
+
+
+class FinishReason(enum.IntEnum):
+    NONE = 0  # still running
+    STOP = 1  # eos, a stop token or a stop string
+    LENGTH = 2  # max_tokens or the context window
+    ABORT = 3  # the client went away or asked to cancel
+    ERROR = 4  # a stage failed; `error` says why
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a stage refused or failed a request; the api maps these to HTTP statuses."""
+
+    NONE = 0  # accepted
+    INVALID_REQUEST = 1  # -> 400
+    CONTEXT_LENGTH_EXCEEDED = 2  # -> 400
+    OVERLOADED = 3  # -> 503
+    INTERNAL = 4  # -> 500
+
+
+class SamplingParams(Message):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 16  # 0 = until the context window is full
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # vLLM/HF: divides (>0) or multiplies (<0) logits of
+    #                                  tokens seen in prompt or output
+    min_tokens: int = 0  # eos and stop_token_ids are suppressed until this many tokens
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the top k
+    logit_bias: dict[int, float] = {}
+
+
+class TokenLogprobs(Message):
+    """Log-probabilities of one sampled token, from the model's raw distribution."""
+
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class ChatMessage(Message):
+    role: str
+    content: str

@@ -1,0 +1,45 @@
+"""Received by the api (from the detokenizer and other api copies), with its replies."""
+
+from __future__ import annotations
+
+from bus.messages.common import FinishReason, Message
+
+
+class TextLogprob(Message):
+    """One output token's log-probability, with its text, for the OpenAI `logprobs` fields."""
+
+    token: str
+    logprob: float
+    top_tokens: list[str] = []
+    top_logprobs: list[float] = []
+    token_bytes: bytes = b""  # the exact bytes: `token` shows a split character as U+FFFD
+    top_token_bytes: list[bytes] = []
+
+
+class TextDelta(Message):
+    request_id: str
+    text: str
+    num_new_tokens: int = 0
+    finish_reason: FinishReason = FinishReason.NONE
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str = ""
+    step_id: int = 0
+    index: int = 0  # which of the request's n completions
+    logprobs: list[TextLogprob] = []  # one per token of this delta, when asked for
+    queue_seconds: float = 0.0  # with the first delta: time waiting for the first step
+
+
+class DeltaBatch(Message):
+    items: list[TextDelta]
+
+
+class ApiMetricsRequest(Message):
+    pass
+
+
+class ApiMetricsSnapshot(Message):
+    """One api copy's request metrics: sample lines (Prometheus text) by metric name."""
+
+    replica: str
+    samples: dict[str, list[str]] = {}

@@ -1,0 +1,29 @@
+"""Received by any stage: liveness and pings."""
+
+from __future__ import annotations
+
+from bus.messages.common import Message
+
+
+class Heartbeat(Message):
+    """I am alive (and this busy). Engines fill in the load fields; others leave them 0."""
+
+    service: str
+    instance_id: str
+    engine_id: str = ""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    block_size: int = 0
+    num_handled: int = 0  # work done so far (requests, batches or steps): who did what
+
+
+class Ping(Message):
+    pass
+
+
+class Pong(Message):
+    service: str
+    instance_id: str
+    ready: bool = True

@@ -1,0 +1,78 @@
+"""Received by the executor (from the scheduler), with its replies."""
+
+from __future__ import annotations
+
+from bus.messages.common import Message, SamplingParams, TokenLogprobs
+
+
+class ExecutorInfoRequest(Message):
+    pass
+
+
+class ExecutorInfo(Message):
+    """What the executor owns: the physical KV cache geometry and the model limits."""
+
+    model_name: str
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    eos_token_ids: list[int]
+    vocab_size: int
+
+
+class NewRequestData(Message):
+    """Sent once, in the first step that schedules a request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    traceparent: str = ""  # W3C trace context of the request: executor step spans link to it
+
+
+class ScheduledRequest(Message):
+    """One request's share of a step: compute `num_tokens` tokens from `start`.
+
+    The executor keeps each request's tokens (prompt + what it sampled) and its block table, so
+    the plan only carries deltas: blocks appended to the table since the last step. A prefill
+    chunk has num_tokens > 1; a decode has num_tokens == 1 and feeds the last sampled token.
+    `sample` is false for a prefill chunk that does not reach the end of the known tokens.
+    """
+
+    request_id: str
+    start: int
+    num_tokens: int
+    new_block_ids: list[int] = []
+    sample: bool = True
+
+
+class BlockCopy(Message):
+    """Copy-on-write: copy every layer's KV of block `src` into block `dst` before the step."""
+
+    src: int
+    dst: int
+
+
+class StepPlan(Message):
+    step_id: int
+    new_requests: list[NewRequestData] = []
+    scheduled: list[ScheduledRequest] = []
+    # Requests the executor forgets (finished or aborted) before running this step.
+    finished_request_ids: list[str] = []
+    # Requests whose blocks were taken back: the executor clears their block tables and keeps
+    # their tokens, so a later ScheduledRequest recomputes them from start 0.
+    preempted_request_ids: list[str] = []
+    copy_blocks: list[BlockCopy] = []
+
+
+class StepResult(Message):
+    step_id: int
+    # Parallel to the plan's scheduled requests that had sample=True, in the same order.
+    sampled_token_ids: list[int] = []
+    forward_seconds: float = 0.0
+    batch_size: int = 0
+    num_tokens: int = 0
+    error: str = ""
+    # Time the executor sat waiting for this plan since it answered the previous one.
+    idle_seconds: float = 0.0
+    # Parallel to sampled_token_ids; None where the request did not ask for logprobs.
+    logprobs: list[TokenLogprobs | None] = []

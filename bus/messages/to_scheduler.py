@@ -1,0 +1,51 @@
+"""Received by the scheduler (from the tokenizer and the api), with its replies."""
+
+from __future__ import annotations
+
+from bus.messages.common import Message, SamplingParams
+
+
+class SubmitRequest(Message):
+    request_id: str
+    reply_subject: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    n: int = 1  # completions of this prompt; they share its KV blocks
+
+
+class AbortRequest(Message):
+    request_id: str
+    index: int | None = None  # one of the n completions; None = all of them
+
+
+class EngineStatsRequest(Message):
+    pass
+
+
+class EngineStats(Message):
+    engine_id: str
+    num_steps: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    max_batch_size: int  # the most requests one step has carried
+    num_preemptions: int
+    num_finished: int
+    num_cached_blocks: int = 0
+    num_prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    num_prefix_hit_tokens: int = 0  # ... of which were found there
+    executor_busy_seconds: float = 0.0
+    executor_idle_seconds: float = 0.0  # waiting for the next plan between steps
+    num_evictable_blocks: int = 0  # cached blocks no request holds (free for the taking)
+
+
+class ModelInfoRequest(Message):
+    pass
+
+
+class ModelInfo(Message):
+    model_name: str
+    max_model_len: int
+    engine_id: str

@@ -1,0 +1,70 @@
+"""Received by the tokenizer (from the api; cache events from the engines for its router), with
+its replies."""
+
+from __future__ import annotations
+
+from bus.messages.common import ChatMessage, ErrorCode, Message, SamplingParams
+
+
+class GenerateRequest(Message):
+    """A request the api accepted; either `messages` (chat) or `prompt` is set."""
+
+    request_id: str
+    reply_subject: str  # where the detokenizer sends text deltas (the owning api copy)
+    model: str
+    params: SamplingParams
+    messages: list[ChatMessage] = []
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    add_generation_prompt: bool = True
+    n: int = 1
+
+
+class Admission(Message):
+    """Reply to GenerateRequest / SubmitRequest: accepted (error_code NONE) or refused."""
+
+    num_prompt_tokens: int = 0
+    error_code: ErrorCode = ErrorCode.NONE
+    error_message: str = ""
+    error_param: str | None = None
+    # The scheduler process that holds the request (the api watches its heartbeats).
+    scheduler_instance_id: str = ""
+
+
+class EncodeRequest(Message):
+    """api -> tokenizer: the token ids of a prompt or a conversation (for /tokenize)."""
+
+    messages: list[ChatMessage] = []
+    prompt: str | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+
+class EncodeResult(Message):
+    token_ids: list[int] = []
+    error_message: str = ""
+
+
+class DecodeRequest(Message):
+    """api -> tokenizer: the text of token ids (for /detokenize)."""
+
+    token_ids: list[int]
+
+
+class DecodeResult(Message):
+    text: str = ""
+    error_message: str = ""
+
+
+class CacheEvent(Message):
+    """An engine's prefix cache changed: blocks (by chained hash) stored or evicted.
+
+    Routers keep an approximate view of what each engine caches from these; see
+    bus/block_hash.py for the hash.
+    """
+
+    engine_id: str
+    stored: list[int] = []
+    removed: list[int] = []
+    cleared: bool = False  # the engine dropped its whole cache (e.g. after a failure)
+    instance_id: str = ""  # the scheduler copy (a restarted engine is a new copy)

@@ -1,0 +1,16 @@
+"""An engine's scheduling limits: its KV cache's shape, the model's context, the batch caps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True

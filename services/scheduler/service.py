@@ -1,10 +1,10 @@
 """The scheduler's bus adapter: the only file of this stage that touches NATS.
 
-One engine = one scheduler + its executor. The engine loop plans a step, sends it to the
-executor (request/reply), applies the result and publishes the step's tokens, one message per
-detokenizer copy. It also watches the copies it depends on: when its executor falls silent,
-every request it held ends with an explicit error; when an api copy falls silent, that copy's
-requests are aborted (no client is left to read them).
+One engine = one scheduler + its executor. The engine loop (engine_loop.py) plans a step,
+sends it to the executor (request/reply here), applies the result and publishes the step's
+tokens (here: one message per detokenizer copy). The adapter also watches the copies it depends
+on: when its executor falls silent, every request it held ends with an explicit error; when an
+api copy falls silent, that copy's requests are aborted (no client is left to read them).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections import deque
 
 import nats.errors
 import structlog
@@ -43,6 +42,7 @@ from bus.tracing import current_traceparent
 from services.scheduler.admission import AdmissionError
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.detokenizer_routing import DetokenizerRouting
+from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.spans import record_request_spans
 
@@ -85,10 +85,8 @@ class SchedulerService:
         self.args = args
         self.engine_id: str = args.engine_id
         self.scheduler: Scheduler | None = None
+        self.loop: EngineLoop | None = None
         self.info: ExecutorInfo | None = None
-        self.wakeup = asyncio.Event()
-        self.executor_busy_seconds = 0.0
-        self.executor_idle_seconds = 0.0
         self.detokenizers = DetokenizerRouting()
         self.apis = Liveness()
         self.executor = Liveness()
@@ -103,6 +101,15 @@ class SchedulerService:
             max_num_seqs=self.args.max_num_seqs,
             max_num_batched_tokens=self.args.max_num_batched_tokens,
             enable_prefix_caching=not self.args.no_prefix_caching))
+        step_subject = subjects.executor_step(self.engine_id)
+
+        async def execute(plan: StepPlan) -> StepResult:
+            return await self.runtime.request(step_subject, plan, StepResult,
+                                              timeout=self.args.step_timeout)
+
+        self.loop = EngineLoop(self.scheduler, execute=execute, publish=self._publish,
+                               expired=self._expired, executor_silent=self.executor_silent,
+                               depth=self.args.pipeline_depth)
         runtime, group = self.runtime, subjects.queue_group("scheduler")
         await runtime.on_request(subjects.engine_submit(self.engine_id), SubmitRequest,
                                  self.on_submit)
@@ -167,7 +174,7 @@ class SchedulerService:
             code = (ErrorCode.CONTEXT_LENGTH_EXCEEDED if exc.context_length
                     else ErrorCode.INVALID_REQUEST)
             return Admission(error_code=code, error_message=str(exc), error_param=exc.param)
-        self.wakeup.set()
+        self.loop.wakeup.set()
         return Admission(num_prompt_tokens=len(submit.prompt_token_ids),
                          scheduler_instance_id=self.runtime.instance_id)
 
@@ -175,7 +182,7 @@ class SchedulerService:
         assert self.scheduler is not None
         if self.scheduler.abort_request(abort.request_id, abort.index):
             log.info("aborted", request_id=abort.request_id, index=abort.index)
-            self.wakeup.set()
+            self.loop.wakeup.set()
 
     async def on_withdraw(self, withdrawal: AbortRequest, _: Msg) -> None:
         assert self.scheduler is not None
@@ -196,7 +203,7 @@ class SchedulerService:
             num = self.scheduler.abort_for_reply_subject(subjects.api_deltas(dead.instance_id))
             log.warning("api copy gone; its requests aborted", instance=dead.instance_id,
                         num_requests=num)
-            self.wakeup.set()
+            self.loop.wakeup.set()
 
     async def on_executor_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
         if heartbeat.engine_id == self.engine_id:
@@ -222,75 +229,9 @@ class SchedulerService:
             num_cached_blocks=s.tree.num_cached_blocks if s.tree else 0,
             num_prefix_query_tokens=s.num_prefix_query_tokens,
             num_prefix_hit_tokens=s.num_prefix_hit_tokens,
-            executor_busy_seconds=self.executor_busy_seconds,
-            executor_idle_seconds=self.executor_idle_seconds,
+            executor_busy_seconds=self.loop.busy_seconds,
+            executor_idle_seconds=self.loop.idle_seconds,
             num_evictable_blocks=s.tree.num_evictable() if s.tree else 0)
-
-    async def _await_step(self, task: asyncio.Task) -> StepResult:
-        """The step's result; fails fast if the executor stops sending heartbeats."""
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                result = task.result()
-                if result.error:
-                    raise RuntimeError(result.error)
-                return result
-            if self.executor_silent():
-                task.cancel()
-                raise RuntimeError("the executor stopped responding")
-
-    async def run_engine_loop(self) -> None:
-        """Plan, execute, publish — until stopped.
-
-        With pipeline depth 2 the next plan is sent while the executor still runs the
-        current one, so the bus round trip and the planning hide behind the forward; the
-        executor handles its requests one at a time, in order.
-        """
-        scheduler = self.scheduler
-        assert scheduler is not None
-        step_subject = subjects.executor_step(self.engine_id)
-        in_flight: deque[tuple[StepPlan, asyncio.Task, bool]] = deque()
-        continuing = False  # was the engine busy right before this step? (idle accounting)
-        while True:
-            while ((scheduler.has_work or (scheduler.has_bookkeeping and not in_flight))
-                   and len(in_flight) < self.args.pipeline_depth):
-                plan = scheduler.schedule(time.time())
-                if not plan.scheduled and in_flight:
-                    scheduler.unschedule_empty(plan)
-                    break
-                task = asyncio.create_task(self.runtime.request(
-                    step_subject, plan, StepResult, timeout=self.args.step_timeout))
-                in_flight.append((plan, task, continuing))
-                continuing = True
-            if not in_flight:
-                await self._publish(scheduler.take_ended_updates())
-                continuing = False
-                self.wakeup.clear()
-                try:  # wake up now and then to expire requests queued for too long
-                    await asyncio.wait_for(self.wakeup.wait(), timeout=1.0)
-                except TimeoutError:
-                    pass
-                await self._publish(self._expired(time.time()))
-                continue
-            plan, task, counted = in_flight.popleft()
-            try:
-                result = await self._await_step(task)
-            except Exception as exc:  # executor gone, timed out or failed: fail, never hang
-                log.error("step failed", step_id=plan.step_id, error=str(exc))
-                for _, other, _ in in_flight:
-                    other.cancel()
-                in_flight.clear()
-                updates = scheduler.take_ended_updates() + scheduler.fail_all(
-                    f"the executor failed: {exc or type(exc).__name__}")
-                await self._publish(updates, cache_cleared=True)
-                continuing = False
-                continue
-            self.executor_busy_seconds += result.forward_seconds
-            if counted:
-                self.executor_idle_seconds += result.idle_seconds
-            now = time.time()
-            await self._publish(scheduler.update(plan, result, now) + self._expired(now))
-            await asyncio.sleep(0)  # let submits and aborts in between steps
 
     def _expired(self, now: float) -> list[RequestTokens]:
         """Requests queued past --queue-timeout; the queue is walked at most once a second,
@@ -327,7 +268,7 @@ async def main(args: argparse.Namespace) -> None:
         await service.start()
         runtime.ready = True
         runtime.start_heartbeat(service.heartbeat)
-        loop_task = asyncio.create_task(service.run_engine_loop())
+        loop_task = asyncio.create_task(service.loop.run())
         stop_task = asyncio.create_task(runtime.stop_event.wait())
         done, _ = await asyncio.wait({loop_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if loop_task in done:

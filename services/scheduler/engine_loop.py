@@ -1,0 +1,117 @@
+"""The engine loop's rules, apart from the bus: plan, execute, publish, until stopped.
+
+With pipeline depth 2 the next plan is sent while the executor still runs the current one, so
+the bus round trip and the planning hide behind the forward; the executor handles its requests
+one at a time, in order. The rules:
+
+- plan while there is work and fewer than `depth` steps are in flight; a step with nothing
+  scheduled goes out only when none is in flight (its bookkeeping — forgotten and preempted
+  requests — otherwise rides the next plan);
+- when a step fails (the executor answered an error, timed out, or fell silent), cancel the
+  other steps in flight and end every request with an explicit error: never hang;
+- when idle, publish what ended and sleep until woken (a submit, an abort) or a second passes
+  (to expire requests queued too long).
+
+The service (service.py) injects the executor (`execute`) and the publisher (`publish`); tests
+drive the loop with a fake executor and no NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from bus.messages import RequestTokens, StepPlan, StepResult
+from services.scheduler.scheduler import Scheduler
+
+log = structlog.get_logger()
+
+SILENCE_CHECK_SECONDS = 0.5  # how often a step's wait asks whether the executor went silent
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, *,
+                 execute: Callable[[StepPlan], Awaitable[StepResult]],
+                 publish: Callable[[list[RequestTokens], bool], Awaitable[None]],
+                 expired: Callable[[float], list[RequestTokens]],
+                 executor_silent: Callable[[], bool] = lambda: False,
+                 depth: int = 2, clock: Callable[[], float] = time.time) -> None:
+        """`publish(updates, cache_cleared)` sends token updates; `expired(now)` ends the
+        requests queued too long; `executor_silent()` says the executor stopped sending
+        heartbeats."""
+        self.scheduler, self.depth, self.clock = scheduler, depth, clock
+        self.execute, self.publish, self.expired = execute, publish, expired
+        self.executor_silent = executor_silent
+        self.wakeup = asyncio.Event()
+        self.busy_seconds = 0.0  # the executor's forward time
+        self.idle_seconds = 0.0  # the executor waiting for a plan while the engine was busy
+
+    async def run(self) -> None:
+        scheduler = self.scheduler
+        in_flight: deque[tuple[StepPlan, asyncio.Task, bool]] = deque()
+        continuing = False  # was the engine busy right before this step? (idle accounting)
+        while True:
+            continuing = self._send_plans(in_flight, continuing)
+            if not in_flight:
+                await self._idle()
+                continuing = False
+                continue
+            plan, task, counted = in_flight.popleft()
+            try:
+                result = await self._await_step(task)
+            except Exception as exc:  # executor gone, timed out or failed: fail, never hang
+                log.error("step failed", step_id=plan.step_id, error=str(exc))
+                for _, other, _ in in_flight:
+                    other.cancel()
+                in_flight.clear()
+                updates = scheduler.take_ended_updates() + scheduler.fail_all(
+                    f"the executor failed: {exc or type(exc).__name__}")
+                await self.publish(updates, True)
+                continuing = False
+                continue
+            self.busy_seconds += result.forward_seconds
+            if counted:
+                self.idle_seconds += result.idle_seconds
+            now = self.clock()
+            await self.publish(scheduler.update(plan, result, now) + self.expired(now), False)
+            await asyncio.sleep(0)  # let submits and aborts in between steps
+
+    def _send_plans(self, in_flight: deque[tuple[StepPlan, asyncio.Task, bool]],
+                    continuing: bool) -> bool:
+        """Plan and send steps up to the pipeline depth; returns `continuing` for the next."""
+        scheduler = self.scheduler
+        while ((scheduler.has_work or (scheduler.has_bookkeeping and not in_flight))
+               and len(in_flight) < self.depth):
+            plan = scheduler.schedule(self.clock())
+            if not plan.scheduled and in_flight:
+                scheduler.unschedule_empty(plan)
+                break
+            in_flight.append((plan, asyncio.create_task(self.execute(plan)), continuing))
+            continuing = True
+        return continuing
+
+    async def _idle(self) -> None:
+        await self.publish(self.scheduler.take_ended_updates(), False)
+        self.wakeup.clear()
+        try:  # wake up now and then to expire requests queued for too long
+            await asyncio.wait_for(self.wakeup.wait(), timeout=1.0)
+        except TimeoutError:
+            pass
+        await self.publish(self.expired(self.clock()), False)
+
+    async def _await_step(self, task: asyncio.Task) -> StepResult:
+        """The step's result; fails fast if the executor stops sending heartbeats."""
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=SILENCE_CHECK_SECONDS)
+            if done:
+                result = task.result()
+                if result.error:
+                    raise RuntimeError(result.error)
+                return result
+            if self.executor_silent():
+                task.cancel()
+                raise RuntimeError("the executor stopped responding")

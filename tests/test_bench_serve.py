@@ -1,3 +1,4 @@
+# Over 300 lines: the benchmark client's pure parts and one real run, kept with each other.
 """`llmbus bench`: the pure parts (statistics, arrivals, datasets, reports), the streaming client
 against a mock transport, and one tiny run against the real test stack."""
 

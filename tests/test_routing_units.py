@@ -33,7 +33,7 @@ def test_engine_tree_hashes_equal_router_hashes():
     prompt = list(range(100, 113))
     s.add_request("a", "api", prompt, SamplingParams(max_tokens=1))
     plan = s.schedule()
-    stored, removed = s.tree.take_events()
+    stored, removed = s.kv.tree.take_events()
     assert stored == block_hashes(prompt, 4) and removed == []
     assert len(plan.scheduled) == 1
 

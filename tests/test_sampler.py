@@ -1,3 +1,4 @@
+# Over 300 lines: every rung of the sampler's ladder, each with its own small cases.
 """The executor's sampler: filters, penalties, logit bias, min_tokens, seeds, logprobs.
 
 Mostly on tiny hand-made logits; the last tests drive a ModelRunner over the tiny GGUF llama.

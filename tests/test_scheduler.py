@@ -66,7 +66,7 @@ def test_prefill_then_decode_exact_blocks_and_deltas():
     plan, updates = run_step(s)  # position 8 starts block 3; 4th token ends it (max_tokens=4)
     assert plan.scheduled[0].new_block_ids == [3]
     assert updates[0].finish_reason == FinishReason.LENGTH
-    assert s.allocator.num_free == s.allocator.num_usable
+    assert s.kv.allocator.num_free == s.kv.allocator.num_usable
     assert s.schedule().finished_request_ids == ["a"]
 
 
@@ -118,7 +118,7 @@ def test_abort_frees_blocks_wherever_the_request_is():
     add(s, "queued", num_prompt=5)
     assert s.abort_request("running") and s.abort_request("queued")
     assert not s.abort_request("unknown")
-    assert s.allocator.num_free == s.allocator.num_usable
+    assert s.kv.allocator.num_free == s.kv.allocator.num_usable
     updates = s.take_ended_updates()
     assert [(u.request_id, u.finish_reason) for u in updates] == [
         ("running", FinishReason.ABORT), ("queued", FinishReason.ABORT)]
@@ -136,7 +136,7 @@ def test_a_withdrawn_request_leaves_silently_or_is_refused_when_it_comes():
     s.withdraw("running")
     s.withdraw("queued")
     assert not s.requests and not s.families
-    assert s.allocator.num_free == s.allocator.num_usable
+    assert s.kv.allocator.num_free == s.kv.allocator.num_usable
     s.check_invariants()
     assert s.take_ended_updates() == [] and s.take_finished() == [] and s.num_finished == 0
     assert "running#prompt" in s.schedule().finished_request_ids  # the executor forgets it
@@ -181,4 +181,4 @@ def test_executor_failure_fails_every_request_and_frees_blocks():
     assert {u.request_id: u.finish_reason for u in updates} == {
         "a": FinishReason.ERROR, "b": FinishReason.ERROR}
     assert all(u.error == "boom" for u in updates)
-    assert s.allocator.num_free == s.allocator.num_usable and not s.has_work
+    assert s.kv.allocator.num_free == s.kv.allocator.num_usable and not s.has_work

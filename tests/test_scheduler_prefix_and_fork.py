@@ -25,8 +25,8 @@ def test_prefix_cache_reuses_full_blocks():
     add(s, "a", num_prompt=10, max_tokens=1)
     plan, _ = run_step(s)
     assert plan.scheduled[0].new_block_ids == [1, 2, 3]
-    assert s.tree.num_cached_blocks == 2  # the two full blocks; block 3 is partial
-    assert s.allocator.num_free == 6  # block 3 went back; 1 and 2 stay cached
+    assert s.kv.tree.num_cached_blocks == 2  # the two full blocks; block 3 is partial
+    assert s.kv.allocator.num_free == 6  # block 3 went back; 1 and 2 stay cached
     add(s, "b", num_prompt=10, max_tokens=1)
     plan, _ = run_step(s)
     [item] = plan.scheduled
@@ -70,14 +70,14 @@ def test_least_recently_used_leaves_are_evicted_first():
     add(s, "c", num_prompt=12, max_tokens=1, first_token=100)  # extends a's prefix
     plan, _ = run_step(s)
     assert plan.scheduled[0].new_block_ids == [1, 2, 5]
-    assert sorted(s.tree.nodes_by_block) == [1, 2, 3, 4, 5] and s.allocator.num_free == 1
+    assert sorted(s.kv.tree.nodes_by_block) == [1, 2, 3, 4, 5] and s.kv.allocator.num_free == 1
     add(s, "d", num_prompt=12, max_tokens=1, first_token=300)
     plan, _ = run_step(s)
     # b's chain was used least recently: its leaf (4) goes first, then its parent (3).
     assert plan.scheduled[0].new_block_ids == [6, 4, 3]
-    assert s.tree.nodes_by_block[4].key == (304, 305, 306, 307)  # now d's second block
-    assert s.tree.match(list(range(200, 208)), 2) == []  # b is gone from the cache
-    assert s.tree.match(list(range(100, 112)), 3) == [1, 2, 5]  # a and c are still there
+    assert s.kv.tree.nodes_by_block[4].key == (304, 305, 306, 307)  # now d's second block
+    assert s.kv.tree.match(list(range(200, 208)), 2) == []  # b is gone from the cache
+    assert s.kv.tree.match(list(range(100, 112)), 3) == [1, 2, 5]  # a and c are still there
     s.check_invariants()
 
 
@@ -85,7 +85,7 @@ def test_no_prefix_caching_frees_everything():
     s = make(prefix_caching=False)
     add(s, "a", num_prompt=10, max_tokens=1)
     run_step(s)
-    assert s.tree is None and s.allocator.num_free == s.allocator.num_usable
+    assert s.kv.tree is None and s.kv.allocator.num_free == s.kv.allocator.num_usable
 
 
 def test_fork_shares_the_prompt_and_copies_the_partial_block():
@@ -104,11 +104,11 @@ def test_fork_shares_the_prompt_and_copies_the_partial_block():
     assert [(i.start, i.num_tokens, i.new_block_ids, i.sample) for i in plan.scheduled] == [
         (5, 1, [1, 3], True), (5, 1, [1, 4], True), (5, 1, [1, 2], True)]
     assert [(u.request_id, u.index) for u in updates] == [("p", 0), ("p", 1), ("p", 2)]
-    assert s.allocator.ref_counts[1] == 3
+    assert s.kv.allocator.ref_counts[1] == 3
     s.check_invariants()
     _, updates = run_step(s)
     assert [u.finish_reason for u in updates] == [FinishReason.LENGTH] * 3
-    assert s.allocator.num_free == s.allocator.num_usable
+    assert s.kv.allocator.num_free == s.kv.allocator.num_usable
 
 
 def test_seeded_completions_get_distinct_seeds():
@@ -127,7 +127,7 @@ def test_abort_one_completion_or_all():
     assert s.abort_request("p", index=1)
     assert sorted(r.index for r in s.running) == [0, 2]
     assert s.abort_request("p")
-    assert not s.has_work and s.allocator.num_free == s.allocator.num_usable
+    assert not s.has_work and s.kv.allocator.num_free == s.kv.allocator.num_usable
     assert [(u.index, u.finish_reason) for u in s.take_ended_updates()] == [
         (1, FinishReason.ABORT), (0, FinishReason.ABORT), (2, FinishReason.ABORT)]
 
@@ -146,7 +146,7 @@ def test_planning_ahead_counts_pending_tokens_and_drops_late_ones():
     assert update.finish_reason == FinishReason.STOP
     assert s.update(plan3, StepResult(step_id=2, sampled_token_ids=[9])) == []
     assert s.schedule().finished_request_ids == ["a"]
-    assert s.allocator.num_free == s.allocator.num_usable
+    assert s.kv.allocator.num_free == s.kv.allocator.num_usable
 
 
 def test_no_step_past_max_tokens_while_planning_ahead():
@@ -210,8 +210,8 @@ def test_random_traces_keep_every_invariant(ops, prefix_caching, num_blocks):
         s.check_invariants()
     assert not s.has_work and not in_flight
     assert s.requests == {} and s.families == {}
-    if s.tree is not None:
-        assert all(s.allocator.ref_counts[b] == 1 for b in s.tree.nodes_by_block)
-        s.tree.evict(s.tree.num_cached_blocks)
-        assert s.tree.num_cached_blocks == 0
-    assert s.allocator.num_free == s.allocator.num_usable
+    if s.kv.tree is not None:
+        assert all(s.kv.allocator.ref_counts[b] == 1 for b in s.kv.tree.nodes_by_block)
+        s.kv.tree.evict(s.kv.tree.num_cached_blocks)
+        assert s.kv.tree.num_cached_blocks == 0
+    assert s.kv.allocator.num_free == s.kv.allocator.num_usable

@@ -1,3 +1,5 @@
+# Over 300 lines: the reference model's forward with the attention metadata and torch ops it
+# defines for every backend; split, each part would be read only beside the others.
 """Llama in plain torch over a flattened batch and a paged KV cache.
 
 A step is one flat token stream: T tokens from B sequences, each a prefill chunk or a decode

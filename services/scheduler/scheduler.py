@@ -1,3 +1,5 @@
+# Over 300 lines: one class whose planning and request bookkeeping share every field (its KV
+# blocks, outputs and loop rules live in kv_manager.py, outputs.py and engine_loop.py).
 """Continuous batching over paged KV blocks with a prefix cache: the scheduler's pure core.
 
 There is no prefill phase and no decode phase. Each request has tokens (prompt + sampled
@@ -36,9 +38,9 @@ from bus.messages import (
     StepResult,
 )
 from services.scheduler.admission import AdmissionError, params_for, resolve_max_tokens
-from services.scheduler.block_allocator import BlockAllocator
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.prefix_tree import PrefixTree
+from services.scheduler.kv_manager import KVManager
+from services.scheduler.outputs import end_updates, stop_reason, token_update
 from services.scheduler.request import Request, RequestStatus
 
 # Withdrawals of requests that had not arrived yet, remembered until they do (oldest dropped).
@@ -48,9 +50,7 @@ MAX_WITHDRAWN_REMEMBERED = 10_000
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.allocator = BlockAllocator(config.num_blocks)
-        self.tree = (PrefixTree(self.allocator, config.block_size)
-                     if config.enable_prefix_caching else None)
+        self.kv = KVManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # by engine-internal request_id
@@ -80,7 +80,7 @@ class Scheduler:
         if request_id in self._withdrawn:
             del self._withdrawn[request_id]
             raise AdmissionError(f"request {request_id} was withdrawn (admitted elsewhere)")
-        max_tokens = resolve_max_tokens(self.config, self.allocator.num_usable,
+        max_tokens = resolve_max_tokens(self.config, self.kv.num_usable,
                                         len(prompt_token_ids), params, n)
 
         def make(internal_id: str, index: int, num_forks: int = 1) -> Request:
@@ -109,7 +109,7 @@ class Scheduler:
                 continue
             self._remove(request)
             self._finish(request, FinishReason.ABORT)
-            self._ended_updates.extend(self._end_updates(request))
+            self._ended_updates.extend(end_updates(request, self.num_steps))
             ended = True
         return ended
 
@@ -149,8 +149,9 @@ class Scheduler:
         for request in expired:
             self._remove(request)
             self._finish(request, FinishReason.ERROR)
-            updates.extend(self._end_updates(
-                request, f"the request waited more than {timeout:.0f} s in the queue"))
+            updates.extend(end_updates(
+                request, self.num_steps,
+                f"the request waited more than {timeout:.0f} s in the queue"))
         return updates
 
     def fail_all(self, error: str) -> list[RequestTokens]:
@@ -163,9 +164,8 @@ class Scheduler:
         for request in list(self.running) + list(self.waiting):
             self._remove(request)
             self._finish(request, FinishReason.ERROR)
-            updates.extend(self._end_updates(request, error))
-        if self.tree is not None:
-            self.tree.evict(self.tree.num_cached_blocks)
+            updates.extend(end_updates(request, self.num_steps, error))
+        self.kv.clear_cache()
         return updates
 
     @property
@@ -239,7 +239,7 @@ class Scheduler:
             request = self.waiting[0]
             if num_seqs + request.num_forks > self.config.max_num_seqs:
                 break
-            looked_up = self.tree is not None and request.num_computed_tokens == 0
+            looked_up = self.kv.tree is not None and request.num_computed_tokens == 0
             num_matched = self._match_prefix(request)
             num_new = self._num_new_tokens(request, budget)
             if not self._reserve_blocks(request, num_new):
@@ -292,26 +292,22 @@ class Scheduler:
         At least one token is left to compute: the step needs its logits (or, for a parent,
         its KV must be written by a step before the fork).
         """
-        if self.tree is None or request.num_computed_tokens:
+        if request.num_computed_tokens:
             return 0
-        tokens = request.token_ids()
-        block_ids = self.tree.match(tokens, (request.target_tokens - 1) // self.config.block_size)
-        for block_id in block_ids:
-            self.allocator.incref(block_id)
+        block_ids = self.kv.match(request.token_ids(),
+                                  (request.target_tokens - 1) // self.config.block_size)
         request.block_table = block_ids
         request.num_cached_blocks = len(block_ids)
         request.num_computed_tokens = len(block_ids) * self.config.block_size
         return len(block_ids)
 
     def _cache_full_blocks(self, request: Request) -> None:
-        """Put the request's newly full blocks whose tokens are known into the prefix tree."""
-        if self.tree is None:
-            return
+        """Offer the request's newly full blocks whose tokens are known to the prefix cache."""
         num_full = min(request.num_computed_tokens, request.num_known_tokens) \
             // self.config.block_size
         if num_full > request.num_cached_blocks:
-            self.tree.insert(request.token_ids()[:num_full * self.config.block_size],
-                             request.block_table[:num_full])
+            self.kv.cache(request.token_ids()[:num_full * self.config.block_size],
+                          request.block_table[:num_full])
             request.num_cached_blocks = num_full
 
     def _reserve_blocks(self, request: Request, num_new: int) -> bool:
@@ -322,21 +318,19 @@ class Scheduler:
         size = self.config.block_size
         table = request.block_table
         first = request.num_computed_tokens // size
-        shared = first < len(table) and self.allocator.ref_counts[table[first]] > 1
-        num_needed = -(-(request.num_computed_tokens + num_new) // size) - len(table) + shared
-        if num_needed > self.allocator.num_free and self.tree is not None:
-            self.tree.evict(num_needed - self.allocator.num_free)
-        if num_needed > self.allocator.num_free:
+        shared = first < len(table) and self.kv.is_shared(table[first])
+        num_needed = max(-(-(request.num_computed_tokens + num_new) // size) - len(table)
+                         + shared, shared)
+        if not self.kv.can_reserve(num_needed):
             return False
+        blocks = self.kv.reserve(num_needed)
         if shared:
             assert request.num_blocks_sent <= first, "copy-on-write of a block already sent"
-            [copy] = self.allocator.allocate(1)
+            copy = blocks.pop(0)
             self._copies.append(BlockCopy(src=table[first], dst=copy))
-            self._release_block_ids([table[first]])
+            self.kv.release([table[first]])
             table[first] = copy
-            num_needed -= 1
-        if num_needed > 0:
-            table.extend(self.allocator.allocate(num_needed))
+        table.extend(blocks)
         return True
 
     def _fork(self, parent: Request) -> None:
@@ -354,8 +348,7 @@ class Scheduler:
                 traceparent=parent.traceparent,
                 first_scheduled_time=parent.first_scheduled_time,
                 prefill_chunks=list(parent.prefill_chunks))
-            for block_id in child.block_table:
-                self.allocator.incref(block_id)
+            self.kv.lock(child.block_table)
             children.append(child)
             self.requests[child.request_id] = child
         self.running[position:position + 1] = children
@@ -378,17 +371,11 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _release_blocks(self, request: Request) -> None:
-        self._release_block_ids(request.block_table)
+        self.kv.release(request.block_table)
         request.block_table = []
         request.num_cached_blocks = 0
         request.num_blocks_sent = 0
         request.num_computed_tokens = 0
-
-    def _release_block_ids(self, block_ids: list[int]) -> None:
-        if self.tree is not None:
-            self.tree.release(block_ids)
-        else:
-            self.allocator.free(block_ids)
 
     # ------------------------------------------------------------------ results
 
@@ -411,27 +398,15 @@ class Scheduler:
                 request.first_token_time = now
             if token_logprobs is not None:
                 request.output_logprobs.append(token_logprobs)
-            reason = self._stop_reason(request, token_id)
+            reason = stop_reason(request, token_id, self.config.eos_token_ids)
             if reason is not FinishReason.NONE:
                 self._remove(request)
                 self._finish(request, reason)
                 request.finish_time = now
             else:
                 self._cache_full_blocks(request)
-            updates.append(self._token_update(request))
+            updates.append(token_update(request, self.num_steps))
         return updates
-
-    def _stop_reason(self, request: Request, token_id: int) -> FinishReason:
-        params = request.params
-        num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens:  # the sampler suppresses them before that
-            if not params.ignore_eos and token_id in self.config.eos_token_ids:
-                return FinishReason.STOP
-            if token_id in params.stop_token_ids:
-                return FinishReason.STOP
-        if num_output >= request.max_tokens:
-            return FinishReason.LENGTH
-        return FinishReason.NONE
 
     def _remove(self, request: Request) -> None:
         if request.status is RequestStatus.WAITING:
@@ -457,44 +432,9 @@ class Scheduler:
         if request.known_to_executor:
             self._forget_ids.append(request.request_id)
 
-    def _token_update(self, request: Request, error: str = "",
-                      index: int | None = None) -> RequestTokens:
-        first = request.num_sent_tokens == 0
-        new_token_ids = request.output_token_ids[request.num_sent_tokens:]
-        new_logprobs = request.output_logprobs[request.num_sent_tokens:]
-        request.num_sent_tokens = len(request.output_token_ids)
-        queued = ((request.first_scheduled_time or request.arrival_time) - request.arrival_time
-                  if first else 0.0)
-        return RequestTokens(
-            request_id=request.public_id, reply_subject=request.reply_subject,
-            new_token_ids=new_token_ids, finish_reason=request.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            stop=request.params.stop,  # every time: a detokenizer copy may take over
-            include_stop_str_in_output=request.params.include_stop_str_in_output,
-            error=error, step_id=self.num_steps,
-            index=request.index if index is None else index, logprobs=new_logprobs,
-            traceparent=request.traceparent if first else "", queue_seconds=max(queued, 0.0))
-
-    def _end_updates(self, request: Request, error: str = "") -> list[RequestTokens]:
-        """The final update(s) of an ended request: a parent ends all n completions."""
-        if not request.is_parent:
-            return [self._token_update(request, error)]
-        return [self._token_update(request, error, index=i) for i in range(request.num_forks)]
-
     # ------------------------------------------------------------------ checks
 
     def check_invariants(self) -> None:
-        """Reference counts equal the owners (requests + tree); no block is lost. For tests."""
-        expected = [0] * self.config.num_blocks
-        for request in self.requests.values():
-            assert len(set(request.block_table)) == len(request.block_table)
-            for block_id in request.block_table:
-                expected[block_id] += 1
-        if self.tree is not None:
-            self.tree.check_integrity()
-            for block_id in self.tree.nodes_by_block:
-                expected[block_id] += 1
-        assert expected == self.allocator.ref_counts, "reference counts do not match owners"
-        num_free = sum(1 for count in expected[1:] if count == 0)
-        assert num_free == self.allocator.num_free, "a free block is lost or listed twice"
+        """Reference counts equal the owners (requests + cache); no block is lost. For tests."""
+        self.kv.check(r.block_table for r in self.requests.values())
         assert len(self.running) + len(self.waiting) == len(self.requests)

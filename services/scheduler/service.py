@@ -139,7 +139,7 @@ class SchedulerService:
         return Heartbeat(
             service="scheduler", instance_id=self.runtime.instance_id, engine_id=self.engine_id,
             num_running=len(s.running), num_waiting=len(s.waiting),
-            num_free_blocks=s.allocator.num_free, num_total_blocks=s.allocator.num_usable,
+            num_free_blocks=s.kv.num_free, num_total_blocks=s.kv.num_usable,
             block_size=self.info.block_size, num_handled=s.num_finished)
 
     async def _wait_for_executor(self) -> ExecutorInfo:
@@ -223,15 +223,15 @@ class SchedulerService:
         assert s is not None
         return EngineStats(
             engine_id=self.engine_id, num_steps=s.num_steps, num_running=len(s.running),
-            num_waiting=len(s.waiting), num_free_blocks=s.allocator.num_free,
-            num_total_blocks=s.allocator.num_usable, max_batch_size=s.max_batch_size,
+            num_waiting=len(s.waiting), num_free_blocks=s.kv.num_free,
+            num_total_blocks=s.kv.num_usable, max_batch_size=s.max_batch_size,
             num_preemptions=s.num_preemptions, num_finished=s.num_finished,
-            num_cached_blocks=s.tree.num_cached_blocks if s.tree else 0,
+            num_cached_blocks=s.kv.num_cached,
             num_prefix_query_tokens=s.num_prefix_query_tokens,
             num_prefix_hit_tokens=s.num_prefix_hit_tokens,
             executor_busy_seconds=self.loop.busy_seconds,
             executor_idle_seconds=self.loop.idle_seconds,
-            num_evictable_blocks=s.tree.num_evictable() if s.tree else 0)
+            num_evictable_blocks=s.kv.num_evictable())
 
     def _expired(self, now: float) -> list[RequestTokens]:
         """Requests queued past --queue-timeout; the queue is walked at most once a second,
@@ -251,8 +251,8 @@ class SchedulerService:
         for subject, items in self.detokenizers.route(updates, time.monotonic()).items():
             await self.runtime.publish(subject, TokenBatch(engine_id=self.engine_id,
                                                            items=items))
-        if scheduler.tree is not None:
-            stored, removed = scheduler.tree.take_events()
+        if scheduler.kv.tree is not None:
+            stored, removed = scheduler.kv.take_events()
             if stored or removed or cache_cleared:
                 await self.runtime.publish(subjects.ENGINE_CACHE_EVENTS, CacheEvent(
                     engine_id=self.engine_id, stored=stored, removed=removed,

@@ -1,6 +1,7 @@
-"""The package shape the design promises: each stage imports only the bus, its own folder and
-the shared modules at the top of services/ (model files, the GGUF tokenizer, CPU features),
-never another stage; and no module imports itself back through others."""
+"""The code's shape, as the design promises it: each stage imports only the bus, its own folder
+and the shared modules at the top of services/ (model files, the GGUF tokenizer, CPU features),
+never another stage; no module imports itself back through others; and a module over 300 lines
+says why on its first line."""
 
 from __future__ import annotations
 
@@ -53,3 +54,17 @@ def test_no_import_cycles():
         if module not in state:
             visit(module, [module])
     assert cycles == []
+
+
+MAX_LINES = 300
+REASON = "# Over 300 lines: "
+
+
+def test_long_modules_say_why():
+    unexplained = []
+    for folder in ("bus", "services", "bench", "tests"):
+        for path in ROOT.joinpath(folder).rglob("*.py"):
+            text = path.read_text()
+            if text.count("\n") > MAX_LINES and not text.startswith(REASON):
+                unexplained.append(str(path.relative_to(ROOT)))
+    assert unexplained == []

@@ -1,0 +1,51 @@
+"""What the scheduler tells the detokenizer about a request: its new tokens, and whether and why
+it ended. Pure functions of a request's state."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from bus.messages import FinishReason, RequestTokens
+from services.scheduler.request import Request
+
+
+def stop_reason(request: Request, token_id: int, eos_token_ids: Sequence[int]) -> FinishReason:
+    """Why the request ends with `token_id` just appended (NONE: it goes on)."""
+    params = request.params
+    num_output = len(request.output_token_ids)
+    if num_output >= params.min_tokens:  # the sampler suppresses them before that
+        if not params.ignore_eos and token_id in eos_token_ids:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+    if num_output >= request.max_tokens:
+        return FinishReason.LENGTH
+    return FinishReason.NONE
+
+
+def token_update(request: Request, step_id: int, error: str = "",
+                 index: int | None = None) -> RequestTokens:
+    """The tokens not sent yet (marks them sent); with the first update, the request's trace
+    context and queue time; every update carries the stop strings, since a detokenizer copy
+    may take the request over."""
+    first = request.num_sent_tokens == 0
+    new_token_ids = request.output_token_ids[request.num_sent_tokens:]
+    new_logprobs = request.output_logprobs[request.num_sent_tokens:]
+    request.num_sent_tokens = len(request.output_token_ids)
+    queued = ((request.first_scheduled_time or request.arrival_time) - request.arrival_time
+              if first else 0.0)
+    return RequestTokens(
+        request_id=request.public_id, reply_subject=request.reply_subject,
+        new_token_ids=new_token_ids, finish_reason=request.finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens, stop=request.params.stop,
+        include_stop_str_in_output=request.params.include_stop_str_in_output,
+        error=error, step_id=step_id,
+        index=request.index if index is None else index, logprobs=new_logprobs,
+        traceparent=request.traceparent if first else "", queue_seconds=max(queued, 0.0))
+
+
+def end_updates(request: Request, step_id: int, error: str = "") -> list[RequestTokens]:
+    """The final update(s) of an ended request: a parent ends all n completions."""
+    if not request.is_parent:
+        return [token_update(request, step_id, error)]
+    return [token_update(request, step_id, error, index=i) for i in range(request.num_forks)]

@@ -21,8 +21,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import MODEL_NAME, start_stack, stop_stack  # noqa: E402
-from tests.test_e2e import _engine_stats  # noqa: E402
+from tests.stack import MODEL_NAME, engine_stats, start_stack, stop_stack  # noqa: E402
 
 SYSTEM = ("You are a meticulous assistant for a public library. " * 4 + "Rules: "
           + " ".join(f"Rule {i}: answer politely, cite the shelf number {i * 7}, and never "
@@ -62,7 +61,7 @@ def measure(label: str, extra: list[str], args: argparse.Namespace) -> float:
             asyncio.run(run_load(stack.base_url, 2, 1, 4))  # warm-up, then measure fresh
             ttfts = asyncio.run(run_load(stack.base_url, args.requests, args.concurrency,
                                          args.max_tokens))
-            stats = asyncio.run(_engine_stats(stack.nats_url))
+            stats = asyncio.run(engine_stats(stack.nats_url))
         finally:
             stop_stack(stack)
     p50, p90 = statistics.median(ttfts), ttfts[int(len(ttfts) * 0.9)]

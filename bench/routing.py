@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bus import subjects  # noqa: E402
 from bus.codec import decode, encode  # noqa: E402
 from bus.messages import EngineStats, EngineStatsRequest  # noqa: E402
-from tests.conftest import MODEL_NAME, start_stack, stop_stack  # noqa: E402
+from tests.stack import MODEL_NAME, start_stack, stop_stack  # noqa: E402
 
 
 def system_text(group: int) -> str:

@@ -18,8 +18,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import MODEL_NAME, start_stack, stop_stack  # noqa: E402
-from tests.test_e2e import _engine_stats  # noqa: E402
+from tests.stack import MODEL_NAME, engine_stats, start_stack, stop_stack  # noqa: E402
 
 
 def service_rss(launcher_pid: int) -> dict[str, int]:
@@ -104,7 +103,7 @@ def main() -> None:
             counts = asyncio.run(load(stack.base_url, args.seconds, args.concurrency))
             time.sleep(1.0)
             after = service_rss(stack.process.pid)
-            stats = asyncio.run(_engine_stats(stack.nats_url))
+            stats = asyncio.run(engine_stats(stack.nats_url))
         finally:
             stop_stack(stack)
     leaked = stats.num_total_blocks - stats.num_free_blocks - stats.num_evictable_blocks

@@ -10,9 +10,10 @@ import asyncio
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from services.launcher import SERVICE_ORDER
 
@@ -53,10 +54,46 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, for_up: bool = Fals
                             help="name of this copy in logs and traces (default: random)")
 
 
-def _service_parser(name: str, add_arguments: Callable) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"llmbus serve {name}", add_help=False)
-    add_arguments(parser)
-    return parser
+@dataclass(frozen=True)
+class ServiceOption:
+    """One option a service declares (`add_arguments(parser)` calls), as `up` re-declares it
+    and hands it on: recorded through a stand-in parser, not read from argparse's internals."""
+
+    flags: tuple[str, ...]
+    kwargs: dict[str, Any]
+
+    @property
+    def dest(self) -> str:
+        return self.kwargs.get("dest") or self.flags[0].lstrip("-").replace("-", "_")
+
+    @property
+    def is_flag(self) -> bool:
+        return self.kwargs.get("action") == "store_true"
+
+    @property
+    def default(self) -> Any:
+        return self.kwargs.get("default", False if self.is_flag else None)
+
+    def argv(self, value: Any) -> list[str]:
+        """The command-line words that give this option `value` (none for the default)."""
+        if value == self.default:
+            return []
+        return [self.flags[0]] if self.is_flag else [self.flags[0], str(value)]
+
+
+class _OptionRecorder:
+    def __init__(self) -> None:
+        self.options: list[ServiceOption] = []
+
+    def add_argument(self, *flags: str, **kwargs: Any) -> None:
+        self.options.append(ServiceOption(flags, kwargs))
+
+
+def service_options(name: str) -> list[ServiceOption]:
+    """The options `llmbus serve NAME` takes beyond the common ones."""
+    recorder = _OptionRecorder()
+    _service_module(name).add_arguments(recorder)
+    return recorder.options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,16 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     seen: set[str] = set()
     for name in SERVICE_ORDER:
         group = up.add_argument_group(f"{name} options")
-        for action in _service_parser(name, _service_module(name).add_arguments)._actions:
-            if action.dest in seen or not action.option_strings:
-                continue
-            seen.add(action.dest)
-            kwargs = {"dest": action.dest, "default": action.default, "help": action.help}
-            if action.nargs == 0:
-                kwargs["action"] = "store_true"
-            else:
-                kwargs.update(type=action.type, choices=action.choices, metavar=action.metavar)
-            group.add_argument(*action.option_strings, **kwargs)
+        for option in service_options(name):
+            if option.dest not in seen:  # shared by several services: declared once
+                seen.add(option.dest)
+                group.add_argument(*option.flags, **option.kwargs)
 
     serve = commands.add_parser("serve", help="run one service (what compose.yaml runs)")
     services = serve.add_subparsers(dest="service", required=True, metavar="SERVICE")
@@ -137,16 +168,9 @@ def _argv_for(name: str, args: argparse.Namespace) -> list[str]:
     argv = ["--log-format", args.log_format, "--log-level", args.log_level]
     if args.trace_console:
         argv.append("--trace-console")
-    for action in _service_parser(name, _service_module(name).add_arguments)._actions:
-        if not action.option_strings or action.dest in SECRET_OPTIONS:
-            continue
-        value = getattr(args, action.dest, action.default)
-        if value == action.default:
-            continue
-        if action.nargs == 0:
-            argv.append(action.option_strings[0])
-        else:
-            argv += [action.option_strings[0], str(value)]
+    for option in service_options(name):
+        if option.dest not in SECRET_OPTIONS:
+            argv += option.argv(getattr(args, option.dest, option.default))
     return argv
 
 

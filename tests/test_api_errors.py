@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.conftest import AUTH, MODEL_NAME
+from tests.stack import AUTH, MODEL_NAME
 
 pytestmark = pytest.mark.model
 

@@ -11,8 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import API_KEY, AUTH, MODEL_NAME
-from tests.test_e2e import _engine_stats
+from tests.stack import API_KEY, AUTH, MODEL_NAME, engine_stats
 from tests.test_launcher import processes_mentioning
 
 pytestmark = pytest.mark.model
@@ -154,7 +153,7 @@ def test_v1_routes_need_the_api_key(stack, headers):
 
 
 async def test_client_disconnect_aborts_and_frees_blocks(stack):
-    before = await _engine_stats(stack.nats_url)
+    before = await engine_stats(stack.nats_url)
     body = {"model": MODEL_NAME, "messages": FRANCE, "stream": True, "max_tokens": 4000,
             "ignore_eos": True}
     async with httpx.AsyncClient(timeout=60) as http:
@@ -163,11 +162,11 @@ async def test_client_disconnect_aborts_and_frees_blocks(stack):
             lines = response.aiter_lines()
             for _ in range(6):
                 await anext(lines)
-            during = await _engine_stats(stack.nats_url)
+            during = await engine_stats(stack.nats_url)
             assert during.num_running == 1
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        after = await _engine_stats(stack.nats_url)
+        after = await engine_stats(stack.nats_url)
         if after.num_running == 0:
             break
         await asyncio.sleep(0.1)

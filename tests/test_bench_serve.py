@@ -30,7 +30,7 @@ from services.bench.peers import process_tree, tree_memory_mib
 from services.bench.serve import Progress, RunConfig, arrival_delays, run_benchmark
 from services.bench.tables import render_all
 from services.model_files import default_model_path
-from tests.conftest import API_KEY, MODEL_NAME, needs_default_model
+from tests.stack import API_KEY, MODEL_NAME, needs_default_model
 
 
 class WordTokenizer:

@@ -5,14 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-import nats
 import openai
 import pytest
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.messages import EngineStats, EngineStatsRequest
-from tests.conftest import API_KEY, AUTH, MODEL_NAME, hf_greedy
+from tests.conftest import hf_greedy
+from tests.stack import API_KEY, AUTH, MODEL_NAME, engine_stats
 
 pytestmark = pytest.mark.model
 
@@ -101,16 +98,6 @@ def test_curl_style_sse_stream(stack):
     assert len(lines) > 3
 
 
-async def _engine_stats(nats_url: str) -> EngineStats:
-    nc = await nats.connect(nats_url)
-    try:
-        msg = await nc.request(subjects.engine_stats("engine0"), encode(EngineStatsRequest()),
-                               timeout=5)
-        return decode(msg.data, EngineStats)
-    finally:
-        await nc.close()
-
-
 async def test_concurrent_streams_share_steps(stack):
     """Eight concurrent streaming requests finish correctly and decode in shared steps."""
     questions = [f"Count from {i} to {i + 5}." for i in range(8)]
@@ -134,9 +121,9 @@ async def test_concurrent_streams_share_steps(stack):
 
     async with client:
         alone = [await ask(q, stream=False) for q in questions]
-        before = await _engine_stats(stack.nats_url)
+        before = await engine_stats(stack.nats_url)
         together = await asyncio.gather(*(ask(q, stream=True) for q in questions))
-        after = await _engine_stats(stack.nats_url)
+        after = await engine_stats(stack.nats_url)
 
     assert together == alone
     num_steps = after.num_steps - before.num_steps

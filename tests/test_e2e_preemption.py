@@ -8,8 +8,7 @@ import asyncio
 import openai
 import pytest
 
-from tests.conftest import API_KEY, MODEL_NAME, start_stack, stop_stack
-from tests.test_e2e import _engine_stats
+from tests.stack import API_KEY, MODEL_NAME, engine_stats, start_stack, stop_stack
 
 pytestmark = pytest.mark.model
 
@@ -45,9 +44,9 @@ async def _answers(base_url: str) -> list[str]:
 
 async def test_preemption_keeps_greedy_outputs_exact(stack, small_stack):
     relaxed = await _answers(stack.base_url)
-    before = await _engine_stats(small_stack.nats_url)
+    before = await engine_stats(small_stack.nats_url)
     pressed = await _answers(small_stack.base_url)
-    after = await _engine_stats(small_stack.nats_url)
+    after = await engine_stats(small_stack.nats_url)
 
     num_preemptions = after.num_preemptions - before.num_preemptions
     print(f"preemptions under pressure: {num_preemptions}")  # reported with -s

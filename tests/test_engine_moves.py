@@ -14,7 +14,7 @@ from bus import subjects
 from bus.codec import decode, encode
 from bus.messages import EngineStats, EngineStatsRequest
 from services.launcher import Stack, _start_services, free_port, wait_until_ready
-from tests.conftest import MODEL_NAME, needs_default_model
+from tests.stack import MODEL_NAME, needs_default_model
 
 pytestmark = [pytest.mark.model, needs_default_model()]
 

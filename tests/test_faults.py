@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from services.launcher import Stack, _start_services, free_port, wait_until_ready
-from tests.conftest import MODEL_NAME, REPO, needs_default_model, start_stack
+from tests.stack import MODEL_NAME, REPO, needs_default_model, start_stack
 
 pytestmark = [pytest.mark.model, needs_default_model()]
 ONE_OF_EACH = {"api": 1, "tokenizer": 1, "detokenizer": 1, "engine": 1}

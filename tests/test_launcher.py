@@ -18,7 +18,7 @@ from bus import subjects
 from services.cli import build_parser
 from services.launcher import SERVICE_ORDER, free_port, nats_server_binary, wait_for_port
 from services.nats_auth import PERMISSIONS, compose_env, compose_server_config, password_variable
-from tests.conftest import AUTH, MODEL_NAME, REPO, needs_default_model, start_stack, stop_stack
+from tests.stack import AUTH, MODEL_NAME, REPO, needs_default_model, start_stack, stop_stack
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -258,3 +258,20 @@ async def test_up_serves_the_bus_over_tls_only(tmp_path):
         await trusting.close()
     finally:
         assert stop_stack(stack) == 0
+
+
+def test_up_hands_each_service_its_own_options_and_no_defaults():
+    from services.cli import _argv_for, build_parser
+
+    args = build_parser().parse_args(["up", "--threads", "3", "--no-prefix-caching",
+                                      "--engine-id", "e9", "--port", "9000",
+                                      "--api-key", "secret"])
+    common = ["--log-format", args.log_format, "--log-level", args.log_level]
+    argv = {name: _argv_for(name, args)[len(common):] for name in
+            ("executor", "scheduler", "api", "tokenizer", "detokenizer")}
+    assert "--threads" in argv["executor"] and argv["executor"][argv["executor"].index(
+        "--threads") + 1] == "3"
+    assert sorted(argv["scheduler"]) == sorted(["--engine-id", "e9", "--no-prefix-caching"])
+    assert "--engine-id" in argv["executor"]
+    assert argv["api"] == ["--port", "9000"]  # the key travels in the environment, not argv
+    assert argv["tokenizer"] == argv["detokenizer"] == []

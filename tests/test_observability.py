@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from bus.logging import configure_logging
-from tests.conftest import API_KEY, AUTH, MODEL_NAME
+from tests.stack import API_KEY, AUTH, MODEL_NAME
 
 pytestmark = pytest.mark.model
 

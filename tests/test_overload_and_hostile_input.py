@@ -10,8 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import AUTH, MODEL_NAME, start_stack, stop_stack
-from tests.test_e2e import _engine_stats
+from tests.stack import AUTH, MODEL_NAME, engine_stats, start_stack, stop_stack
 
 pytestmark = pytest.mark.model
 
@@ -47,7 +46,7 @@ async def test_burst_gets_completions_or_fast_503s(small_queue):
         else:
             assert response.json()["choices"][0]["message"]["content"]
     await asyncio.sleep(0.5)
-    after = await _engine_stats(small_queue.nats_url)
+    after = await engine_stats(small_queue.nats_url)
     assert after.num_running == 0 and after.num_waiting == 0
     assert after.num_free_blocks + after.num_cached_blocks == after.num_total_blocks
 

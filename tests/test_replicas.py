@@ -18,7 +18,7 @@ from bus import subjects
 from bus.codec import decode, encode
 from bus.messages import EngineStats, EngineStatsRequest, Heartbeat
 from services.launcher import Stack, _start_services, free_port, wait_until_ready
-from tests.conftest import API_KEY, MODEL_NAME, needs_default_model
+from tests.stack import API_KEY, MODEL_NAME, needs_default_model
 from tests.test_launcher import processes_mentioning
 
 pytestmark = [pytest.mark.model, needs_default_model()]

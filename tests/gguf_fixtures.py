@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+from services.gguf_tokenizer import GGUFTokenizer, byte_alphabet
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -173,3 +174,13 @@ def generate(runner, prompts: list[list[int]], *, max_tokens: int,
                 free += tables[i]
     runner.step(StepPlan(step_id=step_id, finished_request_ids=finished))
     return outputs
+
+
+def tiny_tokenizer(chat_template: str | None = None) -> GGUFTokenizer:
+    """A byte-level BPE vocabulary of 262 tokens (<s>, </s>, the 256 bytes, he, ll, hell,
+    hello): the model-free stand-in for tokenizer tests."""
+    alphabet = byte_alphabet()
+    tokens = ["<s>", "</s>", *(alphabet[b] for b in range(256)), "he", "ll", "hell", "hello"]
+    return GGUFTokenizer(tokens=tokens, token_types=[3, 3] + [1] * (len(tokens) - 2),
+                         merges=["h e", "l l", "he ll", "hell o"], bos_token_id=0,
+                         eos_token_id=1, add_bos_token=True, chat_template=chat_template)

@@ -186,7 +186,7 @@ def test_a_copy_taking_over_keeps_the_text_held_back_for_a_stop_string(tokenizer
     "Paris"); the copy taking the completion over replays the dead copy's tokens, so the
     client still gets "Parade", and every character exactly once."""
     from bus.messages import FinishReason, RequestTokens, TokenBatch
-    from services.detokenizer.service import Detokenization
+    from services.detokenizer.detokenization import Detokenization
 
     ids = tokenizer.encode("We went to the Parade today.")
     cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("Par"))
@@ -200,9 +200,9 @@ def test_a_copy_taking_over_keeps_the_text_held_back_for_a_stop_string(tokenizer
         return "".join(d.text for d in deltas.get("api", []))
 
     dying = Detokenization(tokenizer)
-    before = text(dying.process(item(ids[:cut]))[0])
+    before = text(dying.process(item(ids[:cut])).deltas)
     assert before == "We went to the "  # "Par" held back
     survivor = Detokenization(tokenizer)
     after = text(survivor.process(item(ids[cut:], replay=ids[:cut],
-                                       finish=FinishReason.LENGTH))[0])
+                                       finish=FinishReason.LENGTH)).deltas)
     assert before + after == "We went to the Parade today."

@@ -12,6 +12,7 @@ from services.gguf_tokenizer import (
 )
 from services.model_files import default_model_path
 from services.tokenizer.chat_template import ChatTemplateError, render_chat_template
+from tests.gguf_fixtures import tiny_tokenizer
 
 MODEL_PATH = default_model_path()
 
@@ -135,16 +136,8 @@ def test_chat_template_helpers():
         render_chat_template("{% for %}", [])
 
 
-def _tiny_tokenizer() -> GGUFTokenizer:
-    alphabet = byte_alphabet()
-    tokens = ["<s>", "</s>", *(alphabet[b] for b in range(256)), "he", "ll", "hell", "hello"]
-    return GGUFTokenizer(tokens=tokens, token_types=[3, 3] + [1] * (len(tokens) - 2),
-                         merges=["h e", "l l", "he ll", "hell o"], bos_token_id=0,
-                         eos_token_id=1, add_bos_token=True)
-
-
 def test_tiny_vocabulary_without_a_model_file():
-    tok = _tiny_tokenizer()
+    tok = tiny_tokenizer()
     hello = tok.encode("hello")
     assert tok.convert_ids_to_tokens(hello) == ["hello"]
     assert tok.encode("hello", add_special_tokens=True) == [0, *hello]

@@ -32,8 +32,9 @@ from bus.messages import (
 from bus.runtime import ServiceRuntime
 from services.gguf_tokenizer import GGUFTokenizer
 from services.model_files import resolve_model
-from services.tokenizer.chat_template import ChatTemplateError, render_chat_template
+from services.tokenizer.chat_template import ChatTemplateError
 from services.tokenizer.router import Router
+from services.tokenizer.tokenization import Tokenization
 
 log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.tokenizer")
@@ -46,36 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how requests are spread over engines: to the engine caching "
                              "the longest prefix, balanced against load; or at random "
                              "(default: cache-aware)")
-
-
-class Tokenization:
-    """Prompt text or messages -> token ids, with the model's own template and vocabulary."""
-
-    def __init__(self, tokenizer: GGUFTokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def check_token_ids(self, token_ids: list[int], what: str = "token id") -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.tokenizer.vocab_size]
-        if bad:
-            raise ValueError(f"{what} {bad[0]} is outside the vocabulary "
-                             f"(0..{self.tokenizer.vocab_size - 1})")
-
-    def prompt_token_ids(self, request: GenerateRequest | EncodeRequest) -> list[int]:
-        """Raises ValueError with a client-facing message on bad input."""
-        tok = self.tokenizer
-        if getattr(request, "prompt_token_ids", None) is not None:
-            self.check_token_ids(request.prompt_token_ids)
-            return list(request.prompt_token_ids)
-        if request.messages:
-            if not tok.chat_template:
-                raise ValueError("this model has no chat template; use /v1/completions")
-            text = render_chat_template(
-                tok.chat_template, [{"role": m.role, "content": m.content}
-                                    for m in request.messages],
-                add_generation_prompt=request.add_generation_prompt,
-                bos_token=tok.bos_token, eos_token=tok.eos_token)
-            return tok.encode(text)
-        return tok.encode(request.prompt or "", add_special_tokens=True)
 
 
 ADMISSION_TIMEOUT = 3.0  # seconds an engine has to answer a submit before the next is tried

@@ -1,0 +1,110 @@
+"""The tokenizer's and the detokenizer's pure cores, directly: no bus, no model file (a tiny
+byte-level vocabulary stands in)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bus.messages import (
+    ChatMessage,
+    EncodeRequest,
+    FinishReason,
+    GenerateRequest,
+    RequestTokens,
+    SamplingParams,
+    TokenBatch,
+    TokenLogprobs,
+)
+from services.detokenizer.detokenization import Detokenization
+from services.tokenizer.tokenization import Tokenization
+from tests.gguf_fixtures import tiny_tokenizer
+
+TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+def _generate(**fields) -> GenerateRequest:
+    return GenerateRequest(request_id="r", reply_subject="api", model="m",
+                           params=SamplingParams(), **fields)
+
+
+def test_tokenization_of_prompts_messages_and_ids():
+    tokenization = Tokenization(tiny_tokenizer(chat_template=TEMPLATE))
+    tok = tokenization.tokenizer
+    assert tokenization.prompt_token_ids(_generate(prompt="hello")) == [0, *tok.encode("hello")]
+    chat = tokenization.prompt_token_ids(_generate(
+        messages=[ChatMessage(role="user", content="hello")]))
+    assert tok.decode(chat) == "user: hello\nassistant: "
+    assert chat.count(0) == 2  # the template's <s> are special tokens, not text
+    assert tokenization.prompt_token_ids(_generate(prompt_token_ids=[5, 6])) == [5, 6]
+    assert tokenization.prompt_token_ids(EncodeRequest(prompt="hello")) == \
+        tokenization.prompt_token_ids(_generate(prompt="hello"))
+
+
+def test_tokenization_refuses_what_the_model_cannot_take():
+    tokenization = Tokenization(tiny_tokenizer())  # no chat template
+    with pytest.raises(ValueError, match="no chat template"):
+        tokenization.prompt_token_ids(_generate(messages=[ChatMessage(role="user",
+                                                                      content="hi")]))
+    with pytest.raises(ValueError, match="token id 262 is outside the vocabulary"):
+        tokenization.prompt_token_ids(_generate(prompt_token_ids=[1, 262]))
+    with pytest.raises(ValueError, match="logit_bias key -1"):
+        tokenization.check_token_ids([-1], "logit_bias key")
+
+
+def _tokens(text_ids: list[int], *, index: int = 0, finish=FinishReason.NONE,
+            reply: str = "api", stop: tuple[str, ...] = (), traceparent: str = "",
+            logprobs: list[TokenLogprobs] = ()) -> RequestTokens:
+    return RequestTokens(request_id="r", reply_subject=reply, new_token_ids=text_ids,
+                         finish_reason=finish, stop=list(stop), index=index,
+                         traceparent=traceparent, logprobs=list(logprobs))
+
+
+def test_detokenization_streams_each_completion_to_its_api():
+    tok = tiny_tokenizer()
+    detok = Detokenization(tok)
+    ids = tok.encode("hello wörld")
+    first = detok.process(TokenBatch(engine_id="e", items=[
+        _tokens(ids[:3], index=0, reply="api.a", traceparent="00-t-s-01"),
+        _tokens(ids[:2], index=1, reply="api.b")]), now_ns=10)
+    assert [d.index for d in first.deltas["api.a"]] == [0]
+    assert [d.index for d in first.deltas["api.b"]] == [1]  # n > 1: decoded apart
+    assert first.ended == [] and first.newly_stopped == []
+    last = detok.process(TokenBatch(engine_id="e", items=[
+        _tokens(ids[3:], index=0, reply="api.a", finish=FinishReason.LENGTH)]), now_ns=25)
+    text = "".join(d.text for d in first.deltas["api.a"] + last.deltas["api.a"])
+    assert text == "hello wörld"
+    [ended] = last.ended
+    assert (ended.key, ended.started_ns, ended.ended_ns, ended.traceparent, ended.reason) == \
+        (("r", 0), 10, 25, "00-t-s-01", FinishReason.LENGTH)
+    assert ended.num_tokens == len(ids)
+    assert set(detok.states) == {("r", 1)}  # the other completion goes on
+
+
+def test_a_stop_string_ends_the_completion_and_later_tokens_are_dropped():
+    tok = tiny_tokenizer()
+    detok = Detokenization(tok)
+    ids = tok.encode("hello, world")
+    out = detok.process(TokenBatch(engine_id="e", items=[_tokens(ids, stop=(", w",))]))
+    [delta] = out.deltas["api"]
+    assert (delta.text, delta.finish_reason) == ("hello", FinishReason.STOP)
+    assert out.newly_stopped == [("r", 0)] and out.ended[0].reason == FinishReason.STOP
+    late = detok.process(TokenBatch(engine_id="e", items=[_tokens(tok.encode("more"))]))
+    assert late.deltas == {}  # in flight when the stop was found: dropped
+    confirmed = detok.process(TokenBatch(engine_id="e", items=[
+        _tokens([], finish=FinishReason.ABORT)]))
+    assert confirmed.deltas == {} and ("r", 0) not in detok.stopped
+
+
+def test_logprobs_carry_each_tokens_text_and_bytes():
+    tok = tiny_tokenizer()
+    detok = Detokenization(tok)
+    [hello] = tok.encode("hello")
+    smile = tok.encode("😀")
+    out = detok.process(TokenBatch(engine_id="e", items=[_tokens(
+        [hello, smile[0]], logprobs=[TokenLogprobs(logprob=-0.5, top_token_ids=[hello],
+                                                   top_logprobs=[-0.5]),
+                                     TokenLogprobs(logprob=-1.0)])]))
+    first, second = out.deltas["api"][0].logprobs
+    assert (first.token, first.token_bytes, first.top_tokens) == ("hello", b"hello", ["hello"])
+    assert second.token_bytes == "😀".encode()[:1] and second.token == "\ufffd"

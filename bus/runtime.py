@@ -1,8 +1,14 @@
 """The service runtime: one NATS connection, typed handlers, readiness, graceful drain.
 
-A service builds a `ServiceRuntime`, registers handlers, marks itself ready and awaits its
-`stop_event`, which SIGTERM/SIGINT set; `close()` then drains its subscriptions (in-flight
-handlers finish) and closes the connection.
+Every service has the same skeleton:
+
+    async with ServiceRuntime("tokenizer", url, instance_id) as runtime:  # connect, signals
+        ...register handlers...
+        await runtime.serve()  # ready, heartbeats, until SIGTERM/SIGINT
+    # leaving the block drains the subscriptions (in-flight handlers finish) and closes
+
+A service that waits on something else (the api's HTTP server) calls `mark_ready()` instead of
+`serve()`.
 """
 
 from __future__ import annotations
@@ -54,8 +60,11 @@ def tls_options(nats_url: str) -> dict[str, ssl.SSLContext]:
 class ServiceRuntime:
     """Owns the NATS connection of one service instance."""
 
-    def __init__(self, service: str, nats_url: str, instance_id: str | None = None) -> None:
+    def __init__(self, service: str, nats_url: str, instance_id: str | None = None, *,
+                 handle_signals: bool = True) -> None:
+        """`handle_signals=False` where something else (uvicorn) takes SIGTERM/SIGINT."""
         self.service = service
+        self.handle_signals = handle_signals
         self.nats_url = nats_url
         self.instance_id = instance_id or new_instance_id()
         self.nc: Client | None = None
@@ -64,6 +73,26 @@ class ServiceRuntime:
         self._subscriptions: list[Any] = []
         self._heartbeat_task: asyncio.Task | None = None
         self.num_handled = 0  # the service counts its work here; heartbeats report it
+
+    async def __aenter__(self) -> ServiceRuntime:
+        await self.connect()
+        if self.handle_signals:
+            self.install_signal_handlers()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    def mark_ready(self, heartbeat: Callable[[], Heartbeat] | None = None) -> None:
+        """Ready: answer pings as ready, and start the heartbeats (`heartbeat` makes each)."""
+        self.ready = True
+        self.start_heartbeat(heartbeat)
+        log.info(f"{self.service} ready")
+
+    async def serve(self, heartbeat: Callable[[], Heartbeat] | None = None) -> None:
+        """Mark ready, then wait for SIGTERM/SIGINT."""
+        self.mark_ready(heartbeat)
+        await self.stop_event.wait()
 
     async def connect(self) -> None:
         async def on_error(exc: Exception) -> None:

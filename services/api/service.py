@@ -73,29 +73,25 @@ def shared_port_socket(host: str, port: int) -> socket.socket:
 
 
 async def main(args: argparse.Namespace) -> None:
-    runtime = ServiceRuntime("api", args.nats_url, args.instance_id)
-    await runtime.connect()
-    engine = EngineClient(runtime, request_timeout=args.request_timeout)
-    await engine.start()
-    app = create_app(engine, ApiSettings(
-        limits=Limits(max_tokens=args.max_tokens_cap, max_n=args.max_n,
-                      max_prompts=args.max_prompts),
-        max_body_bytes=args.max_body_size, api_key=args.api_key))
-    server = DrainingServer(app, uvicorn.Config(
-        app, host=args.host, port=args.port, log_config=None, access_log=False,
-        timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"))
+    # uvicorn takes SIGINT/SIGTERM itself: stops accepting, finishes streams, then returns.
+    async with ServiceRuntime("api", args.nats_url, args.instance_id,
+                              handle_signals=False) as runtime:
+        engine = EngineClient(runtime, request_timeout=args.request_timeout)
+        await engine.start()
+        app = create_app(engine, ApiSettings(
+            limits=Limits(max_tokens=args.max_tokens_cap, max_n=args.max_n,
+                          max_prompts=args.max_prompts),
+            max_body_bytes=args.max_body_size, api_key=args.api_key))
+        server = DrainingServer(app, uvicorn.Config(
+            app, host=args.host, port=args.port, log_config=None, access_log=False,
+            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"))
 
-    async def on_metrics(_: ApiMetricsRequest, __: Msg) -> ApiMetricsSnapshot:
-        metrics = app.state.get("metrics")  # made on the first request or scrape
-        return (metrics.snapshot() if metrics is not None
-                else ApiMetricsSnapshot(replica=runtime.instance_id))
+        async def on_metrics(_: ApiMetricsRequest, __: Msg) -> ApiMetricsSnapshot:
+            metrics = app.state.get("metrics")  # made on the first request or scrape
+            return (metrics.snapshot() if metrics is not None
+                    else ApiMetricsSnapshot(replica=runtime.instance_id))
 
-    await runtime.on_request(subjects.API_METRICS, ApiMetricsRequest, on_metrics)
-    runtime.ready = True
-    runtime.start_heartbeat()
-    log.info("api listening", url=f"http://{args.host}:{args.port}")
-    try:
-        # Handles SIGINT/SIGTERM itself: stops accepting, then returns.
+        await runtime.on_request(subjects.API_METRICS, ApiMetricsRequest, on_metrics)
+        runtime.mark_ready()
+        log.info("api listening", url=f"http://{args.host}:{args.port}")
         await server.serve(sockets=[shared_port_socket(args.host, args.port)])
-    finally:
-        await runtime.close()

@@ -49,30 +49,22 @@ def _record_span(ended: EndedCompletion) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    runtime = ServiceRuntime("detokenizer", args.nats_url, args.instance_id)
-    await runtime.connect()
-    runtime.install_signal_handlers()
     detokenization = Detokenization(GGUFTokenizer.from_gguf(resolve_model(args.model)))
+    async with ServiceRuntime("detokenizer", args.nats_url, args.instance_id) as runtime:
 
-    async def on_tokens(batch: TokenBatch, _: Msg) -> None:
-        runtime.num_handled += 1
-        processed = detokenization.process(batch, time.time_ns())
-        for ended in processed.ended:
-            _record_span(ended)
-        for request_id, index in processed.newly_stopped:  # free its KV blocks now
-            await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id, index))
-        for reply_subject, deltas in processed.deltas.items():
-            await runtime.publish(reply_subject, DeltaBatch(items=deltas))
+        async def on_tokens(batch: TokenBatch, _: Msg) -> None:
+            runtime.num_handled += 1
+            processed = detokenization.process(batch, time.time_ns())
+            for ended in processed.ended:
+                _record_span(ended)
+            for request_id, index in processed.newly_stopped:  # free its KV blocks now
+                await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id, index))
+            for reply_subject, deltas in processed.deltas.items():
+                await runtime.publish(reply_subject, DeltaBatch(items=deltas))
 
-    # Our own subject: the scheduler sends each completion to one copy (sticky decode state).
-    await runtime.on_message(subjects.detokenizer_tokens(runtime.instance_id), TokenBatch,
-                             on_tokens)
-    await runtime.on_message(subjects.DETOKENIZER_TOKENS, TokenBatch, on_tokens,
-                             queue=subjects.queue_group("detokenizer"))
-    runtime.ready = True
-    runtime.start_heartbeat()
-    log.info("detokenizer ready")
-    try:
-        await runtime.stop_event.wait()
-    finally:
-        await runtime.close()
+        # Our own subject: the scheduler sends each completion to one copy (sticky state).
+        await runtime.on_message(subjects.detokenizer_tokens(runtime.instance_id), TokenBatch,
+                                 on_tokens)
+        await runtime.on_message(subjects.DETOKENIZER_TOKENS, TokenBatch, on_tokens,
+                                 queue=subjects.queue_group("detokenizer"))
+        await runtime.serve()

@@ -135,13 +135,17 @@ async def main(args: argparse.Namespace) -> None:
         raise SystemExit(f"llmbus executor: {exc}") from None
     if backend == "onnxruntime":
         configure_openmp()  # before torch loads OpenMP
-    import torch  # only the executor pays for importing torch
+    async with ServiceRuntime("executor", args.nats_url, args.instance_id) as runtime:
+        await _serve(args, runtime, device, backend)
+
+
+async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, device: str,
+                 backend: str) -> None:
+    """Load the model, answer steps until stopped, then linger while the scheduler drains."""
+    import torch  # only the executor pays for importing torch (after configure_openmp)
 
     from services.executor.runner import ModelRunner
 
-    runtime = ServiceRuntime("executor", args.nats_url, args.instance_id)
-    await runtime.connect()
-    runtime.install_signal_handlers()
     path = resolve_model(args.model)
     precision = "exact" if args.exact else "fast"
     log.info("loading model", path=str(path), backend=backend, precision=precision,
@@ -195,16 +199,13 @@ async def main(args: argparse.Namespace) -> None:
 
     await runtime.on_request(subjects.executor_info(args.engine_id), ExecutorInfoRequest, on_info)
     await runtime.on_request(subjects.executor_step(args.engine_id), StepPlan, on_step)
-    runtime.ready = True
-    runtime.start_heartbeat(lambda: Heartbeat(
-        service="executor", instance_id=runtime.instance_id, engine_id=args.engine_id,
-        num_handled=runtime.num_handled))
     try:
-        await runtime.stop_event.wait()
+        await runtime.serve(lambda: Heartbeat(
+            service="executor", instance_id=runtime.instance_id, engine_id=args.engine_id,
+            num_handled=runtime.num_handled))
         # Keep serving while the scheduler drains: stop after 1 s without a step.
         deadline = time.monotonic() + args.shutdown_timeout
         while time.monotonic() < deadline and time.perf_counter() - last_reply < 1.0:
             await asyncio.sleep(0.1)
     finally:
-        await runtime.close()
         compute.shutdown(wait=False)

@@ -130,7 +130,7 @@ class SchedulerService:
                                  self.on_executor_heartbeat)
         await runtime.publish(subjects.ENGINE_CACHE_EVENTS, CacheEvent(
             engine_id=self.engine_id, cleared=True, instance_id=runtime.instance_id))
-        log.info("scheduler ready", engine_id=self.engine_id, num_blocks=self.info.num_blocks,
+        log.info("executor found", engine_id=self.engine_id, num_blocks=self.info.num_blocks,
                  block_size=self.info.block_size, max_model_len=self.info.max_model_len)
 
     def heartbeat(self) -> Heartbeat:
@@ -260,28 +260,30 @@ class SchedulerService:
 
 
 async def main(args: argparse.Namespace) -> None:
-    runtime = ServiceRuntime("scheduler", args.nats_url, args.instance_id)
-    await runtime.connect()
-    runtime.install_signal_handlers()
-    service = SchedulerService(runtime, args)
-    try:
-        await service.start()
-        runtime.ready = True
-        runtime.start_heartbeat(service.heartbeat)
-        loop_task = asyncio.create_task(service.loop.run())
-        stop_task = asyncio.create_task(runtime.stop_event.wait())
-        done, _ = await asyncio.wait({loop_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-        if loop_task in done:
-            loop_task.result()  # surface a crash of the loop
-        # SIGTERM: refuse new requests, let the held ones finish for a while.
-        service.draining = True
-        deadline = time.monotonic() + args.shutdown_timeout
-        while service.scheduler.has_work and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        loop_task.cancel()
-    except asyncio.CancelledError:
-        pass
-    finally:
-        if service.scheduler is not None:  # in-flight requests end explicitly on shutdown
-            await service._publish(service.scheduler.fail_all("the scheduler is shutting down"))
-        await runtime.close()
+    async with ServiceRuntime("scheduler", args.nats_url, args.instance_id) as runtime:
+        service = SchedulerService(runtime, args)
+        try:
+            await service.start()
+            runtime.mark_ready(service.heartbeat)
+            await _run_until_stopped(service, args.shutdown_timeout)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            if service.scheduler is not None:  # in-flight requests end explicitly on shutdown
+                await service._publish(
+                    service.scheduler.fail_all("the scheduler is shutting down"))
+
+
+async def _run_until_stopped(service: SchedulerService, shutdown_timeout: float) -> None:
+    """Run the engine loop until SIGTERM/SIGINT (or its crash), then stop taking requests
+    and let the held ones finish for up to `shutdown_timeout` seconds."""
+    loop_task = asyncio.create_task(service.loop.run())
+    stop_task = asyncio.create_task(service.runtime.stop_event.wait())
+    done, _ = await asyncio.wait({loop_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if loop_task in done:
+        loop_task.result()  # surface a crash of the loop
+    service.draining = True
+    deadline = time.monotonic() + shutdown_timeout
+    while service.scheduler.has_work and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    loop_task.cancel()

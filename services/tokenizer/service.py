@@ -169,15 +169,8 @@ class TokenizerService:
 
 
 async def main(args: argparse.Namespace) -> None:
-    runtime = ServiceRuntime("tokenizer", args.nats_url, args.instance_id)
-    await runtime.connect()
-    runtime.install_signal_handlers()
     tokenization = Tokenization(GGUFTokenizer.from_gguf(resolve_model(args.model)))
-    await TokenizerService(runtime, tokenization, Router(policy=args.routing)).subscribe()
-    runtime.ready = True
-    runtime.start_heartbeat()
-    log.info("tokenizer ready", vocab_size=tokenization.tokenizer.vocab_size)
-    try:
-        await runtime.stop_event.wait()
-    finally:
-        await runtime.close()
+    async with ServiceRuntime("tokenizer", args.nats_url, args.instance_id) as runtime:
+        await TokenizerService(runtime, tokenization, Router(policy=args.routing)).subscribe()
+        log.info("vocabulary loaded", vocab_size=tokenization.tokenizer.vocab_size)
+        await runtime.serve()

@@ -164,6 +164,8 @@ class ServiceRuntime:
         enough = asyncio.Event()
 
         async def collect(msg: Msg) -> None:
+            if not msg.data:  # the server's "no responders" status: nobody serves `subject`
+                return
             replies.append(decode(msg.data, reply_type))
             if len(replies) >= expected:
                 enough.set()

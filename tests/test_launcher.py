@@ -166,6 +166,7 @@ def test_every_command_explains_itself(argv, capsys):
     assert "--" in capsys.readouterr().out
 
 
+@pytest.mark.model  # the shared stack's bus
 async def test_nats_needs_credentials_and_permissions(stack):
     """Without credentials nothing connects; the observer cannot publish into the pipeline."""
     plain = "nats://" + stack.nats_url.rsplit("@", 1)[1]
@@ -190,6 +191,7 @@ async def test_nats_needs_credentials_and_permissions(stack):
         await observer.close()
 
 
+@pytest.mark.model
 async def test_no_stage_reads_replies_meant_for_another(stack):
     """Services take replies on inboxes of their own: the observer, listening on the shared
     `_INBOX.>`, hears none of the replies a request causes, and may not listen on the api's."""

@@ -10,7 +10,7 @@ class SubmitRequest(Message):
     reply_subject: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # the tokenizer's clock, for its logs; engines use their own
     n: int = 1  # completions of this prompt; they share its KV blocks
 
 

@@ -8,6 +8,7 @@ import socket
 
 import structlog
 import uvicorn
+from litestar import Litestar
 from nats.aio.msg import Msg
 
 from bus import subjects
@@ -72,6 +73,17 @@ def shared_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+async def answer_metrics(runtime: ServiceRuntime, app: Litestar) -> None:
+    """Answer the api copies' scatter-gather for request metrics (any copy may be scraped)."""
+
+    async def on_metrics(_: ApiMetricsRequest, __: Msg) -> ApiMetricsSnapshot:
+        metrics = app.state.get("metrics")  # made on the first request or scrape
+        return (metrics.snapshot() if metrics is not None
+                else ApiMetricsSnapshot(replica=runtime.instance_id))
+
+    await runtime.on_request(subjects.API_METRICS, ApiMetricsRequest, on_metrics)
+
+
 async def main(args: argparse.Namespace) -> None:
     # uvicorn takes SIGINT/SIGTERM itself: stops accepting, finishes streams, then returns.
     async with ServiceRuntime("api", args.nats_url, args.instance_id,
@@ -86,12 +98,7 @@ async def main(args: argparse.Namespace) -> None:
             app, host=args.host, port=args.port, log_config=None, access_log=False,
             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"))
 
-        async def on_metrics(_: ApiMetricsRequest, __: Msg) -> ApiMetricsSnapshot:
-            metrics = app.state.get("metrics")  # made on the first request or scrape
-            return (metrics.snapshot() if metrics is not None
-                    else ApiMetricsSnapshot(replica=runtime.instance_id))
-
-        await runtime.on_request(subjects.API_METRICS, ApiMetricsRequest, on_metrics)
+        await answer_metrics(runtime, app)
         runtime.mark_ready()
         log.info("api listening", url=f"http://{args.host}:{args.port}")
         await server.serve(sockets=[shared_port_socket(args.host, args.port)])

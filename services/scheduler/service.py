@@ -166,10 +166,11 @@ class SchedulerService:
                              error_message="the server is busy (its queue is full); retry "
                                            "shortly")
         try:
+            # The engine's own clock: a tokenizer on another host may be skewed, and the queue
+            # timeout must not fire (or never fire) because of it.
             self.scheduler.add_request(submit.request_id, submit.reply_subject,
-                                       submit.prompt_token_ids, submit.params,
-                                       submit.arrival_time, n=submit.n,
-                                       traceparent=current_traceparent())
+                                       submit.prompt_token_ids, submit.params, time.time(),
+                                       n=submit.n, traceparent=current_traceparent())
         except AdmissionError as exc:
             code = (ErrorCode.CONTEXT_LENGTH_EXCEEDED if exc.context_length
                     else ErrorCode.INVALID_REQUEST)

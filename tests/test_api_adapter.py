@@ -205,12 +205,17 @@ async def test_a_stream_arrives_as_openai_chunks(client):
 async def test_metrics_and_health_without_the_model(client):
     await client.post("/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "hi"})
     text = (await client.get("/metrics")).text
-    lines = set(text.splitlines())
-    assert 'llmbus:num_requests_running{model_name="tiny",replica="e0"} 1' in lines
-    assert 'llmbus:kv_cache_usage_perc{model_name="tiny",replica="e0"} 0.375' in lines
-    assert any(line.startswith('llmbus:request_success_total{model_name="tiny",replica=')
-               and line.endswith('finished_reason="length"} 1') for line in lines)
-    assert any(line.startswith("llmbus:generation_tokens_total{") and line.endswith(" 2")
-               for line in lines)
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line and not line.startswith("#")}
+    engine = '{model_name="tiny",replica="e0"}'
+    assert samples["llmbus:num_requests_running" + engine] == 1
+    assert samples["llmbus:kv_cache_usage_perc" + engine] == 0.375
+    assert samples["llmbus:num_preemptions_total" + engine] == 0
+    [finished] = [v for k, v in samples.items() if k.startswith("llmbus:request_success_total{")
+                  and 'finished_reason="length"' in k]
+    [generated] = [v for k, v in samples.items()
+                   if k.startswith("llmbus:generation_tokens_total{")]
+    assert (finished, generated) == (1, 2)
+    assert "# TYPE llmbus:prefix_cache_hits_total counter" in text
     health = (await client.get("/health")).json()
     assert health["status"] == "ok" and set(health["stages"]) == set(PIPELINE_STAGES)

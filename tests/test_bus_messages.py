@@ -73,7 +73,7 @@ EXAMPLES = [
     TEXT_LOGPROB, DELTA,
     m.DeltaBatch(items=[DELTA]),
     m.ApiMetricsRequest(),
-    m.ApiMetricsSnapshot(replica="a1", samples={"x": ["x 1"]}),
+    m.ApiMetricsSnapshot(replica="a1", exposition="x 1\n"),
     m.Heartbeat(service="scheduler", instance_id="s1", engine_id="e0", num_running=1,
                 num_waiting=2, num_free_blocks=3, num_total_blocks=4, block_size=16,
                 num_handled=5),
@@ -140,7 +140,9 @@ GOLDEN = {
         "91919ba27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe00000"
         "00000000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000"),
     "ApiMetricsRequest": "90",
-    "ApiMetricsSnapshot": "92a2613181a17891a3782031",
+    # retyped from sample lines by metric name to one exposition text (prometheus-client),
+    # which only api copies of one version exchange
+    "ApiMetricsSnapshot": "92a26131a47820310a",
     "Heartbeat": "99a97363686564756c6572a27331a26530010203041005",
     "Ping": "90",
     "Pong": "93a3617069a26131c2",

@@ -39,7 +39,7 @@ class ApiMetricsRequest(Message):
 
 
 class ApiMetricsSnapshot(Message):
-    """One api copy's request metrics: sample lines (Prometheus text) by metric name."""
+    """One api copy's request metrics, in the Prometheus text format."""
 
     replica: str
-    samples: dict[str, list[str]] = {}
+    exposition: str = ""

@@ -48,23 +48,28 @@ def _record_span(ended: EndedCompletion) -> None:
                        ).end(end_time=max(ended.ended_ns, ended.started_ns))
 
 
+async def subscribe(runtime: ServiceRuntime, detokenization: Detokenization) -> None:
+    """The detokenizer's handlers: token batches in, text deltas (and stop-string aborts) out."""
+
+    async def on_tokens(batch: TokenBatch, _: Msg) -> None:
+        runtime.num_handled += 1
+        processed = detokenization.process(batch, time.time_ns())
+        for ended in processed.ended:
+            _record_span(ended)
+        for request_id, index in processed.newly_stopped:  # free its KV blocks now
+            await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id, index))
+        for reply_subject, deltas in processed.deltas.items():
+            await runtime.publish(reply_subject, DeltaBatch(items=deltas))
+
+    # Our own subject: the scheduler sends each completion to one copy (sticky decode state).
+    await runtime.on_message(subjects.detokenizer_tokens(runtime.instance_id), TokenBatch,
+                             on_tokens)
+    await runtime.on_message(subjects.DETOKENIZER_TOKENS, TokenBatch, on_tokens,
+                             queue=subjects.queue_group("detokenizer"))
+
+
 async def main(args: argparse.Namespace) -> None:
     detokenization = Detokenization(GGUFTokenizer.from_gguf(resolve_model(args.model)))
     async with ServiceRuntime("detokenizer", args.nats_url, args.instance_id) as runtime:
-
-        async def on_tokens(batch: TokenBatch, _: Msg) -> None:
-            runtime.num_handled += 1
-            processed = detokenization.process(batch, time.time_ns())
-            for ended in processed.ended:
-                _record_span(ended)
-            for request_id, index in processed.newly_stopped:  # free its KV blocks now
-                await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id, index))
-            for reply_subject, deltas in processed.deltas.items():
-                await runtime.publish(reply_subject, DeltaBatch(items=deltas))
-
-        # Our own subject: the scheduler sends each completion to one copy (sticky state).
-        await runtime.on_message(subjects.detokenizer_tokens(runtime.instance_id), TokenBatch,
-                                 on_tokens)
-        await runtime.on_message(subjects.DETOKENIZER_TOKENS, TokenBatch, on_tokens,
-                                 queue=subjects.queue_group("detokenizer"))
+        await subscribe(runtime, detokenization)
         await runtime.serve()

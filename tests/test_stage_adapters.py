@@ -1,0 +1,174 @@
+"""The tokenizer's, detokenizer's and executor's bus adapters without the default model: each
+stage's real handlers on a real nats-server, a tiny vocabulary or a tiny generated GGUF, and
+fake neighbours (an engine, an api, a scheduler)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+
+from bus import subjects
+from bus.codec import decode, encode
+from bus.messages import (
+    AbortRequest,
+    Admission,
+    DecodeRequest,
+    DecodeResult,
+    DeltaBatch,
+    EncodeRequest,
+    EncodeResult,
+    ErrorCode,
+    FinishReason,
+    GenerateRequest,
+    RequestTokens,
+    SamplingParams,
+    SubmitRequest,
+    TokenBatch,
+)
+from bus.runtime import ServiceRuntime
+from services.detokenizer import service as detokenizer_service
+from services.detokenizer.detokenization import Detokenization
+from services.launcher import Stack
+from services.tokenizer.router import Router
+from services.tokenizer.service import TokenizerService
+from services.tokenizer.tokenization import Tokenization
+from tests.gguf_fixtures import tiny_tokenizer
+
+TIMEOUT = 10.0
+
+
+@pytest.fixture
+async def bus():
+    stack = Stack()
+    url = stack.start_nats(auth=False)
+    client = await nats.connect(url)
+    try:
+        yield url, client
+    finally:
+        await client.close()
+        stack.stop()
+
+
+@pytest.mark.asyncio
+async def test_the_tokenizer_admits_into_an_engine_and_answers_encode_and_decode(bus):
+    url, client = bus
+    submitted: list[SubmitRequest] = []
+
+    async def engine(msg) -> None:  # any engine (no heartbeat yet: the shared subject)
+        submitted.append(decode(msg.data, SubmitRequest))
+        await msg.respond(encode(Admission(num_prompt_tokens=len(
+            submitted[-1].prompt_token_ids), scheduler_instance_id="s1")))
+
+    await client.subscribe(subjects.ENGINE_SUBMIT, cb=engine)
+    await client.flush()
+    tokenization = Tokenization(tiny_tokenizer())
+    async with ServiceRuntime("tokenizer", url, handle_signals=False) as runtime:
+        await TokenizerService(runtime, tokenization, Router()).subscribe()
+
+        async def ask(subject, message, reply_type):
+            reply = await client.request(subject, encode(message), timeout=TIMEOUT)
+            return decode(reply.data, reply_type)
+
+        admission = await ask(subjects.TOKENIZER_GENERATE, GenerateRequest(
+            request_id="r", reply_subject="api.x", model="m", params=SamplingParams(),
+            prompt="hello"), Admission)
+        hello = tokenization.tokenizer.encode("hello")
+        assert admission.error_code == ErrorCode.NONE and admission.num_prompt_tokens == 2
+        assert submitted[0].prompt_token_ids == [0, *hello] and submitted[0].arrival_time > 0
+        refused = await ask(subjects.TOKENIZER_GENERATE, GenerateRequest(
+            request_id="r2", reply_subject="api.x", model="m",
+            params=SamplingParams(logit_bias={999: 1.0}), prompt="hello"), Admission)
+        assert (refused.error_code, refused.error_param) == (ErrorCode.INVALID_REQUEST,
+                                                             "logit_bias")
+        assert len(submitted) == 1  # refused before any engine saw it
+        encoded = await ask(subjects.TOKENIZER_ENCODE, EncodeRequest(prompt="hello"),
+                            EncodeResult)
+        assert encoded.token_ids == [0, *hello]
+        decoded = await ask(subjects.TOKENIZER_DECODE, DecodeRequest(token_ids=hello),
+                            DecodeResult)
+        assert decoded.text == "hello"
+        bad = await ask(subjects.TOKENIZER_DECODE, DecodeRequest(token_ids=[10**6]),
+                        DecodeResult)
+        assert "outside the vocabulary" in bad.error_message
+
+
+@pytest.mark.asyncio
+async def test_the_detokenizer_streams_text_and_aborts_at_a_stop_string(bus):
+    url, client = bus
+    deltas: list[DeltaBatch] = []
+    aborts: list[AbortRequest] = []
+
+    async def on_deltas(msg) -> None:
+        deltas.append(decode(msg.data, DeltaBatch))
+
+    async def on_abort(msg) -> None:
+        aborts.append(decode(msg.data, AbortRequest))
+
+    await client.subscribe("api.x", cb=on_deltas)
+    await client.subscribe(subjects.SCHEDULER_ABORT, cb=on_abort)
+    await client.flush()
+    tok = tiny_tokenizer()
+    ids = tok.encode("hello, world")
+    async with ServiceRuntime("detokenizer", url, handle_signals=False) as runtime:
+        await detokenizer_service.subscribe(runtime, Detokenization(tok))
+        for piece in (ids[:2], ids[2:]):  # the stop string arrives in the second step
+            await client.publish(subjects.DETOKENIZER_TOKENS, encode(TokenBatch(
+                engine_id="e0", items=[RequestTokens(request_id="r", reply_subject="api.x",
+                                                     new_token_ids=piece, stop=[", w"])])))
+        async with asyncio.timeout(TIMEOUT):
+            while not (aborts and any(d.finish_reason for b in deltas for d in b.items)):
+                await asyncio.sleep(0.01)
+    text = "".join(d.text for b in deltas for d in b.items)
+    assert text == "hello" and deltas[-1].items[-1].finish_reason == FinishReason.STOP
+    assert (aborts[0].request_id, aborts[0].index) == ("r", 0)  # the engine frees its blocks
+
+
+@pytest.mark.asyncio
+async def test_the_executor_answers_info_and_steps_on_a_tiny_model(bus, tmp_path):
+    """The executor's real handlers over a tiny generated GGUF (no default model): its cache
+    geometry, then a prefill and a decode step with greedy tokens."""
+    from bus.messages import (
+        ExecutorInfo,
+        ExecutorInfoRequest,
+        NewRequestData,
+        ScheduledRequest,
+        StepPlan,
+        StepResult,
+    )
+    from services.cli import build_parser
+    from services.executor import service as executor_service
+    from tests.gguf_fixtures import GREEDY, write_tiny_llama
+
+    url, client = bus
+    model = tmp_path / "tiny.gguf"
+    write_tiny_llama(model, quantized="Q4_1")
+    args = build_parser().parse_args(["serve", "executor", "--model", str(model),
+                                      "--num-blocks", "16", "--block-size", "4",
+                                      "--threads", "1", "--shutdown-timeout", "0"])
+    async with ServiceRuntime("executor", url, handle_signals=False) as runtime:
+        serving = asyncio.create_task(executor_service._serve(args, runtime, "cpu",
+                                                               "onnxruntime"))
+
+        async def ask(subject, message, reply_type):
+            async with asyncio.timeout(120):  # the first call waits for the model to load
+                while True:
+                    try:
+                        reply = await client.request(subject, encode(message), timeout=5)
+                        return decode(reply.data, reply_type)
+                    except nats.errors.NoRespondersError:
+                        await asyncio.sleep(0.1)
+
+        info = await ask(subjects.executor_info("engine0"), ExecutorInfoRequest(), ExecutorInfo)
+        assert (info.num_blocks, info.block_size) == (16, 4)
+        prefill = StepPlan(step_id=0, new_requests=[NewRequestData("r", [5, 6, 7], GREEDY)],
+                           scheduled=[ScheduledRequest("r", 0, 3, [1])])
+        decode_step = StepPlan(step_id=1, scheduled=[ScheduledRequest("r", 3, 1)])
+        first = await ask(subjects.executor_step("engine0"), prefill, StepResult)
+        second = await ask(subjects.executor_step("engine0"), decode_step, StepResult)
+        assert first.error == second.error == ""
+        assert len(first.sampled_token_ids) == len(second.sampled_token_ids) == 1
+        assert first.batch_size == second.batch_size == 1 and first.num_tokens == 3
+        runtime.stop_event.set()
+        await serving

@@ -153,3 +153,17 @@ def test_without_a_compiler_the_torch_attention_gives_the_same_logits(tmp_path):
     model.paged_attention = None
     _, _, with_torch = _two_steps(model, config)
     torch.testing.assert_close(with_torch, with_kernel, atol=1e-4, rtol=1e-4)
+
+
+def test_a_head_the_kernel_cannot_tile_falls_back_to_the_graphs(tmp_path):
+    """A vocabulary that is no multiple of 8 (the kernel's column groups): the fast mode runs
+    ONNX Runtime's graphs instead of refusing the file."""
+    from dataclasses import replace
+
+    path = tmp_path / "tiny-v250.gguf"
+    write_tiny_llama(path, replace(SPEC, vocab_size=250), quantized="Q4_1")
+    config, model = _model(path, ACCURACY_FAST)
+    assert model.int_step is None and model.graphs
+    cache = KVCache(config, num_blocks=8, block_size=BLOCK_SIZE, dtype=torch.float16)
+    logits = _run(model, cache, [([3, 1, 4, 1, 5, 9, 2], 0, 7, [1, 2])])
+    assert logits.shape[-1] == 250 and torch.isfinite(logits).all()

@@ -61,13 +61,13 @@ class IntBoundary(ctypes.Structure):
 
 
 def int_linear(lib: ctypes.CDLL, parts: list[QuantPart], x: torch.Tensor,
-                 wide_rows: int = 0, num_threads: int = 1) -> torch.Tensor:
+               wide_rows: int = 0, num_threads: int = 1) -> torch.Tensor:
     """x [T, K] float32 @ Wᵀ -> [T, sum N] in the kernel (one matmul, for tests)."""
     linear = IntLinear.of(parts, wide_rows)
     x = x.contiguous()
     y = torch.empty(x.shape[0], sum(q.n for q in parts))
     if lib.int_linear(ctypes.addressof(linear), x.data_ptr(), x.shape[0], y.data_ptr(), 0,
-                        num_threads) != 0:
+                      num_threads) != 0:
         raise RuntimeError(f"int_linear refused parts {[(q.kind, q.n, q.k) for q in parts]}")
     return y
 
@@ -116,9 +116,9 @@ class IntStep:
         attn = None
         for index, boundary in enumerate(self.boundaries):
             status = lib.int_boundary(ctypes.addressof(boundary), tokens, cfg.hidden_size,
-                                        cfg.rms_norm_eps, hidden.data_ptr(),
-                                        attn.data_ptr() if attn is not None else None,
-                                        qkv.data_ptr(), self.num_threads)
+                                      cfg.rms_norm_eps, hidden.data_ptr(),
+                                      attn.data_ptr() if attn is not None else None,
+                                      qkv.data_ptr(), self.num_threads)
             if status != 0:
                 raise RuntimeError(f"int_boundary {index} failed ({status})")
             if index < cfg.num_layers:
@@ -130,8 +130,8 @@ class IntStep:
         rows = rows.contiguous()
         logits = torch.empty(rows.shape[0], self._head_parts.n)
         status = self.lib.int_head(ctypes.addressof(self.head_linear), self.output_norm,
-                                     rows.shape[0], cfg.hidden_size, cfg.rms_norm_eps,
-                                     rows.data_ptr(), logits.data_ptr(), self.num_threads)
+                                   rows.shape[0], cfg.hidden_size, cfg.rms_norm_eps,
+                                   rows.data_ptr(), logits.data_ptr(), self.num_threads)
         if status != 0:
             raise RuntimeError(f"int_head failed ({status})")
         return logits

@@ -35,7 +35,13 @@ from services.executor.int_step import IntStep
 from services.executor.kv_cache import KVCache
 from services.executor.model import AttentionMetadata, TorchOps, rope_tables
 from services.executor.onnx_graphs import MatrixSource, head_graph, layer_graphs
-from services.executor.quant_parts import LAYER_MATRICES, QuantPart, covers, layer_parts
+from services.executor.quant_parts import (
+    COLUMNS,
+    LAYER_MATRICES,
+    QuantPart,
+    covers,
+    layer_parts,
+)
 
 ACCURACY_EXACT = 0  # float32 activations: the weights are the GGUF's values, the exact path
 ACCURACY_FAST = 4  # int8 activations per block, like llama.cpp's
@@ -139,7 +145,8 @@ class OnnxLlamaModel:
         quantized = lib is not None and covers(config, native)
         if int_step is None:
             int_step = fast
-        int_step = int_step and quantized and "output.weight" in native
+        int_step = (int_step and quantized and "output.weight" in native
+                    and native["output.weight"].codes.shape[0] % COLUMNS == 0)
         if dense_prefill is None:
             dense_prefill = fast and has_amx_bfloat16()
         dense_prefill = dense_prefill and quantized

@@ -117,7 +117,9 @@ class ServiceRuntime:
     async def on_message(self, subject: str, message_type: type[T],
                          handler: Callable[[T, Msg], Awaitable[None]],
                          queue: str = "") -> None:
-        """Call `handler(decoded, raw)` for each message; the trace context is made current."""
+        """Call `handler(decoded, raw)` for each message; the trace context is made current.
+        Returns once the server has the subscription, so that what other connections send
+        from then on reaches it."""
 
         async def callback(msg: Msg) -> None:
             token = otel_context.attach(extract_context(msg.headers))
@@ -130,6 +132,7 @@ class ServiceRuntime:
 
         assert self.nc is not None
         self._subscriptions.append(await self.nc.subscribe(subject, queue=queue, cb=callback))
+        await self.nc.flush()
 
     async def on_request(self, subject: str, message_type: type[T],
                          handler: Callable[[T, Msg], Awaitable[msgspec.Struct]],

@@ -43,6 +43,7 @@ class FakeExecutor:
         self.nc = await nats.connect(url)
         await self.nc.subscribe(subjects.executor_info(ENGINE), cb=self.on_info)
         await self.nc.subscribe(subjects.executor_step(ENGINE), cb=self.on_step)
+        await self.nc.flush()
         self.beating = asyncio.create_task(self.beat())
 
     async def beat(self) -> None:
@@ -84,6 +85,7 @@ async def engine():
         tokens.append(decode(msg.data, TokenBatch))
 
     await watcher.subscribe(subjects.DETOKENIZER_TOKENS, cb=on_tokens)
+    await watcher.flush()  # the server has the subscription before any token is sent
     args = build_parser().parse_args(["serve", "scheduler", "--nats-url", url])
     try:
         async with ServiceRuntime("scheduler", url) as runtime:

@@ -52,3 +52,18 @@ def test_without_prefix_caching_nothing_is_cached():
     kv.release(blocks)
     assert kv.num_free == 3 and kv.take_events() == ([], [])
     kv.check([])
+
+
+def test_evictable_leaves_answer_without_walking_the_tree(monkeypatch):
+    kv = KVManager(num_blocks=5, block_size=SIZE, prefix_caching=True)
+    for first in (0, 10, 20, 30):  # four one-block prompts: four evictable leaves
+        _cached(kv, first, 1)
+    assert kv.num_free == 0
+
+    def walked() -> int:
+        raise AssertionError("the whole tree was walked")
+
+    monkeypatch.setattr(kv.tree, "num_evictable", walked)
+    assert kv.can_reserve(4)  # the leaves suffice
+    monkeypatch.undo()
+    assert not kv.can_reserve(5)  # they do not: the walk says no more can be freed

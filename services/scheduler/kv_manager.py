@@ -36,14 +36,15 @@ class KVManager:
         return self.tree.num_cached_blocks if self.tree is not None else 0
 
     def num_evictable(self) -> int:
-        """Cached blocks eviction could free now (a walk of the tree: asked only when the
-        free blocks fall short, and for stats)."""
+        """Cached blocks eviction could free now (a walk of the tree, for stats)."""
         return self.tree.num_evictable() if self.tree is not None else 0
 
     # ------------------------------------------------------------------ blocks
 
     def can_reserve(self, num: int) -> bool:
-        return num <= self.num_free or num <= self.num_free + self.num_evictable()
+        if num <= self.num_free:
+            return True
+        return self.tree is not None and self.tree.can_evict(num - self.num_free)
 
     def reserve(self, num: int) -> list[int]:
         """`num` blocks (ref count 1 each), evicting cached ones if the free ones fall short;

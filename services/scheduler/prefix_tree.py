@@ -129,6 +129,18 @@ class PrefixTree:
             self._push_if_evictable(parent)
         return num_evicted
 
+    def can_evict(self, num_blocks: int) -> bool:
+        """Whether eviction could free `num_blocks` now. On the scheduler's path: the LRU
+        queue's evictable leaves usually suffice (a decode needs one block), so the whole
+        tree is walked only when they do not."""
+        seen: set[int] = set()
+        for _, _, node in self._lru:
+            if id(node) not in seen and self._evictable(node):
+                seen.add(id(node))
+                if len(seen) >= num_blocks:
+                    return True
+        return self.num_evictable() >= num_blocks
+
     def num_evictable(self) -> int:
         """Blocks that eviction could free now: every node whose block only the tree holds and
         whose whole subtree is free too. Iterative, children before parents: a cached prompt of

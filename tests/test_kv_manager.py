@@ -54,7 +54,7 @@ def test_without_prefix_caching_nothing_is_cached():
     kv.check([])
 
 
-def test_evictable_leaves_answer_without_walking_the_tree(monkeypatch):
+def test_can_reserve_does_not_walk_the_tree(monkeypatch):
     kv = KVManager(num_blocks=5, block_size=SIZE, prefix_caching=True)
     for first in (0, 10, 20, 30):  # four one-block prompts: four evictable leaves
         _cached(kv, first, 1)
@@ -63,7 +63,9 @@ def test_evictable_leaves_answer_without_walking_the_tree(monkeypatch):
     def walked() -> int:
         raise AssertionError("the whole tree was walked")
 
-    monkeypatch.setattr(kv.tree, "num_evictable", walked)
-    assert kv.can_reserve(4)  # the leaves suffice
+    monkeypatch.setattr(kv.tree, "_walk_evictable", walked)
+    assert kv.can_reserve(4) and not kv.can_reserve(5)
+    held = kv.match([10, 11], 1)
+    assert held == [2] and kv.can_reserve(3) and not kv.can_reserve(4)
     monkeypatch.undo()
-    assert not kv.can_reserve(5)  # they do not: the walk says no more can be freed
+    kv.check([held])

@@ -1,4 +1,5 @@
-"""PrefixTree.num_evictable (the engine's evictable-block gauge on /metrics)."""
+"""PrefixTree.num_evictable: the engine's evictable-block gauge on /metrics, and what the
+scheduler asks before it evicts (kept as blocks change hands, checked against a walk)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,38 @@ def test_a_chain_deeper_than_the_recursion_limit_is_counted():
 
 def test_a_block_in_use_keeps_itself_and_its_ancestors():
     tree, allocator, blocks = _cached_chain(10)
-    allocator.incref(blocks[4])  # a running request holds the fifth block
-    assert tree.num_evictable() == 5  # blocks 6..10 could go; 1..5 cannot
-    allocator.free([blocks[4]])
-    assert tree.num_evictable() == 10
-    assert tree.evict(10) == 10 and tree.num_evictable() == 0
+    tree.hold(blocks[:5])  # a running request matched the first five blocks
+    assert tree.num_evictable() == 5 and not tree.can_evict(6)  # 6..10 could go; 1..5 not
+    tree.check_integrity()
+    tree.release(blocks[:5])
+    assert tree.num_evictable() == 10 and tree.can_evict(10)
+    assert tree.evict(4) == 4 and tree.num_evictable() == 6  # the deepest four went
+    tree.check_integrity()
+    assert tree.evict(10) == 6 and tree.num_evictable() == 0
+
+
+def test_the_kept_count_catches_a_holder_that_skips_an_ancestor():
+    tree, allocator, blocks = _cached_chain(3)
+    allocator.incref(blocks[2])  # behind the tree's back, and without blocks 1 and 2
+    try:
+        tree.check_integrity()
+    except AssertionError as exc:
+        assert "ancestor" in str(exc)
+    else:
+        raise AssertionError("the check missed a count gone stale")
+
+
+def test_a_request_that_computed_cached_tokens_again_keeps_what_follows_private():
+    allocator = BlockAllocator(8)
+    tree = PrefixTree(allocator, BLOCK)
+    first, second = allocator.allocate(1), allocator.allocate(2)
+    tree.insert(list(range(BLOCK)), first)  # the first request cached the prompt
+    tree.release(first)
+    # the second computed the same prompt in its own block (it was planned before the first's
+    # result came back), then a block of its own answer
+    tree.insert(list(range(BLOCK)) + [7] * BLOCK, second)
+    assert list(tree.nodes_by_block) == first  # its answer is not cached under the other copy
+    tree.check_integrity()
+    assert tree.num_evictable() == 1
+    tree.release(second)
+    assert tree.evict(8) == 1 and allocator.num_free == 7

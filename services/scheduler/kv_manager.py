@@ -36,7 +36,7 @@ class KVManager:
         return self.tree.num_cached_blocks if self.tree is not None else 0
 
     def num_evictable(self) -> int:
-        """Cached blocks eviction could free now (a walk of the tree, for stats)."""
+        """Cached blocks eviction could free now (kept as they change: O(1))."""
         return self.tree.num_evictable() if self.tree is not None else 0
 
     # ------------------------------------------------------------------ blocks
@@ -57,8 +57,11 @@ class KVManager:
 
     def lock(self, block_ids: Iterable[int]) -> None:
         """Another owner (a forked completion, a prefix match) holds these blocks too."""
-        for block_id in block_ids:
-            self.allocator.incref(block_id)
+        if self.tree is not None:
+            self.tree.hold(block_ids)
+        else:
+            for block_id in block_ids:
+                self.allocator.incref(block_id)
 
     def release(self, block_ids: Sequence[int]) -> None:
         """One owner lets these blocks go; cached ones become evictable once nobody holds

@@ -6,6 +6,11 @@ a path from the root spells a token prefix. The tree holds one reference on each
 the tree's, at a leaf, is *evictable*: when the allocator runs dry, evictable leaves go least
 recently used first, and a parent whose last child went becomes a leaf in turn.
 
+Every holder of a cached block also holds the blocks before it (a request's block table is a
+path from the root), so a block nobody but the tree holds has no held block below it: all such
+blocks can go, leaves first. The tree keeps their number as it changes, so the scheduler's
+"can eviction free n blocks?" costs O(1) however large the cache grows.
+
 Contract: `match` only reads; callers must `lock` (incref) the matched blocks before anything
 can evict, i.e. before the next allocation.
 """
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from bus.block_hash import chain_hash
@@ -44,6 +49,7 @@ class PrefixTree:
         # Hashes stored and evicted since the last take_events(), for cache-aware routing.
         self._stored: list[int] = []
         self._removed: list[int] = []
+        self._num_unheld = 0  # cached blocks only the tree holds: what eviction can free
 
     def take_events(self) -> tuple[list[int], list[int]]:
         events = self._stored, self._removed
@@ -71,7 +77,9 @@ class PrefixTree:
         """Cache the full blocks `block_ids` holding `token_ids` (a prefix from position 0).
 
         Blocks already cached under the same tokens (another request computed them first)
-        are left alone; the caller's copy stays private to it.
+        are left alone; the caller's copy stays private to it, and so do the caller's blocks
+        after it: cached under the other copy, they would be held by a request that does not
+        hold their parent.
         """
         node, size = self.root, self.block_size
         now = next(self._clock)
@@ -88,10 +96,20 @@ class PrefixTree:
                 self._stored.append(child.hash)
                 self.nodes_by_block[block_id] = child
                 self.allocator.incref(block_id)
+                self._num_unheld += self.allocator.ref_counts[block_id] == 1
                 self._push_if_evictable(node)  # no longer a leaf: validated lazily
             child.last_access = now
             node = child
+            if child.block_id != block_id:
+                break
         self._push_if_evictable(node)
+
+    def hold(self, block_ids: Iterable[int]) -> None:
+        """Another owner holds these blocks (cached or not) from now on."""
+        for block_id in block_ids:
+            if block_id in self.nodes_by_block and self.allocator.ref_counts[block_id] == 1:
+                self._num_unheld -= 1
+            self.allocator.incref(block_id)
 
     def release(self, block_ids: Sequence[int]) -> None:
         """A request let go of these blocks: free them, and note cached ones as evictable."""
@@ -99,6 +117,7 @@ class PrefixTree:
         for block_id in block_ids:
             node = self.nodes_by_block.get(block_id)
             if node is not None:
+                self._num_unheld += self.allocator.ref_counts[block_id] == 1
                 self._push_if_evictable(node)
 
     def _evictable(self, node: Node) -> bool:
@@ -125,26 +144,23 @@ class PrefixTree:
             del self.nodes_by_block[node.block_id]
             self._removed.append(node.hash)
             self.allocator.free([node.block_id])
+            self._num_unheld -= 1
             num_evicted += 1
             self._push_if_evictable(parent)
         return num_evicted
 
     def can_evict(self, num_blocks: int) -> bool:
-        """Whether eviction could free `num_blocks` now. On the scheduler's path: the LRU
-        queue's evictable leaves usually suffice (a decode needs one block), so the whole
-        tree is walked only when they do not."""
-        seen: set[int] = set()
-        for _, _, node in self._lru:
-            if id(node) not in seen and self._evictable(node):
-                seen.add(id(node))
-                if len(seen) >= num_blocks:
-                    return True
-        return self.num_evictable() >= num_blocks
+        """Whether eviction could free `num_blocks` now."""
+        return self._num_unheld >= num_blocks
 
     def num_evictable(self) -> int:
-        """Blocks that eviction could free now: every node whose block only the tree holds and
-        whose whole subtree is free too. Iterative, children before parents: a cached prompt of
-        n blocks is a chain n deep, deeper than Python's recursion allows."""
+        """Blocks that eviction could free now."""
+        return self._num_unheld
+
+    def _walk_evictable(self) -> int:
+        """num_evictable from scratch, for checks: every node whose block only the tree holds
+        and whose whole subtree is free too. Iterative, children before parents: a cached
+        prompt of n blocks is a chain n deep, deeper than Python's recursion allows."""
         order, stack = [], [self.root]
         while stack:
             node = stack.pop()
@@ -171,3 +187,4 @@ class PrefixTree:
                 seen += 1
                 stack.append(child)
         assert seen == len(self.nodes_by_block)
+        assert self._num_unheld == self._walk_evictable(), "a holder skipped a cached ancestor"

@@ -8,7 +8,9 @@
       -> exponential race (in log space)                         draw
 
 Every rung works on the whole batch with per-row parameter tensors; host-side flags skip the
-rungs no row needs, so an all-greedy batch without penalties costs one argmax. Parameters are
+rungs no row needs, so an all-greedy batch without penalties costs one argmax. On CUDA the
+sampled rows' ladder and draw run in one Triton program per row (kernels/sampling.py): no sort
+and no host sync. Parameters are
 normalized once per request (`RequestSampling`), and each step packs them into one tensor.
 Truncated rows first work on their top NUM_CANDIDATES tokens (a topk instead of a full sort)
 and fall back to whole rows only when those cannot hold their kept set.
@@ -48,9 +50,9 @@ def process_logits(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tens
     return logits
 
 
-def race_noise(shape: tuple[int, int], generators: Sequence[torch.Generator | None],
-               shared: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """log E for E ~ Exp(1), [S, V]; seeded rows from their own generator, others from `shared`.
+def exponential_noise(shape: tuple[int, int], generators: Sequence[torch.Generator | None],
+                      shared: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """E ~ Exp(1), [S, V]; seeded rows from their own generator, others from `shared`.
 
     E = -log(U), U uniform in [0, 1): three times faster than exponential_ on a CPU, and never
     0 (U = 0 gives E = inf, which only makes that token lose the race).
@@ -61,7 +63,13 @@ def race_noise(shape: tuple[int, int], generators: Sequence[torch.Generator | No
         noise.uniform_(generator=shared)
     for i in seeded:
         noise[i].uniform_(generator=generators[i])
-    return noise.log_().neg_().log_()
+    return noise.log_().neg_()
+
+
+def race_noise(shape: tuple[int, int], generators: Sequence[torch.Generator | None],
+               shared: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """log E for E ~ Exp(1), [S, V] (see exponential_noise)."""
+    return exponential_noise(shape, generators, shared, device).log_()
 
 
 def draw(logits: torch.Tensor, generators: Sequence[torch.Generator | None],
@@ -78,18 +86,20 @@ def draw(logits: torch.Tensor, generators: Sequence[torch.Generator | None],
 def sample(logits: torch.Tensor, tensors: SamplingTensors,
            generators: Sequence[torch.Generator | None],
            shared_generator: torch.Generator | None = None,
-           num_candidates: int = NUM_CANDIDATES) -> torch.Tensor:
+           num_candidates: int = NUM_CANDIDATES, in_kernel: bool | None = None) -> torch.Tensor:
     """logits [S, V] float32 -> token ids [S] int64. `generators[i]` is row i's, or None.
 
     Truncated rows sample among their candidates when those provably suffice, the rest over
     whole rows; finding which costs one device sync. Which path a row takes, and how much
     noise its own generator draws, depend only on that row, so a seeded row's tokens ignore
-    the rest of the batch.
+    the rest of the batch. `in_kernel` (default: on CUDA) samples in the Triton kernel instead.
     """
     logits = process_logits(logits, tensors)
-    greedy = logits.argmax(dim=-1)  # [S]
     if tensors.all_greedy:
-        return greedy
+        return logits.argmax(dim=-1)
+    if logits.is_cuda if in_kernel is None else in_kernel:
+        return sample_in_kernel(logits, tensors, generators, shared_generator)
+    greedy = logits.argmax(dim=-1)  # [S]
     # Each path applies the temperature to what it reads: candidates, or whole rows.
     inv_temperature = torch.where(tensors.temperature == 0.0, 1.0,
                                   tensors.temperature).reciprocal()  # [S]
@@ -112,3 +122,18 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors,
         tokens = draw(filtered, [generators[i] for i in full_rows], shared_generator)
         sampled = sampled.index_copy(0, rows, tokens)
     return torch.where(tensors.temperature == 0.0, greedy, sampled)
+
+
+def sample_in_kernel(logits: torch.Tensor, tensors: SamplingTensors,
+                     generators: Sequence[torch.Generator | None],
+                     shared_generator: torch.Generator | None = None) -> torch.Tensor:
+    """The whole ladder and the draw in one Triton program per row, greedy rows included:
+    every row reads the full vocabulary once per pass, and nothing waits for the host. The
+    same exponential race on the same noise as the torch path's whole-row draw."""
+    from services.executor.kernels.sampling import sample as sample_rows
+
+    noise = exponential_noise(tuple(logits.shape), generators, shared_generator, logits.device)
+    # The step's parameters are columns of one [S, 7] upload: the kernel reads rows densely.
+    return sample_rows(logits.contiguous(), noise, tensors.temperature.contiguous(),
+                       tensors.top_k.contiguous(), tensors.top_p.contiguous(),
+                       tensors.min_p.contiguous())

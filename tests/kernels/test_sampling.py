@@ -86,3 +86,40 @@ def test_full_vocab_batch_on_gpu():
                      [1.0, 0.9, 1.0, 0.95] * (rows // 4), [0.0, 0.0, 0.05, 0.1] * (rows // 4))
     assert sample(logits, noise, *params).tolist() == \
         sample_reference(logits, noise, *params).tolist()
+
+
+def test_the_sampler_draws_in_the_kernel_what_the_ladder_draws_from_the_same_noise():
+    """sampler.sample's kernel path (CUDA's default): logit bias and min_tokens bans first,
+    then every row's ladder and draw on Exp(1) noise from the row's own seeded generator."""
+    from bus.messages import SamplingParams
+    from services.executor.sampler import exponential_noise, process_logits
+    from services.executor.sampler import sample as sampler_sample
+    from services.executor.sampling_tensors import RequestSampling, SamplingTensors
+
+    vocab_size = 300
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=0.7, top_k=20, seed=2),
+              SamplingParams(temperature=1.0, top_p=0.8, seed=3),
+              SamplingParams(temperature=1.3, min_p=0.05, seed=4),
+              SamplingParams(temperature=0.8, top_k=40, top_p=0.6, min_p=0.02, seed=5),
+              SamplingParams(temperature=1.0, logit_bias={7: 100.0}, seed=6),
+              SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[11])]
+    rows = [RequestSampling.from_params(p, eos_token_ids=(11,), vocab_size=vocab_size)
+            for p in params]
+    tensors = SamplingTensors.build(rows, DEVICE)
+    logits, _ = _batch(len(rows), vocab_size, seed=0)
+    logits[7, 11] = 50.0  # the greedy choice, until min_tokens bans it
+
+    def generators():
+        return [torch.Generator(DEVICE).manual_seed(p.seed) if p.seed is not None else None
+                for p in params]
+
+    shared = torch.Generator(DEVICE).manual_seed(99)
+    got = sampler_sample(logits, tensors, generators(), shared, in_kernel=True)
+    noise = exponential_noise(tuple(logits.shape), generators(),
+                              torch.Generator(DEVICE).manual_seed(99), DEVICE)
+    want = sample_reference(process_logits(logits, tensors), noise, *(
+        t.contiguous() for t in (tensors.temperature, tensors.top_k, tensors.top_p,
+                                 tensors.min_p)))
+    assert got.tolist() == want.tolist()
+    assert got[0] == logits[0].argmax() and got[6] == 7 and got[7] != 11

@@ -9,8 +9,10 @@ For a row of logits x [V] with temperature T (0 = greedy), and Exp(1) noise E [V
 This is the filter ladder of `sampler.sample` (temperature, top-k, top-p, then min-p); the
 torch reference below (`sample_reference`) picks the same token from the same noise, up to
 float rounding in the softmax sums at a filter's edge and ties at the top-p edge (all tied
-tokens stay). `sampler.sample` itself draws its noise differently (in log space), so the two
-agree in distribution, not draw for draw.
+tokens stay). `sampler.sample` runs this kernel on CUDA (`sampler.sample_in_kernel`, the
+same Exp(1) noise from the same generators); its torch path on other devices draws noise
+differently (over candidates, in log space), so the two agree in distribution there, not draw
+for draw.
 
 Every filter keeps an upper set of values, so the kernel never sorts: it keeps one threshold
 `keep_key` on an order-preserving integer image of the floats and finds the top-k and top-p

@@ -14,6 +14,7 @@ ENV PATH=/opt/llmbus/bin:$PATH
 COPY pyproject.toml README.md ./
 COPY bus ./bus
 COPY services ./services
+COPY bench ./bench
 # torch from PyPI is the CUDA build on x86_64; it runs on the CPU as well.
 RUN pip install --no-cache-dir . \
     && llmbus model pull

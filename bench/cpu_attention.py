@@ -1,7 +1,7 @@
 """The C++ paged decode attention (cpu_kernels/paged_attention.cpp) on the default model's
 shapes, against the torch reference it replaces, with the memory traffic it implies.
 
-    python bench/cpu_attention.py [--threads 2] [--isa native|avx2|avx512]
+    python -m llmbus.bench.cpu_attention [--threads 2] [--isa native|avx2|avx512]
 
 Cases: one decode; 16 decodes over their own blocks (bound by memory: GB/s is printed beside
 this machine's copy bandwidth); 16 decodes behind one shared 1,024-token prefix (a layer's
@@ -17,19 +17,17 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-from services.executor.cpu_kernels.library import configure_openmp  # noqa: E402
+from llmbus.services.executor.cpu_kernels.library import configure_openmp  # noqa: E402
 
 configure_openmp()  # as the executor service does, before torch loads
 
 import torch  # noqa: E402
 
-from services.cpu_features import cpu_label  # noqa: E402
-from services.executor.cpu_kernels.library import load_library  # noqa: E402
-from services.executor.cpu_kernels.paged_attention import PagedAttention  # noqa: E402
-from services.executor.model import TorchOps, build_attention_metadata  # noqa: E402
+from llmbus.services.cpu_features import cpu_label  # noqa: E402
+from llmbus.services.executor.cpu_kernels.library import load_library  # noqa: E402
+from llmbus.services.executor.cpu_kernels.paged_attention import PagedAttention  # noqa: E402
+from llmbus.services.executor.model import TorchOps, build_attention_metadata  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M, llmbus's block size
 

@@ -7,7 +7,7 @@ does). HF `generate` runs the same prompts in the same process and run, so the r
 the table it measures the machine: dense GEMM GFLOP/s per dtype and memory-copy GB/s, the
 ceilings any engine here works under; each row's GFLOP/s is what its decode achieved.
 
-    python bench/executor_throughput.py [--device cpu|cuda] [--dtype float32,bfloat16]
+    python -m llmbus.bench.executor_throughput [--device cpu|cuda] [--dtype float32,bfloat16]
         [--weights auto|dense|native] [--batch-sizes 1,16,64] [--prompt-len 128]
         [--new-tokens 32] [--no-hf] [--kernels auto|torch|triton] [--threads N]
 
@@ -27,9 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-
-from bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan  # noqa: E402
+from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -67,13 +65,13 @@ def generate(runner, prompts: list[list[int]], new_tokens: int,
 
 
 def model_path(arg: str | None) -> Path:
-    from services.model_files import default_model_path
+    from llmbus.services.model_files import default_model_path
 
     if arg:
         return Path(arg)
     path = default_model_path()
     if not path.is_file():
-        from services.cli import main as llmbus
+        from llmbus.services.cli import main as llmbus
 
         assert llmbus(["model", "pull"]) == 0, "llmbus model pull failed"
     return path
@@ -132,8 +130,8 @@ class Row:
 def run_llmbus(args, device, dtype: str, prompts_by_batch: dict[int, list[list[int]]],
                path: Path) -> list[Row]:
     """`dtype`: a torch backend dtype, or onnxruntime-fast / onnxruntime-exact."""
-    from services.executor.model import select_ops
-    from services.executor.runner import ModelRunner
+    from llmbus.services.executor.model import select_ops
+    from llmbus.services.executor.runner import ModelRunner
 
     max_len = args.prompt_len + args.new_tokens
     num_blocks = max(prompts_by_batch) * -(-max_len // BLOCK_SIZE) + 1
@@ -159,7 +157,7 @@ def run_llmbus(args, device, dtype: str, prompts_by_batch: dict[int, list[list[i
 
 def run_hf(args, device, prompts_by_batch: dict[int, list[list[int]]], path: Path,
            eos_token_id: int) -> list[Row]:
-    from services.bench.hf_baseline import load_model, measure
+    from llmbus.bench.hf_baseline import load_model, measure
 
     model = load_model(path, args.hf_dtype, str(device))
     rows = []
@@ -201,14 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    from services.cpu_features import has_native_bfloat16
+    from llmbus.services.cpu_features import has_native_bfloat16
 
     cpu_default = "onnxruntime-fast,onnxruntime-exact,float32" + (
         ",bfloat16" if has_native_bfloat16() else "")
     dtypes = (args.dtype or ("bfloat16" if device.type == "cuda" else cpu_default)).split(",")
     path = model_path(args.model)
-    from services.executor.gguf_loader import load_gguf
-    from services.gguf_tokenizer import GGUFTokenizer
+    from llmbus.services.executor.gguf_loader import load_gguf
+    from llmbus.services.gguf_tokenizer import GGUFTokenizer
 
     config = load_gguf(path)[0]
     eos = GGUFTokenizer.from_gguf(path).eos_token_id
@@ -237,7 +235,7 @@ def _same_as(row: Row, hf: Row | None) -> str:
 
 def print_report(args, device, rows: list[Row], hf: dict[int, Row], ceilings: dict[str, float],
                  params: int) -> None:
-    from services.cpu_features import cpu_label
+    from llmbus.services.cpu_features import cpu_label
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_label()
     gemm = ", ".join(f"{k} {v:.0f}" for k, v in ceilings.items() if k != "copy_gbps")

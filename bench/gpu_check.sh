@@ -45,14 +45,14 @@ step "kernel parity on the device"
 "$VENV/bin/python" -m pytest tests/kernels -m "gpu or not gpu" -q -p no:cacheprovider
 
 step "kernel micro-benchmarks"
-"$VENV/bin/python" bench/kernels.py --dtype "$DTYPE" ${PEAK_GBPS:+--peak-gbps "$PEAK_GBPS"}
+"$VENV/bin/python" -m llmbus.bench.kernels --dtype "$DTYPE" ${PEAK_GBPS:+--peak-gbps "$PEAK_GBPS"}
 
 step "end-to-end throughput, Triton kernels"
-"$VENV/bin/python" bench/executor_throughput.py --device cuda --dtype "$DTYPE" \
+"$VENV/bin/python" -m llmbus.bench.executor_throughput --device cuda --dtype "$DTYPE" \
     --batch-sizes 1,16,64 --kernels triton
 
 step "end-to-end throughput, unfused torch ops"
-"$VENV/bin/python" bench/executor_throughput.py --device cuda --dtype "$DTYPE" \
+"$VENV/bin/python" -m llmbus.bench.executor_throughput --device cuda --dtype "$DTYPE" \
     --batch-sizes 1,16,64 --kernels torch --no-hf
 
 step "done"

@@ -4,7 +4,7 @@ Needs a CUDA device; without one it says so and exits 0. Prints microseconds per
 of triton's do_bench) and, for paged decode attention, the achieved memory bandwidth in GB/s
 and as a fraction of the device's peak (table below, or --peak-gbps).
 
-    python bench/kernels.py [--shapes smollm2-135m|llama-8b] [--dtype bfloat16]
+    python -m llmbus.bench.kernels [--shapes smollm2-135m|llama-8b] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -13,11 +13,8 @@ import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 # HBM bandwidth in GB/s from the vendors' datasheets; the first substring of the device name
 # that matches wins, so the more specific names come first.
@@ -66,7 +63,7 @@ def report(name: str, shape: str, fused: Callable, unfused: Callable, extra: str
 
 def paged_setup(context_lens: list[int], query_lens: list[int], s: Shapes, dtype):
     """Caches holding every context, shuffled block tables, and the model's metadata."""
-    from services.executor.model import build_attention_metadata
+    from llmbus.services.executor.model import build_attention_metadata
 
     num_blocks = sum(-(-n // BLOCK_SIZE) for n in context_lens) + 1
     shape = (num_blocks, BLOCK_SIZE, s.num_kv_heads, s.head_dim)
@@ -80,8 +77,8 @@ def paged_setup(context_lens: list[int], query_lens: list[int], s: Shapes, dtype
 
 
 def bench_elementwise(s: Shapes, dtype, num_tokens: int) -> None:
-    from services.executor.kernels import rmsnorm, rope_kv, swiglu
-    from services.executor.model import TorchOps
+    from llmbus.services.executor.kernels import rmsnorm, rope_kv, swiglu
+    from llmbus.services.executor.model import TorchOps
 
     x = torch.randn(num_tokens, s.hidden, dtype=dtype, device=DEVICE)
     residual = torch.randn_like(x)
@@ -109,8 +106,8 @@ def bench_elementwise(s: Shapes, dtype, num_tokens: int) -> None:
 
 
 def bench_decode(s: Shapes, dtype, num_seqs: int, context_len: int, peak: float | None) -> None:
-    from services.executor.kernels.paged_decode_attention import paged_decode_attention
-    from services.executor.model import paged_attention
+    from llmbus.services.executor.kernels.paged_decode_attention import paged_decode_attention
+    from llmbus.services.executor.model import paged_attention
 
     lens = [context_len] * num_seqs
     q, k_cache, v_cache, meta = paged_setup(lens, [1] * num_seqs, s, dtype)
@@ -129,8 +126,8 @@ def bench_decode(s: Shapes, dtype, num_seqs: int, context_len: int, peak: float 
 
 
 def bench_prefill(s: Shapes, dtype, num_seqs: int, chunk: int, prefix: int) -> None:
-    from services.executor.kernels.prefill_attention import prefill_attention
-    from services.executor.model import paged_attention
+    from llmbus.services.executor.kernels.prefill_attention import prefill_attention
+    from llmbus.services.executor.model import paged_attention
 
     q, k_cache, v_cache, meta = paged_setup([prefix + chunk] * num_seqs, [chunk] * num_seqs,
                                             s, dtype)
@@ -145,9 +142,9 @@ def bench_prefill(s: Shapes, dtype, num_seqs: int, chunk: int, prefix: int) -> N
 
 
 def bench_sampling(s: Shapes, num_rows: int) -> None:
-    from services.executor.kernels.sampling import sample
-    from services.executor.sampler import sample as torch_sample
-    from services.executor.sampling_tensors import SamplingTensors
+    from llmbus.services.executor.kernels.sampling import sample
+    from llmbus.services.executor.sampler import sample as torch_sample
+    from llmbus.services.executor.sampling_tensors import SamplingTensors
 
     logits = torch.randn(num_rows, s.vocab, device=DEVICE) * 3
     tensors = SamplingTensors(

@@ -4,7 +4,7 @@
 tokens each; 16 in flight. Prints time to first token (p50/p90) for each run, their ratio, and
 the cache hit rate the engine reports. Target: TTFT p50 at least 3x better with the cache.
 
-    python bench/prefix_cache.py [--requests 64] [--concurrency 16]
+    python -m llmbus.bench.prefix_cache [--requests 64] [--concurrency 16]
 """
 
 from __future__ import annotations
@@ -12,14 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.stack import MODEL_NAME, engine_stats, start_stack, stop_stack  # noqa: E402
 

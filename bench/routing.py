@@ -5,25 +5,22 @@ group, 8 output tokens; every request goes through `llmbus up --replicas engine=
 cache-aware routing each group should stay on one engine, so the hit rate approaches what one
 engine alone gets; random routing splits groups and computes each prefix on both engines.
 
-    python bench/routing.py [--groups 8] [--per-group 8]
+    python -m llmbus.bench.routing [--groups 8] [--per-group 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 from pathlib import Path
 
 import httpx
 import nats
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bus import subjects  # noqa: E402
-from bus.codec import decode, encode  # noqa: E402
-from bus.messages import EngineStats, EngineStatsRequest  # noqa: E402
+from llmbus.bus import subjects  # noqa: E402
+from llmbus.bus.codec import decode, encode  # noqa: E402
+from llmbus.bus.messages import EngineStats, EngineStatsRequest  # noqa: E402
 from tests.stack import MODEL_NAME, start_stack, stop_stack  # noqa: E402
 
 

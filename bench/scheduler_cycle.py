@@ -3,7 +3,7 @@
 No model and no bus: a fake executor samples token 7 for every request. Target: <= 1 ms per
 cycle with 256 running requests (the scheduler must never be what the executor waits for).
 
-    python bench/scheduler_cycle.py [--running 256 1024] [--steps 200]
+    python -m llmbus.bench.scheduler_cycle [--running 256 1024] [--steps 200]
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import argparse
 import statistics
 import time
 
-from bus.messages import SamplingParams, StepResult
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.scheduler import Scheduler
+from llmbus.bus.messages import SamplingParams, StepResult
+from llmbus.services.scheduler.config import SchedulerConfig
+from llmbus.services.scheduler.scheduler import Scheduler
 
 
 def measure(num_running: int, num_steps: int, prefix_caching: bool) -> list[float]:

@@ -1,7 +1,7 @@
 """Bounded soak: mixed load on a real stack for a while; prints every service's memory at the
 start and the end, KV blocks leaked, and errors. Run it for minutes outside CI:
 
-    python bench/soak.py --seconds 600 --concurrency 16
+    python -m llmbus.bench.soak --seconds 600 --concurrency 16
 """
 
 from __future__ import annotations
@@ -9,14 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.stack import MODEL_NAME, engine_stats, start_stack, stop_stack  # noqa: E402
 

@@ -3,7 +3,7 @@ or ONNX Runtime's graphs), attention, the rest of the forward (embedding, rotary
 head's row gather), and everything outside the forward (sampling, logprobs, metadata, request
 bookkeeping).
 
-    python bench/step_profile.py [--batch 1,16] [--context 300,1060] [--exact] [--threads 2]
+    python -m llmbus.bench.step_profile [--batch 1,16] [--context 300,1060] [--exact] [--threads 2]
 
 Each case prefills `batch` requests of `context` tokens, then times decode steps of one token
 per request through `ModelRunner.step`, the executor service's whole per-step work.
@@ -16,10 +16,8 @@ import os
 import sys
 import time
 import types
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-from services.executor.cpu_kernels.library import configure_openmp  # noqa: E402
+from llmbus.services.executor.cpu_kernels.library import configure_openmp  # noqa: E402
 
 configure_openmp()  # as the executor service does, before torch loads
 
@@ -40,8 +38,8 @@ class _Timed:
 
 def profile(runner, batch: int, context: int, num_steps: int) -> dict[str, float]:
     """ms per decode step: total, forward, dense work, attention."""
-    from bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
-    from services.executor import onnx_model
+    from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+    from llmbus.services.executor import onnx_model
 
     model = runner.model
     graphs = list({id(g): g for g in model.graphs + model.single_thread_graphs}.values())
@@ -96,9 +94,9 @@ def main() -> int:
     parser.add_argument("--exact", action="store_true")
     args = parser.parse_args()
 
-    from services.cpu_features import cpu_label
-    from services.executor.runner import ModelRunner
-    from services.model_files import default_model_path
+    from llmbus.services.cpu_features import cpu_label
+    from llmbus.services.executor.runner import ModelRunner
+    from llmbus.services.model_files import default_model_path
 
     batches = [int(b) for b in args.batch.split(",")]
     contexts = [int(c) for c in args.context.split(",")]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bus.messages import Heartbeat
+from llmbus.bus.messages import Heartbeat
 
 HEARTBEAT_INTERVAL = 0.5  # seconds
 DEAD_AFTER = 2.5  # seconds of silence

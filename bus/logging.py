@@ -13,7 +13,7 @@ import sys
 
 import structlog
 
-from bus.tracing import trace_id_hex
+from llmbus.bus.tracing import trace_id_hex
 
 
 def _add_trace_id(_: object, __: str, event: dict) -> dict:

@@ -28,11 +28,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.liveness import HEARTBEAT_INTERVAL
-from bus.messages import Heartbeat, Ping, Pong
-from bus.tracing import extract_context, inject_headers
+from llmbus.bus import subjects
+from llmbus.bus.codec import decode, encode
+from llmbus.bus.liveness import HEARTBEAT_INTERVAL
+from llmbus.bus.messages import Heartbeat, Ping, Pong
+from llmbus.bus.tracing import extract_context, inject_headers
 
 T = TypeVar("T", bound=msgspec.Struct)
 R = TypeVar("R", bound=msgspec.Struct)

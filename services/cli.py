@@ -15,14 +15,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from services.launcher import SERVICE_ORDER
+from llmbus.services.launcher import SERVICE_ORDER
 
 SERVICE_MODULES = {
-    "api": "services.api.service",
-    "tokenizer": "services.tokenizer.service",
-    "scheduler": "services.scheduler.service",
-    "executor": "services.executor.service",
-    "detokenizer": "services.detokenizer.service",
+    "api": "llmbus.services.api.service",
+    "tokenizer": "llmbus.services.tokenizer.service",
+    "scheduler": "llmbus.services.scheduler.service",
+    "executor": "llmbus.services.executor.service",
+    "detokenizer": "llmbus.services.detokenizer.service",
 }
 SERVICE_HELP = {
     "api": "OpenAI-compatible HTTP front end (SSE streaming)",
@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print a .env file for `docker compose`: a random password for every bus "
         "user of deploy/nats.conf and an API key. Use: llmbus compose-env > .env")
 
-    # Parsed by services.bench.cli (see main), so its imports stay out of every other command.
+    # Parsed by llmbus.bench.cli (see main), so its imports stay out of every other command.
     commands.add_parser("bench", add_help=False,
                         help="benchmarks: `bench serve` loads any OpenAI-compatible server, "
                         "`bench compare` runs llmbus against llama.cpp / vLLM / transformers")
@@ -175,9 +175,9 @@ def _argv_for(name: str, args: argparse.Namespace) -> list[str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from bus.logging import configure_logging
-    from bus.runtime import new_instance_id
-    from bus.tracing import configure_tracing, shutdown_tracing
+    from llmbus.bus.logging import configure_logging
+    from llmbus.bus.runtime import new_instance_id
+    from llmbus.bus.tracing import configure_tracing, shutdown_tracing
 
     args.instance_id = args.instance_id or new_instance_id()
     configure_logging(args.service, args.instance_id, fmt=args.log_format, level=args.log_level)
@@ -194,19 +194,19 @@ def _serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from services.bench.cli import main as bench_main
+        from llmbus.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
     if args.command == "compose-env":
-        from services.nats_auth import compose_env
+        from llmbus.services.nats_auth import compose_env
 
         print(compose_env(), end="")
         return 0
     if args.command == "model":
-        from services.model_files import pull_default_model
+        from llmbus.services.model_files import pull_default_model
 
         pull_default_model(force=args.force)
         return 0
@@ -230,10 +230,10 @@ def _tls_files(args: argparse.Namespace) -> tuple[str, str] | None:
 
 def _up(args: argparse.Namespace) -> int:
     """`llmbus up`: the whole stack, after the default model is there and the options check."""
-    from services.launcher import parse_replicas, run_stack
+    from llmbus.services.launcher import parse_replicas, run_stack
 
     if args.model is None:  # the default model must be there before the stack starts
-        from services.model_files import default_model_path, pull_default_model
+        from llmbus.services.model_files import default_model_path, pull_default_model
 
         if not default_model_path().is_file():
             pull_default_model()

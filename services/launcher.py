@@ -25,8 +25,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bus.runtime import TLS_CA_VARIABLE
-from services.nats_auth import generate_passwords, server_config
+from llmbus.bus.runtime import TLS_CA_VARIABLE
+from llmbus.services.nats_auth import generate_passwords, server_config
 
 SERVICE_ORDER = ("executor", "scheduler", "tokenizer", "detokenizer", "api")
 STOP_ORDER = (("api",), ("tokenizer",), ("scheduler",), ("executor", "detokenizer"), ("nats",))
@@ -41,10 +41,19 @@ def _die_with_parent() -> None:
         pass
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A free port this process has not handed out before: clients of a server stopped
+    earlier (they reconnect forever) must not find their way into a new one on the same port."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def wait_for_port(host: str, port: int, timeout: float) -> bool:
@@ -130,7 +139,7 @@ class Stack:
         if self.passwords:
             env |= {"LLMBUS_NATS_USER": name, "LLMBUS_NATS_PASSWORD": self.passwords[name]}
         self._spawn(label or name,
-                    [sys.executable, "-m", "services.cli", "serve", name, *argv], env)
+                    [sys.executable, "-m", "llmbus.services.cli", "serve", name, *argv], env)
 
     def _spawn(self, name: str, cmd: list[str], extra_env: dict[str, str] | None = None,
                ) -> None:

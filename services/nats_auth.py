@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import secrets
 
-from bus import subjects as S
+from llmbus.bus import subjects as S
 
 ANY = "*"  # one subject token: every engine, copy or service
 
@@ -87,7 +87,8 @@ def compose_server_config() -> str:
     for user, marker in markers.items():
         text = text.replace(json.dumps(marker), "$" + password_variable(user))
     return ("# The compose stack's nats-server configuration (compose.yaml). Generated from\n"
-            "# services/nats_auth.py by `python -m services.nats_auth`; a test keeps it current.\n"
+            "# services/nats_auth.py by `python -m llmbus.services.nats_auth`; a test keeps it\n"
+            "# current.\n"
             + text)
 
 

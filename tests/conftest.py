@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.model_files import default_model_path
+from llmbus.services.model_files import default_model_path
 from tests.otlp_receiver import OtlpReceiver
 from tests.stack import API_KEY, RunningStack, start_stack, stop_stack
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.cpu_features import cpu_flags
+from llmbus.services.cpu_features import cpu_flags
 
 ISA_NEEDS = {"native": set(), "generic": {"sse2"}, "avx2": {"avx2", "fma", "f16c"},
              "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
-from services.gguf_tokenizer import GGUFTokenizer, byte_alphabet
+from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+from llmbus.services.gguf_tokenizer import GGUFTokenizer, byte_alphabet
 
 GREEDY = SamplingParams(temperature=0.0)
 

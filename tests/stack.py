@@ -1,28 +1,19 @@
-"""A real llmbus stack for tests and bench scripts: `llmbus up` as a user runs it, stopped
-again, and its engine's stats read off the bus. The one module of tests/ that bench/ imports."""
+"""What tests share about a real stack: auth, the default model's name, skipping without it;
+the stack itself comes from the bench package (benchmark scripts start it the same way)."""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import nats
 import pytest
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.messages import EngineStats, EngineStatsRequest
-from services.launcher import free_port
-from services.model_files import default_model_path
+from llmbus.bench.stack import MODEL_NAME, RunningStack, engine_stats, start_stack, stop_stack
+from llmbus.services.model_files import default_model_path
+
+__all__ = ["API_KEY", "AUTH", "MODEL_NAME", "REPO", "RunningStack", "engine_stats",
+           "needs_default_model", "start_stack", "stop_stack"]
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL_NAME = "smollm2-135m-instruct"
 API_KEY = "llmbus-test-key"  # the shared stack requires it, so every test exercises auth
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -30,55 +21,3 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def needs_default_model() -> pytest.MarkDecorator:
     return pytest.mark.skipif(not default_model_path().is_file(),
                               reason="default model not pulled (`llmbus model pull`)")
-
-
-@dataclass
-class RunningStack:
-    process: subprocess.Popen
-    base_url: str  # http://127.0.0.1:PORT/v1
-    nats_url: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def start_stack(tmp_dir: Path, *extra: str, timeout: float = 240.0,
-                env: dict[str, str] | None = None) -> RunningStack:
-    """Run `llmbus up` as a user would; return once it prints that it is ready."""
-    port = free_port()
-    log_path = tmp_dir / f"llmbus-up-{port}.log"
-    log_file = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--port", str(port), *extra],
-        stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
-        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = log_path.read_text(errors="replace")
-        match = re.search(r"llmbus is ready: (\S+) \(nats: ([^;\s)]+)(?:; observer URL in "
-                          r"(\S+))?\)", text)
-        if match:  # the observer's credentials are in a file the line names, if any
-            url = Path(match.group(3)).read_text().strip() if match.group(3) else match.group(2)
-            return RunningStack(process, match.group(1), url, log_path)
-        if process.poll() is not None:
-            raise RuntimeError(f"llmbus up exited with {process.returncode}:\n{text[-4000:]}")
-        time.sleep(0.2)
-    process.kill()
-    raise TimeoutError(f"llmbus up not ready in {timeout} s:\n{log_path.read_text()[-4000:]}")
-
-
-def stop_stack(stack: RunningStack, timeout: float = 30.0) -> int:
-    if stack.process.poll() is None:
-        stack.process.send_signal(signal.SIGTERM)
-    return stack.process.wait(timeout)
-
-
-async def engine_stats(nats_url: str, engine_id: str = "engine0") -> EngineStats:
-    nc = await nats.connect(nats_url)
-    try:
-        msg = await nc.request(subjects.engine_stats(engine_id), encode(EngineStatsRequest()),
-                               timeout=5)
-        return decode(msg.data, EngineStats)
-    finally:
-        await nc.close()

@@ -12,9 +12,9 @@ import nats
 import pytest
 import uvicorn
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.messages import (
+from llmbus.bus import subjects
+from llmbus.bus.codec import decode, encode
+from llmbus.bus.messages import (
     Admission,
     DeltaBatch,
     EngineStats,
@@ -27,11 +27,11 @@ from bus.messages import (
     Pong,
     TextDelta,
 )
-from bus.runtime import ServiceRuntime
-from services.api.app import ApiSettings, create_app
-from services.api.engine_client import PIPELINE_STAGES, EngineClient
-from services.api.service import answer_metrics
-from services.launcher import Stack, free_port
+from llmbus.bus.runtime import ServiceRuntime
+from llmbus.services.api.app import ApiSettings, create_app
+from llmbus.services.api.engine_client import PIPELINE_STAGES, EngineClient
+from llmbus.services.api.service import answer_metrics
+from llmbus.services.launcher import Stack, free_port
 
 MODEL = "tiny"
 KEY = "k"

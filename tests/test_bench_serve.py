@@ -14,8 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
-from services.bench.client import server_root, stream_request
-from services.bench.datasets import (
+from llmbus.bench.client import server_root, stream_request
+from llmbus.bench.datasets import (
     BenchRequest,
     exact_text,
     jsonl_dataset,
@@ -25,11 +25,11 @@ from services.bench.datasets import (
     shared_prefix_dataset,
     single_token_words,
 )
-from services.bench.metrics import RequestResult, format_report, percentile, summarize
-from services.bench.peers import process_tree, tree_memory_mib
-from services.bench.serve import Progress, RunConfig, arrival_delays, run_benchmark
-from services.bench.tables import render_all
-from services.model_files import default_model_path
+from llmbus.bench.metrics import RequestResult, format_report, percentile, summarize
+from llmbus.bench.peers import process_tree, tree_memory_mib
+from llmbus.bench.serve import Progress, RunConfig, arrival_delays, run_benchmark
+from llmbus.bench.tables import render_all
+from llmbus.services.model_files import default_model_path
 from tests.stack import API_KEY, MODEL_NAME, needs_default_model
 
 
@@ -54,7 +54,7 @@ class WordTokenizer:
 def gguf_tokenizer():
     if not default_model_path().is_file():
         pytest.skip("default model not pulled (`llmbus model pull`)")
-    from services.gguf_tokenizer import GGUFTokenizer
+    from llmbus.services.gguf_tokenizer import GGUFTokenizer
 
     return GGUFTokenizer.from_gguf(default_model_path())
 
@@ -319,7 +319,7 @@ def test_process_tree_memory_of_this_process():
 @pytest.mark.model
 @needs_default_model()
 def test_bench_serve_against_the_stack(stack, tmp_path, capsys):
-    from services.bench.cli import build_parser, run_serve
+    from llmbus.bench.cli import build_parser, run_serve
 
     result_json = tmp_path / "report.json"
     args = build_parser().parse_args([

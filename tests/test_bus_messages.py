@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from bus import messages as m
-from bus.codec import decode, encode
+from llmbus.bus import messages as m
+from llmbus.bus.codec import decode, encode
 
 PARAMS = m.SamplingParams(
     temperature=0.5, top_p=0.9, top_k=40, max_tokens=8, seed=7, ignore_eos=True,

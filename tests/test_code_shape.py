@@ -22,9 +22,26 @@ def _imports() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
                      else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-            found |= {n for n in names if n.split(".")[0] in ("services", "bus")}
+            found |= {n.removeprefix("llmbus.") for n in names
+                      if n.split(".")[:2] in (["llmbus", "services"], ["llmbus", "bus"])}
         graph[name] = found
     return graph
+
+
+def test_everything_imports_the_installed_names():
+    """`from services...` would still work in a checkout (its root is on sys.path), as a second
+    copy of every module beside llmbus.services; in an installed wheel it fails."""
+    bare = []
+    for folder in ("bus", "services", "bench", "tests"):
+        for path in ROOT.joinpath(folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
+                         and not node.level
+                         else [a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [])
+                bare += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                         if n.split(".")[0] in ("bus", "services", "bench")]
+    assert bare == []
 
 
 def test_stages_import_no_other_stage():

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.executor.cpu_kernels import paged_attention
-from services.executor.cpu_kernels.library import load_library
-from services.executor.cpu_kernels.paged_attention import PagedAttention
-from services.executor.model import TorchOps, build_attention_metadata
+from llmbus.services.executor.cpu_kernels import paged_attention
+from llmbus.services.executor.cpu_kernels.library import load_library
+from llmbus.services.executor.cpu_kernels.paged_attention import PagedAttention
+from llmbus.services.executor.model import TorchOps, build_attention_metadata
 from tests.cpu_isas import ISAS
 
 # (atol, rtol) against the float32 reference; float16 caches round K and V

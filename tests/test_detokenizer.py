@@ -8,14 +8,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.detokenizer.incremental import (
+from llmbus.services.detokenizer.incremental import (
     Delta,
     IncrementalDetokenizer,
     find_stop,
     partial_stop_len,
 )
-from services.gguf_tokenizer import GGUFTokenizer
-from services.model_files import default_model_path
+from llmbus.services.gguf_tokenizer import GGUFTokenizer
+from llmbus.services.model_files import default_model_path
 
 MODEL_PATH = default_model_path()
 
@@ -185,8 +185,8 @@ def test_a_copy_taking_over_keeps_the_text_held_back_for_a_stop_string(tokenizer
     """A detokenizer copy dies while it holds back "Par" (it might start the stop string
     "Paris"); the copy taking the completion over replays the dead copy's tokens, so the
     client still gets "Parade", and every character exactly once."""
-    from bus.messages import FinishReason, RequestTokens, TokenBatch
-    from services.detokenizer.detokenization import Detokenization
+    from llmbus.bus.messages import FinishReason, RequestTokens, TokenBatch
+    from llmbus.services.detokenizer.detokenization import Detokenization
 
     ids = tokenizer.encode("We went to the Parade today.")
     cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("Par"))

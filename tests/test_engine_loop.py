@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
-from bus.messages import FinishReason, RequestTokens, SamplingParams, StepPlan, StepResult
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine_loop import EngineLoop
-from services.scheduler.scheduler import Scheduler
+from llmbus.bus.messages import FinishReason, RequestTokens, SamplingParams, StepPlan, StepResult
+from llmbus.services.scheduler.config import SchedulerConfig
+from llmbus.services.scheduler.engine_loop import EngineLoop
+from llmbus.services.scheduler.scheduler import Scheduler
 
 TIMEOUT = 10.0  # generous: the loop's own waits are milliseconds
 

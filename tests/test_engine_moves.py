@@ -10,10 +10,10 @@ import httpx
 import nats
 import pytest
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.messages import EngineStats, EngineStatsRequest
-from services.launcher import Stack, _start_services, free_port, wait_until_ready
+from llmbus.bus import subjects
+from llmbus.bus.codec import decode, encode
+from llmbus.bus.messages import EngineStats, EngineStatsRequest
+from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
 from tests.stack import MODEL_NAME, needs_default_model
 
 pytestmark = [pytest.mark.model, needs_default_model()]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.cpu_features import has_native_bfloat16
-from services.executor.runner import ModelRunner
-from services.model_files import default_model_path
+from llmbus.services.cpu_features import has_native_bfloat16
+from llmbus.services.executor.runner import ModelRunner
+from llmbus.services.model_files import default_model_path
 from tests.gguf_fixtures import generate
 
 pytestmark = [

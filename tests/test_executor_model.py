@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
-from services.executor.gguf_loader import UnsupportedModelError, load_gguf
-from services.executor.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
-from services.executor.model import LlamaModel, build_attention_metadata
-from services.executor.runner import ModelRunner
-from services.executor.sampler import sample
-from services.executor.sampling_tensors import SamplingTensors
+from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+from llmbus.services.executor.gguf_loader import UnsupportedModelError, load_gguf
+from llmbus.services.executor.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
+from llmbus.services.executor.model import LlamaModel, build_attention_metadata
+from llmbus.services.executor.runner import ModelRunner
+from llmbus.services.executor.sampler import sample
+from llmbus.services.executor.sampling_tensors import SamplingTensors
 from tests.gguf_fixtures import GREEDY, TinySpec, generate, write_tiny_llama
 
 SPEC = TinySpec()
@@ -236,8 +236,8 @@ def test_sampler_filters():
 
 def test_small_steps_run_on_fewer_threads(tiny, monkeypatch):
     """Steps of at most SMALL_STEP_TOKENS tokens take small_step_threads, bigger ones all."""
-    from services.executor import runner as runner_module
-    from services.executor.service import default_small_step_threads
+    from llmbus.services.executor import runner as runner_module
+    from llmbus.services.executor.service import default_small_step_threads
 
     before = torch.get_num_threads()
     try:

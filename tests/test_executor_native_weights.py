@@ -8,16 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.executor.cpu_kernels.library import build, load_library, quant_matmul_runs
-from services.executor.cpu_kernels.quant_matmul import (
+from llmbus.services.executor.cpu_kernels.library import build, load_library, quant_matmul_runs
+from llmbus.services.executor.cpu_kernels.quant_matmul import (
     KERNEL_MAX_ROWS,
     Q4_1Float32Linear,
     Q8_0Float32Linear,
     pack_codes,
 )
-from services.executor.gguf_loader import Q4_1Weight, Q8_0Weight, load_gguf
-from services.executor.linear import INT4_MAX_ROWS, DenseLinear, Int4Linear, make_linear
-from services.executor.runner import ModelRunner
+from llmbus.services.executor.gguf_loader import Q4_1Weight, Q8_0Weight, load_gguf
+from llmbus.services.executor.linear import INT4_MAX_ROWS, DenseLinear, Int4Linear, make_linear
+from llmbus.services.executor.runner import ModelRunner
 from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama
 
 SPEC = TinySpec()

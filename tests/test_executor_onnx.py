@@ -11,11 +11,11 @@ import pytest
 import torch
 from onnx import TensorProto
 
-from services.executor.gguf_loader import load_gguf
-from services.executor.kv_cache import KVCache
-from services.executor.onnx_graphs import MatrixSource, layer_graphs
-from services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
-from services.executor.runner import ModelRunner
+from llmbus.services.executor.gguf_loader import load_gguf
+from llmbus.services.executor.kv_cache import KVCache
+from llmbus.services.executor.onnx_graphs import MatrixSource, layer_graphs
+from llmbus.services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
+from llmbus.services.executor.runner import ModelRunner
 from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama
 from tests.test_executor_model import _run, reference_logits
 

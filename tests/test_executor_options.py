@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from services import cpu_features
-from services.executor.service import add_arguments, resolve_backend
+from llmbus.services import cpu_features
+from llmbus.services.executor.service import add_arguments, resolve_backend
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.executor.gguf_loader import load_gguf
-from services.executor.int_step import WIDE_DOWN_TOKENS
-from services.executor.kv_cache import KVCache
-from services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
-from services.executor.perplexity import perplexity
-from services.gguf_tokenizer import GGUFTokenizer
-from services.model_files import default_model_path
+from llmbus.services.executor.gguf_loader import load_gguf
+from llmbus.services.executor.int_step import WIDE_DOWN_TOKENS
+from llmbus.services.executor.kv_cache import KVCache
+from llmbus.services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
+from llmbus.services.executor.perplexity import perplexity
+from llmbus.services.gguf_tokenizer import GGUFTokenizer
+from llmbus.services.model_files import default_model_path
 
 pytestmark = [
     pytest.mark.model,

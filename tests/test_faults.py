@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from services.launcher import Stack, _start_services, free_port, wait_until_ready
+from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
 from tests.stack import MODEL_NAME, REPO, needs_default_model, start_stack
 
 pytestmark = [pytest.mark.model, needs_default_model()]
@@ -98,7 +98,7 @@ def test_sigterm_during_a_stream_ends_it_cleanly(tmp_path):
 
 def test_soak_script_runs_briefly():
     """The soak script itself (a short run here; minutes long outside CI)."""
-    result = subprocess.run([sys.executable, "bench/soak.py", "--seconds", "8",
+    result = subprocess.run([sys.executable, "-m", "llmbus.bench.soak", "--seconds", "8",
                              "--concurrency", "4"], cwd=REPO, capture_output=True, text=True,
                             timeout=240, env=dict(os.environ))
     assert result.returncode == 0, result.stderr[-2000:]

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.executor.cpu_kernels.library import load_library
-from services.executor.gguf_loader import Q4_1Weight, Q8_0Weight, load_gguf
-from services.executor.int_step import int_linear
-from services.executor.kv_cache import KVCache
-from services.executor.model import build_attention_metadata
-from services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
-from services.executor.quant_parts import QuantPart
-from services.model_files import default_model_path
+from llmbus.services.executor.cpu_kernels.library import load_library
+from llmbus.services.executor.gguf_loader import Q4_1Weight, Q8_0Weight, load_gguf
+from llmbus.services.executor.int_step import int_linear
+from llmbus.services.executor.kv_cache import KVCache
+from llmbus.services.executor.model import build_attention_metadata
+from llmbus.services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
+from llmbus.services.executor.quant_parts import QuantPart
+from llmbus.services.model_files import default_model_path
 from tests.cpu_isas import ISAS
 
 needs_compiler = pytest.mark.skipif(load_library() is None, reason="no C++ compiler here")

@@ -3,7 +3,7 @@ what was asked (exact block ids)."""
 
 from __future__ import annotations
 
-from services.scheduler.kv_manager import KVManager
+from llmbus.services.scheduler.kv_manager import KVManager
 
 SIZE = 2
 

@@ -14,10 +14,15 @@ import nats
 import pytest
 import yaml
 
-from bus import subjects
-from services.cli import build_parser
-from services.launcher import SERVICE_ORDER, free_port, nats_server_binary, wait_for_port
-from services.nats_auth import PERMISSIONS, compose_env, compose_server_config, password_variable
+from llmbus.bus import subjects
+from llmbus.services.cli import build_parser
+from llmbus.services.launcher import SERVICE_ORDER, free_port, nats_server_binary, wait_for_port
+from llmbus.services.nats_auth import (
+    PERMISSIONS,
+    compose_env,
+    compose_server_config,
+    password_variable,
+)
 from tests.stack import AUTH, MODEL_NAME, REPO, needs_default_model, start_stack, stop_stack
 
 
@@ -61,7 +66,7 @@ def test_up_serves_and_sigterm_leaves_no_process(tmp_path):
 def test_up_says_which_service_died_and_stops_the_rest(tmp_path):
     port = free_port()
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--port", str(port),
+        [sys.executable, "-m", "llmbus.services.cli", "up", "--port", str(port),
          "--model", str(tmp_path / "missing.gguf")],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
@@ -263,7 +268,7 @@ async def test_up_serves_the_bus_over_tls_only(tmp_path):
 
 
 def test_up_hands_each_service_its_own_options_and_no_defaults():
-    from services.cli import _argv_for, build_parser
+    from llmbus.services.cli import _argv_for, build_parser
 
     args = build_parser().parse_args(["up", "--threads", "3", "--no-prefix-caching",
                                       "--engine-id", "e9", "--port", "9000",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from services import model_files
+from llmbus.services import model_files
 
 
 class _Stream(io.StringIO):

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from bus.logging import configure_logging
+from llmbus.bus.logging import configure_logging
 from tests.stack import API_KEY, AUTH, MODEL_NAME
 
 pytestmark = pytest.mark.model

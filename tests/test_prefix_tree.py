@@ -3,8 +3,8 @@ scheduler asks before it evicts (kept as blocks change hands, checked against a 
 
 from __future__ import annotations
 
-from services.scheduler.block_allocator import BlockAllocator
-from services.scheduler.prefix_tree import PrefixTree
+from llmbus.services.scheduler.block_allocator import BlockAllocator
+from llmbus.services.scheduler.prefix_tree import PrefixTree
 
 BLOCK = 4
 

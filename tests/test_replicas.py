@@ -14,10 +14,10 @@ import nats
 import openai
 import pytest
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.messages import EngineStats, EngineStatsRequest, Heartbeat
-from services.launcher import Stack, _start_services, free_port, wait_until_ready
+from llmbus.bus import subjects
+from llmbus.bus.codec import decode, encode
+from llmbus.bus.messages import EngineStats, EngineStatsRequest, Heartbeat
+from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
 from tests.stack import API_KEY, MODEL_NAME, needs_default_model
 from tests.test_launcher import processes_mentioning
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from bus import subjects
-from bus.block_hash import block_hashes
-from bus.liveness import Liveness
-from bus.messages import CacheEvent, FinishReason, Heartbeat, RequestTokens, SamplingParams
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.detokenizer_routing import DetokenizerRouting
-from services.scheduler.scheduler import Scheduler
-from services.tokenizer.router import BALANCE_SLACK, Router
+from llmbus.bus import subjects
+from llmbus.bus.block_hash import block_hashes
+from llmbus.bus.liveness import Liveness
+from llmbus.bus.messages import CacheEvent, FinishReason, Heartbeat, RequestTokens, SamplingParams
+from llmbus.services.scheduler.config import SchedulerConfig
+from llmbus.services.scheduler.detokenizer_routing import DetokenizerRouting
+from llmbus.services.scheduler.scheduler import Scheduler
+from llmbus.services.tokenizer.router import BALANCE_SLACK, Router
 
 
 def beat(instance: str, running: int = 0, service: str = "scheduler") -> Heartbeat:
@@ -127,11 +127,11 @@ async def test_an_engine_too_slow_to_admit_is_told_to_withdraw():
 
     import nats
 
-    from bus.codec import decode, encode
-    from bus.messages import AbortRequest, Admission, SubmitRequest
-    from bus.runtime import ServiceRuntime
-    from services.launcher import Stack
-    from services.tokenizer.service import submit_to_an_engine
+    from llmbus.bus.codec import decode, encode
+    from llmbus.bus.messages import AbortRequest, Admission, SubmitRequest
+    from llmbus.bus.runtime import ServiceRuntime
+    from llmbus.services.launcher import Stack
+    from llmbus.services.tokenizer.service import submit_to_an_engine
 
     stack = Stack()
     try:

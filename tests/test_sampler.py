@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import torch
 
-from bus.messages import (
+from llmbus.bus.messages import (
     NewRequestData,
     SamplingParams,
     ScheduledRequest,
@@ -21,12 +21,12 @@ from bus.messages import (
     StepResult,
     TokenLogprobs,
 )
-from services.executor.logprobs import MAX_LOGPROBS, token_logprobs
-from services.executor.penalties import TokenCounts, apply_penalties_
-from services.executor.runner import ModelRunner
-from services.executor.sampler import process_logits, sample
-from services.executor.sampling_tensors import SamplingTensors
-from services.executor.truncation import (
+from llmbus.services.executor.logprobs import MAX_LOGPROBS, token_logprobs
+from llmbus.services.executor.penalties import TokenCounts, apply_penalties_
+from llmbus.services.executor.runner import ModelRunner
+from llmbus.services.executor.sampler import process_logits, sample
+from llmbus.services.executor.sampling_tensors import SamplingTensors
+from llmbus.services.executor.truncation import (
     NUM_CANDIDATES,
     filter_logits,
     truncate_candidates,

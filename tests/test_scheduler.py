@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from bus.messages import FinishReason, SamplingParams, StepResult
-from services.scheduler.admission import AdmissionError
-from services.scheduler.block_allocator import BlockAllocator
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.scheduler import Scheduler
+from llmbus.bus.messages import FinishReason, SamplingParams, StepResult
+from llmbus.services.scheduler.admission import AdmissionError
+from llmbus.services.scheduler.block_allocator import BlockAllocator
+from llmbus.services.scheduler.config import SchedulerConfig
+from llmbus.services.scheduler.scheduler import Scheduler
 
 EOS = 2
 

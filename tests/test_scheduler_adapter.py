@@ -9,10 +9,10 @@ import asyncio
 import nats
 import pytest
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.liveness import HEARTBEAT_INTERVAL
-from bus.messages import (
+from llmbus.bus import subjects
+from llmbus.bus.codec import decode, encode
+from llmbus.bus.liveness import HEARTBEAT_INTERVAL
+from llmbus.bus.messages import (
     Admission,
     ExecutorInfo,
     FinishReason,
@@ -23,10 +23,10 @@ from bus.messages import (
     SubmitRequest,
     TokenBatch,
 )
-from bus.runtime import ServiceRuntime
-from services.cli import build_parser
-from services.launcher import Stack
-from services.scheduler.service import SchedulerService, _run_until_stopped
+from llmbus.bus.runtime import ServiceRuntime
+from llmbus.services.cli import build_parser
+from llmbus.services.launcher import Stack
+from llmbus.services.scheduler.service import SchedulerService, _run_until_stopped
 
 TIMEOUT = 20.0
 ENGINE = "engine0"

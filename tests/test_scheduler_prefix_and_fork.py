@@ -7,7 +7,7 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.messages import BlockCopy, FinishReason, SamplingParams, StepResult
+from llmbus.bus.messages import BlockCopy, FinishReason, SamplingParams, StepResult
 from tests.test_scheduler import EOS, add, make, run_step
 
 

@@ -9,9 +9,9 @@ import asyncio
 import nats
 import pytest
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.messages import (
+from llmbus.bus import subjects
+from llmbus.bus.codec import decode, encode
+from llmbus.bus.messages import (
     AbortRequest,
     Admission,
     DecodeRequest,
@@ -27,13 +27,13 @@ from bus.messages import (
     SubmitRequest,
     TokenBatch,
 )
-from bus.runtime import ServiceRuntime
-from services.detokenizer import service as detokenizer_service
-from services.detokenizer.detokenization import Detokenization
-from services.launcher import Stack
-from services.tokenizer.router import Router
-from services.tokenizer.service import TokenizerService
-from services.tokenizer.tokenization import Tokenization
+from llmbus.bus.runtime import ServiceRuntime
+from llmbus.services.detokenizer import service as detokenizer_service
+from llmbus.services.detokenizer.detokenization import Detokenization
+from llmbus.services.launcher import Stack
+from llmbus.services.tokenizer.router import Router
+from llmbus.services.tokenizer.service import TokenizerService
+from llmbus.services.tokenizer.tokenization import Tokenization
 from tests.gguf_fixtures import tiny_tokenizer
 
 TIMEOUT = 10.0
@@ -117,9 +117,13 @@ async def test_the_detokenizer_streams_text_and_aborts_at_a_stop_string(bus):
             await client.publish(subjects.DETOKENIZER_TOKENS, encode(TokenBatch(
                 engine_id="e0", items=[RequestTokens(request_id="r", reply_subject="api.x",
                                                      new_token_ids=piece, stop=[", w"])])))
-        async with asyncio.timeout(TIMEOUT):
-            while not (aborts and any(d.finish_reason for b in deltas for d in b.items)):
-                await asyncio.sleep(0.01)
+        try:
+            async with asyncio.timeout(TIMEOUT):
+                while not (aborts and any(d.finish_reason for b in deltas for d in b.items)):
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            raise AssertionError(f"after {TIMEOUT} s: deltas {deltas}, aborts {aborts}, "
+                                 f"handled {runtime.num_handled}") from None
     text = "".join(d.text for b in deltas for d in b.items)
     assert text == "hello" and deltas[-1].items[-1].finish_reason == FinishReason.STOP
     assert (aborts[0].request_id, aborts[0].index) == ("r", 0)  # the engine frees its blocks
@@ -129,7 +133,7 @@ async def test_the_detokenizer_streams_text_and_aborts_at_a_stop_string(bus):
 async def test_the_executor_answers_info_and_steps_on_a_tiny_model(bus, tmp_path):
     """The executor's real handlers over a tiny generated GGUF (no default model): its cache
     geometry, then a prefill and a decode step with greedy tokens."""
-    from bus.messages import (
+    from llmbus.bus.messages import (
         ExecutorInfo,
         ExecutorInfoRequest,
         NewRequestData,
@@ -137,8 +141,8 @@ async def test_the_executor_answers_info_and_steps_on_a_tiny_model(bus, tmp_path
         StepPlan,
         StepResult,
     )
-    from services.cli import build_parser
-    from services.executor import service as executor_service
+    from llmbus.services.cli import build_parser
+    from llmbus.services.executor import service as executor_service
     from tests.gguf_fixtures import GREEDY, write_tiny_llama
 
     url, client = bus

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.messages import (
+from llmbus.bus.messages import (
     ChatMessage,
     EncodeRequest,
     FinishReason,
@@ -15,8 +15,8 @@ from bus.messages import (
     TokenBatch,
     TokenLogprobs,
 )
-from services.detokenizer.detokenization import Detokenization
-from services.tokenizer.tokenization import Tokenization
+from llmbus.services.detokenizer.detokenization import Detokenization
+from llmbus.services.tokenizer.tokenization import Tokenization
 from tests.gguf_fixtures import tiny_tokenizer
 
 TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -5,13 +5,13 @@ from __future__ import annotations
 import gguf
 import pytest
 
-from services.gguf_tokenizer import (
+from llmbus.services.gguf_tokenizer import (
     GGUFTokenizer,
     UnsupportedTokenizerError,
     byte_alphabet,
 )
-from services.model_files import default_model_path
-from services.tokenizer.chat_template import ChatTemplateError, render_chat_template
+from llmbus.services.model_files import default_model_path
+from llmbus.services.tokenizer.chat_template import ChatTemplateError, render_chat_template
 from tests.gguf_fixtures import tiny_tokenizer
 
 MODEL_PATH = default_model_path()
@@ -193,7 +193,7 @@ def test_llama3_split_follows_its_published_pattern(vocab_files):
     GPT-2's and Qwen2's where they should (digits in threes)."""
     import regex
 
-    from services.gguf_tokenizer import _LLAMA3_WORDS
+    from llmbus.services.gguf_tokenizer import _LLAMA3_WORDS
 
     tokens, merges, _ = vocab_files
     spell = byte_alphabet()

@@ -17,23 +17,23 @@ Three id spaces, each named so:
   `instance_id`: one process of a stage, new on every start.
 """
 
-from bus.messages.common import (
+from llmbus.bus.messages.common import (
     ChatMessage,
     ErrorCode,
     FinishReason,
     SamplingParams,
     TokenLogprobs,
 )
-from bus.messages.to_api import (
+from llmbus.bus.messages.to_api import (
     ApiMetricsRequest,
     ApiMetricsSnapshot,
     DeltaBatch,
     TextDelta,
     TextLogprob,
 )
-from bus.messages.to_detokenizer import RequestTokens, TokenBatch
-from bus.messages.to_every_stage import Heartbeat, Ping, Pong
-from bus.messages.to_executor import (
+from llmbus.bus.messages.to_detokenizer import RequestTokens, TokenBatch
+from llmbus.bus.messages.to_every_stage import Heartbeat, Ping, Pong
+from llmbus.bus.messages.to_executor import (
     BlockCopy,
     ExecutorInfo,
     ExecutorInfoRequest,
@@ -42,7 +42,7 @@ from bus.messages.to_executor import (
     StepPlan,
     StepResult,
 )
-from bus.messages.to_scheduler import (
+from llmbus.bus.messages.to_scheduler import (
     AbortRequest,
     EngineStats,
     EngineStatsRequest,
@@ -50,7 +50,7 @@ from bus.messages.to_scheduler import (
     ModelInfoRequest,
     SubmitRequest,
 )
-from bus.messages.to_tokenizer import (
+from llmbus.bus.messages.to_tokenizer import (
     Admission,
     CacheEvent,
     DecodeRequest,

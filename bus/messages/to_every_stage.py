@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bus.messages.common import Message
+from llmbus.bus.messages.common import Message
 
 
 class Heartbeat(Message):

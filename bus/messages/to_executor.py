@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bus.messages.common import Message, SamplingParams, TokenLogprobs
+from llmbus.bus.messages.common import Message, SamplingParams, TokenLogprobs
 
 
 class ExecutorInfoRequest(Message):

@@ -3,7 +3,7 @@ its replies."""
 
 from __future__ import annotations
 
-from bus.messages.common import ChatMessage, ErrorCode, Message, SamplingParams
+from llmbus.bus.messages.common import ChatMessage, ErrorCode, Message, SamplingParams
 
 
 class GenerateRequest(Message):

@@ -20,12 +20,12 @@ from litestar.datastructures import State
 from litestar.handlers import BaseRouteHandler
 from litestar.response import ServerSentEvent
 
-from bus.messages import EncodeRequest
-from services.api.engine_client import EngineClient
-from services.api.errors import EXCEPTION_HANDLERS, OpenAIError, bad_request
-from services.api.generation import Generation
-from services.api.metrics import ApiMetrics
-from services.api.schemas import (
+from llmbus.bus.messages import EncodeRequest
+from llmbus.services.api.engine_client import EngineClient
+from llmbus.services.api.errors import EXCEPTION_HANDLERS, OpenAIError, bad_request
+from llmbus.services.api.generation import Generation
+from llmbus.services.api.metrics import ApiMetrics
+from llmbus.services.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

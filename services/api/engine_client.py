@@ -15,9 +15,9 @@ import nats.errors
 import structlog
 from nats.aio.msg import Msg
 
-from bus import subjects
-from bus.liveness import HEARTBEAT_INTERVAL, Liveness
-from bus.messages import (
+from llmbus.bus import subjects
+from llmbus.bus.liveness import HEARTBEAT_INTERVAL, Liveness
+from llmbus.bus.messages import (
     AbortRequest,
     Admission,
     ApiMetricsRequest,
@@ -39,8 +39,8 @@ from bus.messages import (
     Pong,
     TextDelta,
 )
-from bus.runtime import ServiceRuntime
-from services.api.errors import OpenAIError
+from llmbus.bus.runtime import ServiceRuntime
+from llmbus.services.api.errors import OpenAIError
 
 log = structlog.get_logger()
 

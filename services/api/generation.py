@@ -20,11 +20,17 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from bus.messages import FinishReason, GenerateRequest, SamplingParams, TextDelta, TextLogprob
-from services.api import openai_responses as fmt
-from services.api.engine_client import EngineClient
-from services.api.errors import OpenAIError
-from services.api.metrics import ApiMetrics
+from llmbus.bus.messages import (
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    TextDelta,
+    TextLogprob,
+)
+from llmbus.services.api import openai_responses as fmt
+from llmbus.services.api.engine_client import EngineClient
+from llmbus.services.api.errors import OpenAIError
+from llmbus.services.api.metrics import ApiMetrics
 
 log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.api")

@@ -24,7 +24,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from bus.messages import ApiMetricsSnapshot, EngineStats
+from llmbus.bus.messages import ApiMetricsSnapshot, EngineStats
 
 disable_created_metrics()  # no `_created` series: vLLM's dashboards do not read them
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bus.messages import FinishReason, TextLogprob
+from llmbus.bus.messages import FinishReason, TextLogprob
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                   FinishReason.ABORT: "abort"}

@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from bus.messages import ChatMessage, SamplingParams
-from services.api.errors import bad_request
+from llmbus.bus.messages import ChatMessage, SamplingParams
+from llmbus.services.api.errors import bad_request
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64

@@ -11,12 +11,12 @@ import uvicorn
 from litestar import Litestar
 from nats.aio.msg import Msg
 
-from bus import subjects
-from bus.messages import ApiMetricsRequest, ApiMetricsSnapshot
-from bus.runtime import ServiceRuntime
-from services.api.app import ApiSettings, create_app
-from services.api.engine_client import EngineClient
-from services.api.schemas import Limits
+from llmbus.bus import subjects
+from llmbus.bus.messages import ApiMetricsRequest, ApiMetricsSnapshot
+from llmbus.bus.runtime import ServiceRuntime
+from llmbus.services.api.app import ApiSettings, create_app
+from llmbus.services.api.engine_client import EngineClient
+from llmbus.services.api.schemas import Limits
 
 log = structlog.get_logger()
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from bus.messages import FinishReason, TextDelta, TextLogprob, TokenBatch, TokenLogprobs
-from services.detokenizer.incremental import IncrementalDetokenizer
-from services.gguf_tokenizer import GGUFTokenizer, byte_alphabet
+from llmbus.bus.messages import FinishReason, TextDelta, TextLogprob, TokenBatch, TokenLogprobs
+from llmbus.services.detokenizer.incremental import IncrementalDetokenizer
+from llmbus.services.gguf_tokenizer import GGUFTokenizer, byte_alphabet
 
 # Requests ended by a stop string are remembered until the scheduler confirms their end.
 _MAX_STOPPED_REMEMBERED = 10_000

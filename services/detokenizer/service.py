@@ -19,13 +19,13 @@ import structlog
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from bus import subjects
-from bus.messages import AbortRequest, DeltaBatch, TokenBatch
-from bus.runtime import ServiceRuntime
-from bus.tracing import context_from_traceparent
-from services.detokenizer.detokenization import Detokenization, EndedCompletion
-from services.gguf_tokenizer import GGUFTokenizer
-from services.model_files import resolve_model
+from llmbus.bus import subjects
+from llmbus.bus.messages import AbortRequest, DeltaBatch, TokenBatch
+from llmbus.bus.runtime import ServiceRuntime
+from llmbus.bus.tracing import context_from_traceparent
+from llmbus.services.detokenizer.detokenization import Detokenization, EndedCompletion
+from llmbus.services.gguf_tokenizer import GGUFTokenizer
+from llmbus.services.model_files import resolve_model
 
 log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.detokenizer")

@@ -23,9 +23,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from services.executor.gguf_loader import LlamaConfig
-from services.executor.model import rms_norm
-from services.executor.quant_parts import LayerParts, QuantPart
+from llmbus.services.executor.gguf_loader import LlamaConfig
+from llmbus.services.executor.model import rms_norm
+from llmbus.services.executor.quant_parts import LayerParts, QuantPart
 
 # Steps of at least this many tokens take this path where it is on (2 Zen 4 cores: at 64 rows
 # widening the weights costs more than the GEMMs save).

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from services.executor.gguf_loader import LlamaConfig
-from services.executor.quant_parts import LayerParts, QuantPart
+from llmbus.services.executor.gguf_loader import LlamaConfig
+from llmbus.services.executor.quant_parts import LayerParts, QuantPart
 
 # 4-bit QKV projections always take int16 activations: int8 ones there cost most of the fast
 # mode's perplexity (see OnnxLlamaModel); the down projection takes them in steps of up to this

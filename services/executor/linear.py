@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from services.executor.gguf_loader import Q4_1_GROUP, NativeWeight, Q4_1Weight, Q8_0Weight
+from llmbus.services.executor.gguf_loader import Q4_1_GROUP, NativeWeight, Q4_1Weight, Q8_0Weight
 
 # Rows at or below which the int4 kernel beats dense bfloat16 on the CPU (measured with
 # bench/executor_throughput.py on 2 Zen 4 cores: int4 wins 2.2x at 1 row and 1.1x at 16,
@@ -82,7 +82,7 @@ def native_kernels_run(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cpu":
         return False
     if dtype == torch.float32:
-        from services.executor.cpu_kernels.library import load_library, quant_matmul_runs
+        from llmbus.services.executor.cpu_kernels.library import load_library, quant_matmul_runs
 
         return quant_matmul_runs(load_library())
     return dtype in INT4_DTYPES
@@ -95,8 +95,11 @@ def make_linear(dense: torch.Tensor, parts: list[NativeWeight] | None, *,
 
     Q8_0 kernels return float32, so they serve float32 models, and the vocab `head` of any.
     """
-    from services.executor.cpu_kernels.library import load_library, quant_matmul_runs
-    from services.executor.cpu_kernels.quant_matmul import Q4_1Float32Linear, Q8_0Float32Linear
+    from llmbus.services.executor.cpu_kernels.library import load_library, quant_matmul_runs
+    from llmbus.services.executor.cpu_kernels.quant_matmul import (
+        Q4_1Float32Linear,
+        Q8_0Float32Linear,
+    )
 
     def stacked(kind):  # one weight of `kind` from the row-stacked parts
         return kind(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(kind)))

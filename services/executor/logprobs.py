@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from bus.messages import TokenLogprobs
+from llmbus.bus.messages import TokenLogprobs
 
 MAX_LOGPROBS = 20  # the most alternatives a request gets (OpenAI's top_logprobs limit)
 _EXP_FLOOR = -80.0  # exp(-80) ~ 2e-35 is still a normal float32

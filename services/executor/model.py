@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from services.executor.gguf_loader import LlamaConfig, NativeWeight
-from services.executor.kv_cache import NULL_BLOCK_ID, KVCache
-from services.executor.linear import DenseLinear, Linear, make_linear
+from llmbus.services.executor.gguf_loader import LlamaConfig, NativeWeight
+from llmbus.services.executor.kv_cache import NULL_BLOCK_ID, KVCache
+from llmbus.services.executor.linear import DenseLinear, Linear, make_linear
 
 
 @dataclass
@@ -242,7 +242,7 @@ def select_ops(kernels: str | None, device: torch.device):
     if kernels == "torch":
         return TorchOps
     if kernels == "triton":
-        from services.executor.kernels.ops import TritonOps  # imports triton: CUDA path only
+        from llmbus.services.executor.kernels.ops import TritonOps  # imports triton: CUDA path only
 
         return TritonOps
     raise ValueError(f"unknown kernels {kernels!r}: expected 'torch' or 'triton'")

@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from services.executor.gguf_loader import QUANT_GROUP, LlamaConfig, Q4_1Weight, Q8_0Weight
+from llmbus.services.executor.gguf_loader import QUANT_GROUP, LlamaConfig, Q4_1Weight, Q8_0Weight
 
 OPSET = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 FLOAT = TensorProto.FLOAT

@@ -26,16 +26,16 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from services.cpu_features import has_amx_bfloat16
-from services.executor.cpu_kernels.library import load_library
-from services.executor.cpu_kernels.paged_attention import PagedAttention
-from services.executor.dense_prefill import DENSE_PREFILL_TOKENS, DensePrefill
-from services.executor.gguf_loader import QUANT_GROUP, LlamaConfig, NativeWeight, Q8_0Weight
-from services.executor.int_step import IntStep
-from services.executor.kv_cache import KVCache
-from services.executor.model import AttentionMetadata, TorchOps, rope_tables
-from services.executor.onnx_graphs import MatrixSource, head_graph, layer_graphs
-from services.executor.quant_parts import (
+from llmbus.services.cpu_features import has_amx_bfloat16
+from llmbus.services.executor.cpu_kernels.library import load_library
+from llmbus.services.executor.cpu_kernels.paged_attention import PagedAttention
+from llmbus.services.executor.dense_prefill import DENSE_PREFILL_TOKENS, DensePrefill
+from llmbus.services.executor.gguf_loader import QUANT_GROUP, LlamaConfig, NativeWeight, Q8_0Weight
+from llmbus.services.executor.int_step import IntStep
+from llmbus.services.executor.kv_cache import KVCache
+from llmbus.services.executor.model import AttentionMetadata, TorchOps, rope_tables
+from llmbus.services.executor.onnx_graphs import MatrixSource, head_graph, layer_graphs
+from llmbus.services.executor.quant_parts import (
     COLUMNS,
     LAYER_MATRICES,
     QuantPart,

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from services.executor.kv_cache import KVCache
-from services.executor.model import build_attention_metadata
+from llmbus.services.executor.kv_cache import KVCache
+from llmbus.services.executor.model import build_attention_metadata
 
 
 def perplexity(model, kv_cache: KVCache, token_ids: list[int], chunk_size: int = 256) -> float:

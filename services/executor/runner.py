@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from bus.messages import (
+from llmbus.bus.messages import (
     ExecutorInfo,
     NewRequestData,
     SamplingParams,
@@ -22,18 +22,18 @@ from bus.messages import (
     StepResult,
     TokenLogprobs,
 )
-from services.executor.gguf_loader import LlamaConfig, load_gguf
-from services.executor.kv_cache import (
+from llmbus.services.executor.gguf_loader import LlamaConfig, load_gguf
+from llmbus.services.executor.kv_cache import (
     KVCache,
     default_budget_bytes,
     num_blocks_for_budget,
 )
-from services.executor.linear import native_kernels_run
-from services.executor.logprobs import token_logprobs
-from services.executor.model import LlamaModel, build_attention_metadata
-from services.executor.penalties import TokenCounts
-from services.executor.sampler import sample
-from services.executor.sampling_tensors import RequestSampling, SamplingTensors
+from llmbus.services.executor.linear import native_kernels_run
+from llmbus.services.executor.logprobs import token_logprobs
+from llmbus.services.executor.model import LlamaModel, build_attention_metadata
+from llmbus.services.executor.penalties import TokenCounts
+from llmbus.services.executor.sampler import sample
+from llmbus.services.executor.sampling_tensors import RequestSampling, SamplingTensors
 
 
 @dataclass
@@ -135,7 +135,11 @@ class ModelRunner:
 
     def _load_onnx(self, model_path: str | Path, dtype: torch.dtype,
                    precision: str) -> tuple[LlamaConfig, torch.dtype]:
-        from services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
+        from llmbus.services.executor.onnx_model import (
+            ACCURACY_EXACT,
+            ACCURACY_FAST,
+            OnnxLlamaModel,
+        )
 
         if self.device.type != "cpu":
             raise ValueError("the onnxruntime backend runs on the CPU; use --backend torch on "

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
-from services.executor.sampling_tensors import SamplingTensors
-from services.executor.truncation import NUM_CANDIDATES, filter_logits, truncate_candidates
+from llmbus.services.executor.sampling_tensors import SamplingTensors
+from llmbus.services.executor.truncation import NUM_CANDIDATES, filter_logits, truncate_candidates
 
 _NEG_INF = float("-inf")
 
@@ -130,7 +130,7 @@ def sample_in_kernel(logits: torch.Tensor, tensors: SamplingTensors,
     """The whole ladder and the draw in one Triton program per row, greedy rows included:
     every row reads the full vocabulary once per pass, and nothing waits for the host. The
     same exponential race on the same noise as the torch path's whole-row draw."""
-    from services.executor.kernels.sampling import sample as sample_rows
+    from llmbus.services.executor.kernels.sampling import sample as sample_rows
 
     noise = exponential_noise(tuple(logits.shape), generators, shared_generator, logits.device)
     # The step's parameters are columns of one [S, 7] upload: the kernel reads rows densely.

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bus.messages import SamplingParams
-from services.executor.penalties import Penalties
+from llmbus.bus.messages import SamplingParams
+from llmbus.services.executor.penalties import Penalties
 
 _GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's _SAMPLING_EPS)
 

@@ -20,12 +20,12 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.trace import Link, Status, StatusCode
 
-from bus import subjects
-from bus.messages import ExecutorInfo, ExecutorInfoRequest, Heartbeat, StepPlan, StepResult
-from bus.runtime import ServiceRuntime
-from bus.tracing import context_from_traceparent, link_to
-from services.executor.cpu_kernels.library import configure_openmp
-from services.model_files import model_name_for, resolve_model
+from llmbus.bus import subjects
+from llmbus.bus.messages import ExecutorInfo, ExecutorInfoRequest, Heartbeat, StepPlan, StepResult
+from llmbus.bus.runtime import ServiceRuntime
+from llmbus.bus.tracing import context_from_traceparent, link_to
+from llmbus.services.executor.cpu_kernels.library import configure_openmp
+from llmbus.services.model_files import model_name_for, resolve_model
 
 log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.executor")
@@ -109,7 +109,7 @@ def _record_residency(request_id: str, started_ns: int, traceparent: str) -> Non
 def resolve_backend(args: argparse.Namespace, cuda_available: bool) -> tuple[str, str]:
     """(device, backend) from the options; raises ValueError for combinations that cannot run
     (or would run slower than float32: emulated bfloat16)."""
-    from services.cpu_features import cpu_model, has_native_bfloat16
+    from llmbus.services.cpu_features import cpu_model, has_native_bfloat16
 
     device = args.device if args.device != "auto" else ("cuda" if cuda_available else "cpu")
     backend = args.backend if args.backend != "auto" else (
@@ -144,7 +144,7 @@ async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, device: str,
     """Load the model, answer steps until stopped, then linger while the scheduler drains."""
     import torch  # only the executor pays for importing torch (after configure_openmp)
 
-    from services.executor.runner import ModelRunner
+    from llmbus.services.executor.runner import ModelRunner
 
     path = resolve_model(args.model)
     precision = "exact" if args.exact else "fast"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from services.executor.logprobs import logsumexp
-from services.executor.sampling_tensors import SamplingTensors
+from llmbus.services.executor.logprobs import logsumexp
+from llmbus.services.executor.sampling_tensors import SamplingTensors
 
 NUM_CANDIDATES = 256
 _NEG_INF = float("-inf")

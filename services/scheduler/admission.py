@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from bus.messages import SamplingParams
-from services.scheduler.config import SchedulerConfig
+from llmbus.bus.messages import SamplingParams
+from llmbus.services.scheduler.config import SchedulerConfig
 
 
 class AdmissionError(ValueError):

@@ -16,9 +16,9 @@ import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from bus import subjects
-from bus.liveness import Liveness
-from bus.messages import FinishReason, RequestTokens
+from llmbus.bus import subjects
+from llmbus.bus.liveness import Liveness
+from llmbus.bus.messages import FinishReason, RequestTokens
 
 
 def _weight(key: str, instance_id: str) -> int:

@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from bus.messages import RequestTokens, StepPlan, StepResult
-from services.scheduler.scheduler import Scheduler
+from llmbus.bus.messages import RequestTokens, StepPlan, StepResult
+from llmbus.services.scheduler.scheduler import Scheduler
 
 log = structlog.get_logger()
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from services.scheduler.block_allocator import BlockAllocator
-from services.scheduler.prefix_tree import PrefixTree
+from llmbus.services.scheduler.block_allocator import BlockAllocator
+from llmbus.services.scheduler.prefix_tree import PrefixTree
 
 
 class KVManager:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bus.messages import FinishReason, RequestTokens
-from services.scheduler.request import Request
+from llmbus.bus.messages import FinishReason, RequestTokens
+from llmbus.services.scheduler.request import Request
 
 
 def stop_reason(request: Request, token_id: int, eos_token_ids: Sequence[int]) -> FinishReason:

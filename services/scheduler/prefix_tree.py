@@ -22,8 +22,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from bus.block_hash import chain_hash
-from services.scheduler.block_allocator import BlockAllocator
+from llmbus.bus.block_hash import chain_hash
+from llmbus.services.scheduler.block_allocator import BlockAllocator
 
 
 @dataclass(eq=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from bus.messages import FinishReason, SamplingParams, TokenLogprobs
+from llmbus.bus.messages import FinishReason, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):

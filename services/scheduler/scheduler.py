@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from bus.messages import (
+from llmbus.bus.messages import (
     BlockCopy,
     FinishReason,
     NewRequestData,
@@ -37,11 +37,11 @@ from bus.messages import (
     StepPlan,
     StepResult,
 )
-from services.scheduler.admission import AdmissionError, params_for, resolve_max_tokens
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_manager import KVManager
-from services.scheduler.outputs import end_updates, stop_reason, token_update
-from services.scheduler.request import Request, RequestStatus
+from llmbus.services.scheduler.admission import AdmissionError, params_for, resolve_max_tokens
+from llmbus.services.scheduler.config import SchedulerConfig
+from llmbus.services.scheduler.kv_manager import KVManager
+from llmbus.services.scheduler.outputs import end_updates, stop_reason, token_update
+from llmbus.services.scheduler.request import Request, RequestStatus
 
 # Withdrawals of requests that had not arrived yet, remembered until they do (oldest dropped).
 MAX_WITHDRAWN_REMEMBERED = 10_000

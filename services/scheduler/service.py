@@ -17,9 +17,9 @@ import nats.errors
 import structlog
 from nats.aio.msg import Msg
 
-from bus import subjects
-from bus.liveness import Liveness
-from bus.messages import (
+from llmbus.bus import subjects
+from llmbus.bus.liveness import Liveness
+from llmbus.bus.messages import (
     AbortRequest,
     Admission,
     CacheEvent,
@@ -37,14 +37,14 @@ from bus.messages import (
     SubmitRequest,
     TokenBatch,
 )
-from bus.runtime import ServiceRuntime
-from bus.tracing import current_traceparent
-from services.scheduler.admission import AdmissionError
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.detokenizer_routing import DetokenizerRouting
-from services.scheduler.engine_loop import EngineLoop
-from services.scheduler.scheduler import Scheduler
-from services.scheduler.spans import record_request_spans
+from llmbus.bus.runtime import ServiceRuntime
+from llmbus.bus.tracing import current_traceparent
+from llmbus.services.scheduler.admission import AdmissionError
+from llmbus.services.scheduler.config import SchedulerConfig
+from llmbus.services.scheduler.detokenizer_routing import DetokenizerRouting
+from llmbus.services.scheduler.engine_loop import EngineLoop
+from llmbus.services.scheduler.scheduler import Scheduler
+from llmbus.services.scheduler.spans import record_request_spans
 
 log = structlog.get_logger()
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from opentelemetry import trace
 
-from bus.tracing import context_from_traceparent
-from services.scheduler.request import Request
+from llmbus.bus.tracing import context_from_traceparent
+from llmbus.services.scheduler.request import Request
 
 _tracer = trace.get_tracer("llmbus.scheduler")
 

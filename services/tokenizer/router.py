@@ -13,9 +13,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from bus.block_hash import block_hashes
-from bus.liveness import Liveness
-from bus.messages import CacheEvent, Heartbeat
+from llmbus.bus.block_hash import block_hashes
+from llmbus.bus.liveness import Liveness
+from llmbus.bus.messages import CacheEvent, Heartbeat
 
 # Cached prefix worth following, as a fraction of the prompt.
 MIN_MATCH_FRACTION = 0.25

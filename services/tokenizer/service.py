@@ -15,8 +15,8 @@ import structlog
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from bus import subjects
-from bus.messages import (
+from llmbus.bus import subjects
+from llmbus.bus.messages import (
     AbortRequest,
     Admission,
     CacheEvent,
@@ -29,12 +29,12 @@ from bus.messages import (
     Heartbeat,
     SubmitRequest,
 )
-from bus.runtime import ServiceRuntime
-from services.gguf_tokenizer import GGUFTokenizer
-from services.model_files import resolve_model
-from services.tokenizer.chat_template import ChatTemplateError
-from services.tokenizer.router import Router
-from services.tokenizer.tokenization import Tokenization
+from llmbus.bus.runtime import ServiceRuntime
+from llmbus.services.gguf_tokenizer import GGUFTokenizer
+from llmbus.services.model_files import resolve_model
+from llmbus.services.tokenizer.chat_template import ChatTemplateError
+from llmbus.services.tokenizer.router import Router
+from llmbus.services.tokenizer.tokenization import Tokenization
 
 log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.tokenizer")

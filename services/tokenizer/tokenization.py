@@ -3,9 +3,9 @@ the vocabulary. No bus, no spans (the adapter, service.py, records those)."""
 
 from __future__ import annotations
 
-from bus.messages import EncodeRequest, GenerateRequest
-from services.gguf_tokenizer import GGUFTokenizer
-from services.tokenizer.chat_template import render_chat_template
+from llmbus.bus.messages import EncodeRequest, GenerateRequest
+from llmbus.services.gguf_tokenizer import GGUFTokenizer
+from llmbus.services.tokenizer.chat_template import render_chat_template
 
 
 class Tokenization:

@@ -12,10 +12,10 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from services.executor.gguf_loader import load_gguf  # noqa: E402
-from services.executor.kernels.ops import TritonOps  # noqa: E402
-from services.executor.kv_cache import KVCache  # noqa: E402
-from services.executor.model import (  # noqa: E402
+from llmbus.services.executor.gguf_loader import load_gguf  # noqa: E402
+from llmbus.services.executor.kernels.ops import TritonOps  # noqa: E402
+from llmbus.services.executor.kv_cache import KVCache  # noqa: E402
+from llmbus.services.executor.model import (  # noqa: E402
     LlamaModel,
     TorchOps,
     build_attention_metadata,

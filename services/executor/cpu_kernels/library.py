@@ -24,7 +24,7 @@ from pathlib import Path
 
 import structlog
 
-from services.model_files import cache_root
+from llmbus.services.model_files import cache_root
 
 log = structlog.get_logger()
 

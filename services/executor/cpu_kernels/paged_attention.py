@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from services.executor.model import AttentionMetadata, _attend
+from llmbus.services.executor.model import AttentionMetadata, _attend
 
 # Queries per sequence up to which the kernel attends; longer chunks go to SDPA. The kernel
 # measured faster at every length tried (2 Zen 4 cores: a fresh 256-token prompt 0.8 ms per

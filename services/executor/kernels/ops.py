@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from services.executor.kernels.paged_decode_attention import paged_decode_attention
-from services.executor.kernels.prefill_attention import prefill_attention
-from services.executor.kernels.rmsnorm import add_rms_norm, rms_norm
-from services.executor.kernels.rope_kv import rope_kv
-from services.executor.kernels.swiglu import swiglu
+from llmbus.services.executor.kernels.paged_decode_attention import paged_decode_attention
+from llmbus.services.executor.kernels.prefill_attention import prefill_attention
+from llmbus.services.executor.kernels.rmsnorm import add_rms_norm, rms_norm
+from llmbus.services.executor.kernels.rope_kv import rope_kv
+from llmbus.services.executor.kernels.swiglu import swiglu
 
 
 class TritonOps:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.executor.kernels._checks import (
+from llmbus.services.executor.kernels._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check,
@@ -26,8 +26,8 @@ from services.executor.kernels._checks import (
     check_tensor,
     interpreting,
 )
-from services.executor.kernels._paged import kv_slot_offsets, online_softmax_step
-from services.executor.kernels._rounding import to_dtype
+from llmbus.services.executor.kernels._paged import kv_slot_offsets, online_softmax_step
+from llmbus.services.executor.kernels._rounding import to_dtype
 
 _LOG2E = 1.4426950408889634
 

@@ -16,13 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from services.executor.kernels._checks import (
+from llmbus.services.executor.kernels._checks import (
     FLOAT_DTYPES,
     check_device,
     check_tensor,
     rows_per_program,
 )
-from services.executor.kernels._rounding import to_dtype
+from llmbus.services.executor.kernels._rounding import to_dtype
 
 
 @triton.jit

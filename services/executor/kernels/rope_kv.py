@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.executor.kernels._checks import (
+from llmbus.services.executor.kernels._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check,
@@ -26,7 +26,7 @@ from services.executor.kernels._checks import (
     check_tensor,
     rows_per_program,
 )
-from services.executor.kernels._rounding import to_dtype
+from llmbus.services.executor.kernels._rounding import to_dtype
 
 
 @triton.jit

@@ -26,14 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from services.executor.kernels._checks import (
+from llmbus.services.executor.kernels._checks import (
     INDEX_DTYPES,
     check,
     check_device,
     check_tensor,
     interpreting,
 )
-from services.executor.truncation import apply_top_k, apply_top_p
+from llmbus.services.executor.truncation import apply_top_k, apply_top_p
 
 # Threshold search: 16 probes per pass keep 1/16 of the key range, so 8 passes cover 2**32.
 _PROBES = 16

@@ -14,14 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from services.executor.kernels._checks import (
+from llmbus.services.executor.kernels._checks import (
     FLOAT_DTYPES,
     check,
     check_device,
     check_tensor,
     rows_per_program,
 )
-from services.executor.kernels._rounding import to_dtype
+from llmbus.services.executor.kernels._rounding import to_dtype
 
 
 @triton.jit

@@ -5,7 +5,7 @@ cache, no streaming. Prompts are the benchmark's own random prompts (same seed, 
 lengths), so every sequence in a batch has the same length and no padding is needed. Run as its
 own process by `bench compare`, which samples its memory:
 
-    python -m services.bench.hf_baseline --batch-sizes 1,16 --input-len 256 --max-tokens 128
+    python -m llmbus.bench.hf_baseline --batch-sizes 1,16 --input-len 256 --max-tokens 128
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from services.bench.datasets import random_dataset
-    from services.gguf_tokenizer import GGUFTokenizer
-    from services.model_files import default_model_path
+    from llmbus.bench.datasets import random_dataset
+    from llmbus.services.gguf_tokenizer import GGUFTokenizer
+    from llmbus.services.model_files import default_model_path
 
     if args.threads:
         torch.set_num_threads(args.threads)

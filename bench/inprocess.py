@@ -5,7 +5,7 @@ threads and prompts) to show what the bus, scheduler, api and detokenizer add pe
 Each request is one prefill step and then one decode step per token (greedy, EOS ignored),
 as the scheduler plans a lone request:
 
-    python -m services.bench.inprocess --num-requests 8 --input-len 256 --max-tokens 128
+    python -m llmbus.bench.inprocess --num-requests 8 --input-len 256 --max-tokens 128
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 def run_request(runner, request_id: str, prompt: list[int], max_tokens: int,
                 step_id: int) -> tuple[float, list[float], int]:
     """(prefill seconds, seconds between consecutive tokens, next step id)."""
-    from bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+    from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 
     block_size = runner.block_size
     num_blocks = -(-(len(prompt) + max_tokens) // block_size)
@@ -60,13 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args(argv)
 
-    from services.executor.cpu_kernels.library import configure_openmp
+    from llmbus.services.executor.cpu_kernels.library import configure_openmp
 
     configure_openmp()  # as the executor service does, before torch loads
-    from services.bench.datasets import random_dataset
-    from services.executor.runner import ModelRunner
-    from services.gguf_tokenizer import GGUFTokenizer
-    from services.model_files import default_model_path, model_name_for
+    from llmbus.bench.datasets import random_dataset
+    from llmbus.services.executor.runner import ModelRunner
+    from llmbus.services.gguf_tokenizer import GGUFTokenizer
+    from llmbus.services.model_files import default_model_path, model_name_for
 
     path = Path(args.gguf) if args.gguf else default_model_path()
     tokenizer = GGUFTokenizer.from_gguf(path)

@@ -9,7 +9,7 @@ import math
 import sys
 from pathlib import Path
 
-from services.bench.datasets import (
+from llmbus.bench.datasets import (
     BenchRequest,
     Tokenizer,
     jsonl_dataset,
@@ -59,11 +59,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_tokenizer(args: argparse.Namespace, model: str | None) -> Tokenizer:
     if args.tokenizer == "server":
-        from services.bench.client import ServerTokenizer
+        from llmbus.bench.client import ServerTokenizer
 
         return ServerTokenizer(args.base_url, model, args.api_key)
-    from services.gguf_tokenizer import GGUFTokenizer
-    from services.model_files import default_model_path
+    from llmbus.services.gguf_tokenizer import GGUFTokenizer
+    from llmbus.services.model_files import default_model_path
 
     path = Path(args.tokenizer_gguf) if args.tokenizer_gguf else default_model_path()
     if not path.is_file():
@@ -88,8 +88,8 @@ def build_dataset(args: argparse.Namespace, tokenizer: Tokenizer) -> list[BenchR
 
 def run_serve(args: argparse.Namespace) -> dict:
     """Run `bench serve` from parsed options; returns the report (also printed and saved)."""
-    from services.bench.metrics import format_report
-    from services.bench.serve import RunConfig, bench_report, fetch_model_name
+    from llmbus.bench.metrics import format_report
+    from llmbus.bench.serve import RunConfig, bench_report, fetch_model_name
 
     model = args.model or asyncio.run(fetch_model_name(args.base_url, args.api_key))
     tokenizer = load_tokenizer(args, model)
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compare", help="llmbus vs llama.cpp / vLLM / HF transformers on the same GGUF",
         description="Start llmbus and each installed peer one at a time, run the same "
         "workloads, print a table of ratios.")
-    from services.bench.compare import add_compare_arguments
+    from llmbus.bench.compare import add_compare_arguments
 
     add_compare_arguments(compare)
     return parser
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.bench_command == "compare":
-        from services.bench.compare import run_compare
+        from llmbus.bench.compare import run_compare
 
         return run_compare(args)
     report = run_serve(args)

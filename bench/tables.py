@@ -1,5 +1,5 @@
 """Markdown tables of a `bench compare` summary (pure; re-render a saved run with
-`python -m services.bench.tables bench/results/<time>/summary.json`).
+`python -m llmbus.bench.tables bench/results/<time>/summary.json`).
 
 Ratios are peer / llmbus: above 1 means the peer has more throughput, or a longer TTFT/ITL.
 The HF baseline is a static batch, so its TTFT is the prefill of the whole batch and its ITL the

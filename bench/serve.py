@@ -19,9 +19,9 @@ from typing import Any, TextIO
 
 import httpx
 
-from services.bench.client import TIMEOUT, auth_headers, stream_request
-from services.bench.datasets import BenchRequest, request_body
-from services.bench.metrics import RequestResult, summarize
+from llmbus.bench.client import TIMEOUT, auth_headers, stream_request
+from llmbus.bench.datasets import BenchRequest, request_body
+from llmbus.bench.metrics import RequestResult, summarize
 
 ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
 

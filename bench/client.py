@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from services.bench.metrics import RequestResult
+from llmbus.bench.metrics import RequestResult
 
 TIMEOUT = httpx.Timeout(None, connect=10.0)  # a long generation is not a hang
 

@@ -50,7 +50,7 @@ EXAMPLES = [
                   num_total_blocks=5, max_batch_size=6, num_preemptions=7, num_finished=8,
                   num_cached_blocks=9, num_prefix_query_tokens=10, num_prefix_hit_tokens=11,
                   executor_busy_seconds=1.5, executor_idle_seconds=0.5,
-                  num_evictable_blocks=12),
+                  num_evictable_blocks=12, num_draft_tokens=13, num_accepted_tokens=14),
     m.ModelInfoRequest(),
     m.ModelInfo(model_name="m", max_model_len=8192, engine_id="e0"),
     m.ExecutorInfoRequest(),
@@ -59,7 +59,7 @@ EXAMPLES = [
     m.NewRequestData(request_id="r1", prompt_token_ids=[1, 2], params=PARAMS,
                      traceparent="00-t-s-01"),
     m.ScheduledRequest(request_id="r1", start=0, num_tokens=2, new_block_ids=[5],
-                       sample=False),
+                       sample=False, draft_token_ids=[9]),
     m.BlockCopy(src=1, dst=2),
     m.StepPlan(step_id=3, new_requests=[m.NewRequestData(request_id="r1",
                                                          prompt_token_ids=[1], params=PARAMS)],
@@ -67,7 +67,8 @@ EXAMPLES = [
                finished_request_ids=["r0"], preempted_request_ids=["r9"],
                copy_blocks=[m.BlockCopy(src=1, dst=2)]),
     m.StepResult(step_id=3, sampled_token_ids=[42], forward_seconds=0.01, batch_size=1,
-                 num_tokens=2, error="e", idle_seconds=0.5, logprobs=[LOGPROBS, None]),
+                 num_tokens=2, error="e", idle_seconds=0.5, logprobs=[LOGPROBS, None],
+                 num_sampled=[1]),
     TOKENS,
     m.TokenBatch(engine_id="e0", items=[TOKENS]),
     TEXT_LOGPROB, DELTA,
@@ -106,7 +107,8 @@ GOLDEN = {
         "cbbff0000000000000cb3ff800000000000002"),
     "AbortRequest": "92a2723101",
     "EngineStatsRequest": "90",
-    "EngineStats": "9fa265300102030405060708090a0bcb3ff8000000000000cb3fe00000000000000c",
+    "EngineStats": (
+        "dc0011a265300102030405060708090a0bcb3ff8000000000000cb3fe00000000000000c0d0e"),
     "ModelInfoRequest": "90",
     "ModelInfo": "93a16dcd2000a26530",
     "ExecutorInfoRequest": "90",
@@ -115,15 +117,15 @@ GOLDEN = {
         "94a27231920102dc0010cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999"
         "999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff0000000"
         "000000a930302d742d732d3031"),
-    "ScheduledRequest": "95a2723100029105c2",
+    "ScheduledRequest": "96a2723100029105c29109",
     "BlockCopy": "920102",
     "StepPlan": (
         "96039194a272319101dc0010cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3f"
         "a999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff000"
-        "0000000000a09195a27231000190c391a2723091a2723991920102"),
+        "0000000000a09196a27231000190c39091a2723091a2723991920102"),
     "StepResult": (
-        "9803912acb3f847ae147ae147b0102a165cb3fe00000000000009293cbbfe0000000000000922a0792cb"
-        "bfe0000000000000cbbff8000000000000c0"),
+        "9903912acb3f847ae147ae147b0102a165cb3fe00000000000009293cbbfe0000000000000922a0792cb"
+        "bfe0000000000000cbbff8000000000000c09101"),
     "RequestTokens": (
         "9ea27231a56170692e78912a010291a178c3a16503019193cbbfe0000000000000922a0792cbbfe00000"
         "00000000cbbff8000000000000a930302d742d732d3031cb3fd00000000000009129"),
@@ -188,7 +190,7 @@ def test_field_order_is_the_wire_format():
     # Array-like: positional, in declaration order. Changing this breaks running peers.
     assert msgspec.msgpack.decode(encode(m.ScheduledRequest(request_id="r1", start=4,
                                                             num_tokens=1))) == [
-        "r1", 4, 1, [], True]
+        "r1", 4, 1, [], True, []]
     assert encode(m.AbortRequest(request_id="r1")).hex() == "92a27231c0"
 
 

@@ -36,6 +36,10 @@ class ScheduledRequest(Message):
     the plan only carries deltas: blocks appended to the table since the last step. A prefill
     chunk has num_tokens > 1; a decode has num_tokens == 1 and feeds the last sampled token.
     `sample` is false for a prefill chunk that does not reach the end of the known tokens.
+
+    Speculative decoding: `draft_token_ids` (d guesses) follow the known tokens in the query,
+    which is then num_tokens = (tokens from `start` to the last known) + d long; the executor
+    keeps the drafts the model agrees with and samples one more token after them.
     """
 
     request_id: str
@@ -43,6 +47,7 @@ class ScheduledRequest(Message):
     num_tokens: int
     new_block_ids: list[int] = []
     sample: bool = True
+    draft_token_ids: list[int] = []
 
 
 class BlockCopy(Message):
@@ -66,7 +71,8 @@ class StepPlan(Message):
 
 class StepResult(Message):
     step_id: int
-    # Parallel to the plan's scheduled requests that had sample=True, in the same order.
+    # The plan's scheduled requests that had sample=True, in the same order: one token each,
+    # or num_sampled[i] consecutive ones for request i.
     sampled_token_ids: list[int] = []
     forward_seconds: float = 0.0
     batch_size: int = 0
@@ -76,3 +82,6 @@ class StepResult(Message):
     idle_seconds: float = 0.0
     # Parallel to sampled_token_ids; None where the request did not ask for logprobs.
     logprobs: list[TokenLogprobs | None] = []
+    # Tokens each sampling request got, in order, when a step verified drafts (accepted
+    # drafts + 1); empty means one each.
+    num_sampled: list[int] = []

@@ -39,6 +39,8 @@ class EngineStats(Message):
     executor_busy_seconds: float = 0.0
     executor_idle_seconds: float = 0.0  # waiting for the next plan between steps
     num_evictable_blocks: int = 0  # cached blocks no request holds (free for the taking)
+    num_draft_tokens: int = 0  # speculative decoding: n-gram drafts sent for verification
+    num_accepted_tokens: int = 0  # ... of which the model agreed with
 
 
 class ModelInfoRequest(Message):

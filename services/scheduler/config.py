@@ -14,3 +14,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
+    # Speculative decoding (ngram_proposer.py): up to this many draft tokens per step, from
+    # earlier matches of the last spec_ngram_max..spec_ngram_min tokens; 0 = off.
+    num_speculative_tokens: int = 0
+    spec_ngram_min: int = 2
+    spec_ngram_max: int = 4

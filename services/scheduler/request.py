@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from llmbus.bus.messages import FinishReason, SamplingParams, TokenLogprobs
+from llmbus.services.scheduler.ngram_proposer import NgramIndex
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +48,14 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens)
+    # Speculative decoding: drafts of the step in flight (none other is planned meanwhile),
+    # the totals, and a back-off after steps that accepted nothing.
+    draft_token_ids: list[int] = field(default_factory=list)
+    ngram_index: NgramIndex | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_misses: int = 0
+    spec_resume_at: int = 0  # no drafts before this many output tokens
 
     @property
     def num_known_tokens(self) -> int:

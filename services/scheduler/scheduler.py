@@ -36,12 +36,14 @@ from llmbus.bus.messages import (
     ScheduledRequest,
     StepPlan,
     StepResult,
+    TokenLogprobs,
 )
 from llmbus.services.scheduler.admission import AdmissionError, params_for, resolve_max_tokens
 from llmbus.services.scheduler.config import SchedulerConfig
 from llmbus.services.scheduler.kv_manager import KVManager
 from llmbus.services.scheduler.outputs import end_updates, stop_reason, token_update
 from llmbus.services.scheduler.request import Request, RequestStatus
+from llmbus.services.scheduler.speculation import drafts_for, verified, waits_for_drafts
 
 # Withdrawals of requests that had not arrived yet, remembered until they do (oldest dropped).
 MAX_WITHDRAWN_REMEMBERED = 10_000
@@ -61,6 +63,8 @@ class Scheduler:
         self.max_batch_size = 0
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted
+        self.num_accepted_tokens = 0
         self._ended_updates: list[RequestTokens] = []  # aborts, sent with the next update
         self._forget_ids: list[str] = []  # the executor drops these before the next step
         self._preempted_ids: list[str] = []
@@ -219,14 +223,17 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._num_new_tokens(request, budget)
-            if num_new == 0:
+            drafts = drafts_for(request, self.config, budget) if num_new else []
+            if num_new == 0 or (not drafts and waits_for_drafts(request, self.config)):
                 index += 1
                 continue
+            num_new += len(drafts)
             while not self._reserve_blocks(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is request:
                     return budget  # it preempted itself; everything after it is gone too
+            request.draft_token_ids = drafts
             scheduled.append((request, num_new))
             budget -= num_new
             index += 1
@@ -237,7 +244,8 @@ class Scheduler:
         num_seqs = sum(r.num_forks for r in self.running)
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if num_seqs + request.num_forks > self.config.max_num_seqs:
+            if (num_seqs + request.num_forks > self.config.max_num_seqs
+                    or request.draft_token_ids):  # preempted while its drafts are verified
                 break
             looked_up = self.kv.tree is not None and request.num_computed_tokens == 0
             num_matched = self._match_prefix(request)
@@ -271,10 +279,12 @@ class Scheduler:
                 request.traceparent))
         start = request.num_computed_tokens
         end = start + num_new
-        sample = not request.is_parent and end == request.num_tokens
+        drafts = request.draft_token_ids
+        sample = not request.is_parent and end - len(drafts) == request.num_tokens
         item = ScheduledRequest(
             request_id=request.request_id, start=start, num_tokens=num_new,
-            new_block_ids=request.block_table[request.num_blocks_sent:], sample=sample)
+            new_block_ids=request.block_table[request.num_blocks_sent:], sample=sample,
+            draft_token_ids=list(drafts))
         request.num_blocks_sent = len(request.block_table)
         request.num_computed_tokens = end
         request.num_pending_tokens += sample
@@ -284,6 +294,8 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if len(request.output_token_ids) + request.num_pending_tokens >= request.max_tokens:
             return 0  # its last token is on the way: it finishes when the result arrives
+        if request.draft_token_ids:
+            return 0  # how far it got is known once its drafts are verified
         return min(request.target_tokens - request.num_computed_tokens, budget)
 
     def _match_prefix(self, request: Request) -> int:
@@ -385,17 +397,32 @@ class Scheduler:
         updates = self.take_ended_updates()
         sampled = iter(result.sampled_token_ids)
         logprobs = iter(result.logprobs or [None] * len(result.sampled_token_ids))
+        counts = iter(result.num_sampled or [1] * len(result.sampled_token_ids))
         for item in plan.scheduled:
             if not item.sample:
                 continue
-            token_id, token_logprobs = next(sampled), next(logprobs)
+            count = next(counts)
+            tokens = [(next(sampled), next(logprobs)) for _ in range(count)]
             request = self.requests.get(item.request_id)
             if request is None:
                 continue  # it finished or was aborted after this step was planned
             request.num_pending_tokens -= 1
-            request.output_token_ids.append(token_id)
+            if item.draft_token_ids:
+                self.num_draft_tokens += len(item.draft_token_ids)
+                self.num_accepted_tokens += count - 1
+                verified(request, item.start, item.num_tokens, count - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
+            self._append_tokens(request, tokens, now)
+            updates.append(token_update(request, self.num_steps))
+        return updates
+
+    def _append_tokens(self, request: Request,
+                       tokens: list[tuple[int, TokenLogprobs | None]], now: float) -> None:
+        """Add a step's tokens to the request, in order, until one ends it (the rest of a
+        verified run after a stop token, or past max_tokens, is dropped)."""
+        for token_id, token_logprobs in tokens:
+            request.output_token_ids.append(token_id)
             if token_logprobs is not None:
                 request.output_logprobs.append(token_logprobs)
             reason = stop_reason(request, token_id, self.config.eos_token_ids)
@@ -403,10 +430,8 @@ class Scheduler:
                 self._remove(request)
                 self._finish(request, reason)
                 request.finish_time = now
-            else:
-                self._cache_full_blocks(request)
-            updates.append(token_update(request, self.num_steps))
-        return updates
+                return
+        self._cache_full_blocks(request)
 
     def _remove(self, request: Request) -> None:
         if request.status is RequestStatus.WAITING:

@@ -1,0 +1,243 @@
+"""Speculative decoding in the scheduler, against a fake executor that keeps real KV contents:
+each step checks that every position a request attends to holds its true token (never a
+rejected draft, a stale cached block or an uncopied shared one), then writes its query there."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmbus.bus.messages import FinishReason, SamplingParams, StepPlan, StepResult
+from llmbus.services.scheduler.config import SchedulerConfig
+from llmbus.services.scheduler.scheduler import Scheduler
+
+EOS = 2
+BLOCK = 4
+
+
+def make(k: int = 4, num_blocks: int = 32, prefix_caching: bool = True, n_min: int = 2,
+         **limits) -> Scheduler:
+    return Scheduler(SchedulerConfig(
+        num_blocks=num_blocks, block_size=BLOCK, max_model_len=limits.pop("max_model_len", 96),
+        eos_token_ids=(EOS,), enable_prefix_caching=prefix_caching, num_speculative_tokens=k,
+        spec_ngram_min=n_min, spec_ngram_max=4, **limits))
+
+
+class FakeExecutor:
+    """Holds each request's tokens and block table as the executor does, and the KV cache as
+    (block, offset) -> token id. `next_token(request_id, tokens)` is the model: what follows."""
+
+    def __init__(self, next_token) -> None:
+        self.next_token = next_token
+        self.tokens: dict[str, list[int]] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.kv: dict[tuple[int, int], int] = {}
+
+    def run(self, plan: StepPlan) -> StepResult:
+        for request_id in plan.finished_request_ids:
+            self.tokens.pop(request_id, None)
+            self.tables.pop(request_id, None)
+        for request_id in plan.preempted_request_ids:
+            self.tables[request_id] = []
+        for new in plan.new_requests:
+            self.tokens[new.request_id] = list(new.prompt_token_ids)
+            self.tables[new.request_id] = []
+        for copy in plan.copy_blocks:
+            for offset in range(BLOCK):
+                if (copy.src, offset) in self.kv:
+                    self.kv[copy.dst, offset] = self.kv[copy.src, offset]
+        sampled, counts = [], []
+        for item in plan.scheduled:
+            tokens, table = self.tokens[item.request_id], self.tables[item.request_id]
+            table.extend(item.new_block_ids)
+            known_end = item.start + item.num_tokens - len(item.draft_token_ids)
+            assert known_end <= len(tokens) and len(table) * BLOCK >= item.start + item.num_tokens
+            for position in range(item.start):  # what this query attends to
+                slot = (table[position // BLOCK], position % BLOCK)
+                assert self.kv.get(slot) == tokens[position], (item.request_id, position)
+            query = tokens[item.start:known_end] + item.draft_token_ids
+            for i, token in enumerate(query):
+                position = item.start + i
+                self.kv[table[position // BLOCK], position % BLOCK] = token
+            if not item.sample:
+                continue
+            assert known_end == len(tokens)
+            new = []
+            for draft in item.draft_token_ids:  # the model agrees while it would say the same
+                if self.next_token(item.request_id, tokens + new) != draft:
+                    break
+                new.append(draft)
+            new.append(self.next_token(item.request_id, tokens + new))
+            tokens.extend(new)
+            sampled += new
+            counts.append(len(new))
+        return StepResult(step_id=plan.step_id, sampled_token_ids=sampled, num_sampled=counts)
+
+
+def cycle(period: list[int]):
+    """A model that repeats `period` forever after the prompt: drafts from the output match."""
+    return lambda _, tokens: period[len(tokens) % len(period)]
+
+
+def run(s: Scheduler, executor: FakeExecutor, depth: int = 2, max_steps: int = 500,
+        in_flight: deque | None = None):
+    """Plan (up to `depth` ahead) and run steps until every request finished."""
+    in_flight = deque() if in_flight is None else in_flight
+    plans = []
+    for _ in range(max_steps):
+        if not s.has_work and not in_flight:
+            return plans
+        if len(in_flight) < depth and s.has_work:
+            plan = s.schedule()
+            if plan.scheduled or not in_flight:
+                in_flight.append(plan)
+                plans.append(plan)
+                continue
+            s.unschedule_empty(plan)
+        plan = in_flight.popleft()
+        s.update(plan, executor.run(plan))
+        s.check_invariants()
+    raise AssertionError("requests did not finish")
+
+
+def test_a_repeating_output_is_verified_several_tokens_a_step():
+    s = make(k=4)
+    s.add_request("r", "api", [9, 8, 7], SamplingParams(max_tokens=40, ignore_eos=True))
+    executor = FakeExecutor(cycle([5, 6, 7, 1]))
+    plans = run(s, executor)
+    assert executor.tokens["r"][3:] == [1, 5, 6, 7] * 10
+    drafted = [i for p in plans for i in p.scheduled if i.draft_token_ids]
+    assert drafted and s.num_accepted_tokens == s.num_draft_tokens  # the cycle is exact
+    assert len(plans) < 40 / 2  # several tokens per step once the cycle shows
+    assert max(len(i.draft_token_ids) for i in drafted) == 4
+
+
+def test_the_output_with_drafts_is_the_output_without():
+    def model(_, tokens):  # follows its last token, but slips every 9 positions
+        return (tokens[-1] * 7 + (len(tokens) % 9 == 0)) % 11 + 3
+
+    outputs = []
+    for k in (0, 3):
+        s = make(k=k, n_min=1)
+        s.add_request("r", "api", [3, 4, 5, 3, 4], SamplingParams(max_tokens=60, ignore_eos=True))
+        updates = []
+        executor = FakeExecutor(model)
+        in_flight: deque = deque()
+        while s.has_work or in_flight:
+            if len(in_flight) < 2 and s.has_work:
+                plan = s.schedule()
+                if plan.scheduled or not in_flight:
+                    in_flight.append(plan)
+                    continue
+                s.unschedule_empty(plan)
+            plan = in_flight.popleft()
+            updates += s.update(plan, executor.run(plan))
+        outputs.append([t for u in updates for t in u.new_token_ids])
+        if k:
+            assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # some right, some wrong
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 60
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_request_there():
+    s = make(k=4)
+    s.add_request("r", "api", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=30))
+    model = cycle([5, 6, 7])  # after the prompt: 7, 5, 6, 7, ...
+    executor = FakeExecutor(lambda rid, tokens: EOS if len(tokens) == 11 else model(rid, tokens))
+    updates = []
+    in_flight: deque = deque()
+    while s.has_work or in_flight:
+        if not in_flight and s.has_work:
+            in_flight.append(s.schedule())
+        plan = in_flight.popleft()
+        updates += s.update(plan, executor.run(plan))
+    tokens = [t for u in updates for t in u.new_token_ids]
+    assert tokens == [7, 5, 6, EOS] and updates[-1].finish_reason == FinishReason.STOP
+
+
+def test_drafts_stop_at_max_tokens():
+    s = make(k=8)
+    s.add_request("r", "api", [5, 6, 5, 6, 5, 6], SamplingParams(max_tokens=5, ignore_eos=True))
+    plans = run(s, FakeExecutor(cycle([5, 6])))
+    for plan in plans:
+        for item in plan.scheduled:  # never more tokens than max_tokens allows
+            assert len(item.draft_token_ids) <= 5 - 1
+    assert s.num_finished == 1
+
+
+def test_misses_back_off_and_the_cache_holds_true_tokens():
+    s = make(k=4)
+    s.add_request("r", "api", [1, 2, 3, 4], SamplingParams(max_tokens=40, ignore_eos=True))
+    # 1, 2, 3, then a new token: "1, 2, 3" always matches, what followed it never again
+    executor = FakeExecutor(lambda _, tokens: (1, 2, 3, 10 + len(tokens))[len(tokens) % 4])
+    plans = run(s, executor)
+    drafted = [p.step_id for p in plans for i in p.scheduled if i.draft_token_ids]
+    assert s.num_accepted_tokens == 0 and 2 <= len(drafted) <= 3  # then 8, 16 tokens apart
+    for node in s.kv.tree.nodes_by_block.values():
+        assert [executor.kv[node.block_id, i] for i in range(BLOCK)] == list(node.key)
+
+
+def test_penalties_and_min_tokens_keep_drafts_off():
+    for params in (SamplingParams(max_tokens=20, ignore_eos=True, presence_penalty=0.5),
+                   SamplingParams(max_tokens=20, ignore_eos=True, min_tokens=19)):
+        s = make(k=4)
+        s.add_request("r", "api", [5, 6, 5, 6, 5, 6], params)
+        plans = run(s, FakeExecutor(cycle([5, 6])))
+        assert not any(i.draft_token_ids for p in plans for i in p.scheduled)
+
+
+operations = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 20), st.integers(1, 3), st.integers(0, 12),
+              st.integers(0, 2)),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("result")),
+), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(operations, st.booleans(), st.integers(10, 24), st.integers(1, 4), st.integers(2, 5))
+def test_random_traces_with_drafts_read_only_true_kv(ops, prefix_caching, num_blocks, k,
+                                                    period):
+    """Arrivals, aborts, preemption, forks, steps planned ahead, drafts partly right: every
+    step attends to true tokens only, counts match owners, and everything finishes."""
+    s = make(k=k, num_blocks=num_blocks, prefix_caching=prefix_caching, n_min=1,
+             max_num_batched_tokens=16, max_num_seqs=6, max_model_len=48)
+
+    def model(request_id, tokens):  # repeats with a period, but slips now and then
+        value = tokens[-period] if len(tokens) > period else 5
+        return EOS if (len(tokens) + len(request_id)) % 13 == 0 else (
+            value if len(tokens) % 7 else value + 1)
+
+    executor = FakeExecutor(model)
+    in_flight: deque = deque()
+    ids = []
+    for op in ops:
+        if op[0] == "add":
+            _, num_prompt, n, max_tokens, family = op
+            request_id = f"r{len(ids)}"
+            try:
+                s.add_request(request_id, "api", [family] * (num_prompt // 2)
+                              + list(range(num_prompt - num_prompt // 2)),
+                              SamplingParams(max_tokens=max_tokens), n=n)
+                ids.append(request_id)
+            except ValueError:
+                pass  # refused up front: it could never fit
+        elif op[0] == "abort" and ids:
+            s.abort_request(ids[op[1] % len(ids)])
+        elif op[0] == "step" and len(in_flight) < 2:
+            plan = s.schedule()
+            if plan.scheduled or not in_flight:
+                in_flight.append(plan)
+            else:
+                s.unschedule_empty(plan)
+        elif op[0] == "result" and in_flight:
+            plan = in_flight.popleft()
+            s.update(plan, executor.run(plan))
+        s.check_invariants()
+    run(s, executor, max_steps=3000, in_flight=in_flight)
+    assert s.requests == {} and s.families == {}
+    if s.kv.tree is not None:  # what stays cached holds the tokens it is keyed by
+        for node in s.kv.tree.nodes_by_block.values():
+            assert [executor.kv.get((node.block_id, i)) for i in range(BLOCK)] == list(node.key)

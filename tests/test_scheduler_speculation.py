@@ -36,18 +36,7 @@ class FakeExecutor:
         self.kv: dict[tuple[int, int], int] = {}
 
     def run(self, plan: StepPlan) -> StepResult:
-        for request_id in plan.finished_request_ids:
-            self.tokens.pop(request_id, None)
-            self.tables.pop(request_id, None)
-        for request_id in plan.preempted_request_ids:
-            self.tables[request_id] = []
-        for new in plan.new_requests:
-            self.tokens[new.request_id] = list(new.prompt_token_ids)
-            self.tables[new.request_id] = []
-        for copy in plan.copy_blocks:
-            for offset in range(BLOCK):
-                if (copy.src, offset) in self.kv:
-                    self.kv[copy.dst, offset] = self.kv[copy.src, offset]
+        self._bookkeeping(plan)
         sampled, counts = [], []
         for item in plan.scheduled:
             tokens, table = self.tokens[item.request_id], self.tables[item.request_id]
@@ -61,19 +50,36 @@ class FakeExecutor:
             for i, token in enumerate(query):
                 position = item.start + i
                 self.kv[table[position // BLOCK], position % BLOCK] = token
-            if not item.sample:
-                continue
-            assert known_end == len(tokens)
-            new = []
-            for draft in item.draft_token_ids:  # the model agrees while it would say the same
-                if self.next_token(item.request_id, tokens + new) != draft:
-                    break
-                new.append(draft)
-            new.append(self.next_token(item.request_id, tokens + new))
-            tokens.extend(new)
-            sampled += new
-            counts.append(len(new))
+            if item.sample:
+                assert known_end == len(tokens)
+                new = self._verify(item.request_id, tokens, item.draft_token_ids)
+                tokens.extend(new)
+                sampled += new
+                counts.append(len(new))
         return StepResult(step_id=plan.step_id, sampled_token_ids=sampled, num_sampled=counts)
+
+    def _verify(self, request_id: str, tokens: list[int], drafts: list[int]) -> list[int]:
+        """The drafts the model agrees with (it would say the same), then its next token."""
+        new = []
+        for draft in drafts:
+            if self.next_token(request_id, tokens + new) != draft:
+                break
+            new.append(draft)
+        return new + [self.next_token(request_id, tokens + new)]
+
+    def _bookkeeping(self, plan: StepPlan) -> None:
+        for request_id in plan.finished_request_ids:
+            self.tokens.pop(request_id, None)
+            self.tables.pop(request_id, None)
+        for request_id in plan.preempted_request_ids:
+            self.tables[request_id] = []
+        for new in plan.new_requests:
+            self.tokens[new.request_id] = list(new.prompt_token_ids)
+            self.tables[new.request_id] = []
+        for copy in plan.copy_blocks:
+            for offset in range(BLOCK):
+                if (copy.src, offset) in self.kv:
+                    self.kv[copy.dst, offset] = self.kv[copy.src, offset]
 
 
 def cycle(period: list[int]):

@@ -1,3 +1,5 @@
+# Over 300 lines: one class whose request state, steps and sampling (with or without drafts)
+# share every field; the pure parts live in model.py, sampler.py and speculative.py.
 """The executor's pure core: request state, one batched forward per StepPlan, sampling.
 
 No NATS, no asyncio: the service adapter decodes a StepPlan, calls `ModelRunner.step`, and
@@ -34,6 +36,7 @@ from llmbus.services.executor.model import LlamaModel, build_attention_metadata
 from llmbus.services.executor.penalties import TokenCounts
 from llmbus.services.executor.sampler import sample
 from llmbus.services.executor.sampling_tensors import RequestSampling, SamplingTensors
+from llmbus.services.executor.speculative import verify
 
 
 @dataclass
@@ -177,13 +180,13 @@ class ModelRunner:
             torch.set_num_threads(threads)
         try:
             with torch.inference_mode():
-                sampled, logprobs = self._step(plan)
+                sampled, logprobs, num_sampled = self._step(plan)
         except Exception as exc:  # the adapter reports it; the executor stays up
             return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
         return StepResult(
             step_id=plan.step_id, sampled_token_ids=sampled,
             forward_seconds=time.perf_counter() - started, batch_size=len(plan.scheduled),
-            num_tokens=num_tokens, logprobs=logprobs)
+            num_tokens=num_tokens, logprobs=logprobs, num_sampled=num_sampled)
 
     def _forget(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
@@ -219,10 +222,14 @@ class ModelRunner:
     def _check_scheduled(self, sched: ScheduledRequest, state: _RequestState) -> None:
         """Refuse a share of a step that the request's tokens and blocks cannot serve."""
         end = sched.start + sched.num_tokens
-        if sched.num_tokens < 1 or sched.start < 0 or end > len(state.token_ids):
-            raise ValueError(f"request {sched.request_id!r}: tokens [{sched.start}, {end}) "
-                             f"outside its {len(state.token_ids)} known tokens")
-        if sched.sample and end != len(state.token_ids):
+        known_end = end - len(sched.draft_token_ids)
+        if sched.draft_token_ids and (not sched.sample or known_end <= sched.start):
+            raise ValueError(f"request {sched.request_id!r}: drafts must follow a known token "
+                             "of a step that samples")
+        if sched.num_tokens < 1 or sched.start < 0 or known_end > len(state.token_ids):
+            raise ValueError(f"request {sched.request_id!r}: tokens [{sched.start}, "
+                             f"{known_end}) outside its {len(state.token_ids)} known tokens")
+        if sched.sample and known_end != len(state.token_ids):
             raise ValueError(f"request {sched.request_id!r}: sampling after token {end} "
                              f"of {len(state.token_ids)} would skip known tokens")
         if end > self.max_model_len:
@@ -232,10 +239,10 @@ class ModelRunner:
             raise ValueError(f"request {sched.request_id!r}: {len(state.block_table)} "
                              f"blocks cannot hold {end} tokens")
 
-    def _step(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def _step(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprobs | None], list[int]]:
         self._apply_plan_changes(plan)
         if not plan.scheduled:
-            return [], []
+            return [], [], []
 
         input_ids: list[int] = []
         query_lens, context_lens, block_tables = [], [], []
@@ -247,7 +254,8 @@ class ModelRunner:
             state.block_table.extend(sched.new_block_ids)
             self._check_scheduled(sched, state)
             end = sched.start + sched.num_tokens
-            input_ids.extend(state.token_ids[sched.start:end])
+            input_ids.extend(state.token_ids[sched.start:end - len(sched.draft_token_ids)])
+            input_ids.extend(sched.draft_token_ids)
             query_lens.append(sched.num_tokens)
             context_lens.append(end)
             block_tables.append(state.block_table)
@@ -256,13 +264,66 @@ class ModelRunner:
         meta = build_attention_metadata(query_lens, context_lens, block_tables,
                                         self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
-        rows = torch.tensor(sampling_rows, dtype=torch.int64, device=self.device)  # [S]
-        logits_indices = meta.cu_seqlens_q[1:][rows] - 1  # [S] last token of each sampler
+        samplers = [plan.scheduled[i] for i in sampling_rows]
+        logits_indices = self._logits_indices(meta, sampling_rows, samplers)
         logits = self.model.forward(ids, meta.positions, meta, self.kv_cache, logits_indices)
         if not sampling_rows:
-            return [], []
-        states = [self.requests[plan.scheduled[i].request_id] for i in sampling_rows]
-        return self._sample(logits, states)
+            return [], [], []
+        states = [self.requests[s.request_id] for s in samplers]
+        if not any(s.draft_token_ids for s in samplers):
+            return *self._sample(logits, states), []
+        return self._sample_with_drafts(logits, samplers, states)
+
+    def _logits_indices(self, meta, sampling_rows: list[int],
+                        samplers: list[ScheduledRequest]) -> torch.Tensor:
+        """The query positions whose logits are sampled: each sampler's last token, and
+        before it one position per draft (the last known token and every draft but the last).
+        """
+        rows = torch.tensor(sampling_rows, dtype=torch.int64, device=self.device)  # [S]
+        last = meta.cu_seqlens_q[1:][rows] - 1  # [S] last token of each sampler
+        if not any(s.draft_token_ids for s in samplers):
+            return last
+        back = [j for s in samplers for j in range(len(s.draft_token_ids), -1, -1)]
+        counts = torch.tensor([len(s.draft_token_ids) + 1 for s in samplers], device=self.device)
+        return last.repeat_interleave(counts) - torch.tensor(back, device=self.device)
+
+    def _sample_with_drafts(self, logits: torch.Tensor, samplers: list[ScheduledRequest],
+                            states: list[_RequestState],
+                            ) -> tuple[list[int], list[TokenLogprobs | None], list[int]]:
+        """Samplers without drafts sample as usual; the others verify their drafts
+        (speculative.py). logits holds 1 row per plain sampler, d + 1 per one with d drafts."""
+        firsts, row = [], 0
+        for s in samplers:
+            firsts.append(row)
+            row += len(s.draft_token_ids) + 1
+        plain = [i for i, s in enumerate(samplers) if not s.draft_token_ids]
+        plain_tokens, plain_logprobs = iter([]), iter([])
+        if plain:
+            rows = torch.tensor([firsts[i] for i in plain], device=self.device)
+            tokens, logprobs = self._sample(logits.index_select(0, rows),
+                                            [states[i] for i in plain])
+            plain_tokens, plain_logprobs = iter(tokens), iter(logprobs or [None] * len(tokens))
+        sampled: list[int] = []
+        logprobs_out: list[TokenLogprobs | None] = []
+        counts: list[int] = []
+        for i, (sched, state) in enumerate(zip(samplers, states, strict=True)):
+            if not sched.draft_token_ids:
+                sampled.append(next(plain_tokens))
+                logprobs_out.append(next(plain_logprobs))
+                counts.append(1)
+                continue
+            rows = logits[firsts[i]:firsts[i] + len(sched.draft_token_ids) + 1]
+            tokens = verify(rows, list(sched.draft_token_ids), state.sampling,
+                            state.generator or self.shared_generator)
+            state.token_ids.extend(tokens)
+            sampled += tokens
+            counts.append(len(tokens))
+            logprobs_out += token_logprobs(
+                rows[:len(tokens)], torch.tensor(tokens, device=self.device),
+                [state.sampling.num_logprobs] * len(tokens)) or [None] * len(tokens)
+        if all(lp is None for lp in logprobs_out):
+            logprobs_out = []
+        return sampled, logprobs_out, counts
 
     def _sample(self, logits: torch.Tensor, states: list[_RequestState],
                 ) -> tuple[list[int], list[TokenLogprobs | None]]:

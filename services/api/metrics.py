@@ -123,6 +123,13 @@ class ApiMetrics:
         hits = counter("llmbus:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         preemptions = counter("llmbus:num_preemptions",
                               "Requests preempted to free KV blocks.")
+        drafts = counter("llmbus:spec_decode_num_draft_tokens",
+                         "Speculative decoding: draft tokens the model verified.")
+        accepted = counter("llmbus:spec_decode_num_accepted_tokens",
+                           "Speculative decoding: draft tokens the model agreed with.")
+        rate = gauge("llmbus:spec_decode_draft_acceptance_rate",
+                     "Accepted over verified draft tokens since the engine started (0 before "
+                     "any draft).")
         for s in self.engine_stats:
             labels = [self.labels[0], s.engine_id]
             running.add_metric(labels, s.num_running)
@@ -132,7 +139,10 @@ class ApiMetrics:
             queries.add_metric(labels, s.num_prefix_query_tokens)
             hits.add_metric(labels, s.num_prefix_hit_tokens)
             preemptions.add_metric(labels, s.num_preemptions)
-        return [running, waiting, usage, queries, hits, preemptions]
+            drafts.add_metric(labels, s.num_draft_tokens)
+            accepted.add_metric(labels, s.num_accepted_tokens)
+            rate.add_metric(labels, s.num_accepted_tokens / max(s.num_draft_tokens, 1))
+        return [running, waiting, usage, queries, hits, preemptions, drafts, accepted, rate]
 
     def render(self, copies: list[ApiMetricsSnapshot] | None = None) -> str:
         """The exposition: request metrics of every copy in `copies` (default: this one's

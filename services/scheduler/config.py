@@ -19,3 +19,16 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     spec_ngram_min: int = 2
     spec_ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        check_speculation(self.num_speculative_tokens, self.spec_ngram_min,
+                          self.spec_ngram_max)
+
+
+def check_speculation(num_tokens: int, ngram_min: int, ngram_max: int) -> None:
+    """Raises ValueError, naming the options, for settings speculation cannot run with."""
+    if num_tokens < 0:
+        raise ValueError(f"--num-speculative-tokens must be 0 (off) or more, got {num_tokens}")
+    if not 1 <= ngram_min <= ngram_max:
+        raise ValueError("need 1 <= --spec-ngram-min <= --spec-ngram-max, got "
+                         f"{ngram_min} and {ngram_max}")

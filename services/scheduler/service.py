@@ -40,7 +40,7 @@ from llmbus.bus.messages import (
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.bus.tracing import current_traceparent
 from llmbus.services.scheduler.admission import AdmissionError
-from llmbus.services.scheduler.config import SchedulerConfig
+from llmbus.services.scheduler.config import SchedulerConfig, check_speculation
 from llmbus.services.scheduler.detokenizer_routing import DetokenizerRouting
 from llmbus.services.scheduler.engine_loop import EngineLoop
 from llmbus.services.scheduler.scheduler import Scheduler
@@ -74,6 +74,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to finish the requests held before failing "
                              "them (default: 30)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=0,
+                        help="speculative decoding: verify up to this many draft tokens per "
+                             "step, guessed by looking the last tokens up in the prompt and "
+                             "output so far (helps output that repeats its context: "
+                             "summaries, edits, code; greedy output is unchanged); 0 = off "
+                             "(default: 0)")
+    parser.add_argument("--spec-ngram-max", type=int, default=4,
+                        help="speculative decoding: longest suffix looked up (default: 4)")
+    parser.add_argument("--spec-ngram-min", type=int, default=2,
+                        help="speculative decoding: shortest suffix looked up (default: 2)")
     parser.add_argument("--step-timeout", type=float, default=60.0,
                         help="seconds to wait for the executor's answer to one step before "
                              "failing its requests (default: 60)")
@@ -100,7 +110,9 @@ class SchedulerService:
             max_model_len=self.info.max_model_len, eos_token_ids=tuple(self.info.eos_token_ids),
             max_num_seqs=self.args.max_num_seqs,
             max_num_batched_tokens=self.args.max_num_batched_tokens,
-            enable_prefix_caching=not self.args.no_prefix_caching))
+            enable_prefix_caching=not self.args.no_prefix_caching,
+            num_speculative_tokens=self.args.num_speculative_tokens,
+            spec_ngram_min=self.args.spec_ngram_min, spec_ngram_max=self.args.spec_ngram_max))
         step_subject = subjects.executor_step(self.engine_id)
 
         async def execute(plan: StepPlan) -> StepResult:
@@ -232,7 +244,8 @@ class SchedulerService:
             num_prefix_hit_tokens=s.num_prefix_hit_tokens,
             executor_busy_seconds=self.loop.busy_seconds,
             executor_idle_seconds=self.loop.idle_seconds,
-            num_evictable_blocks=s.kv.num_evictable())
+            num_evictable_blocks=s.kv.num_evictable(),
+            num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens)
 
     def _expired(self, now: float) -> list[RequestTokens]:
         """Requests queued past --queue-timeout; the queue is walked at most once a second,
@@ -261,6 +274,10 @@ class SchedulerService:
 
 
 async def main(args: argparse.Namespace) -> None:
+    try:
+        check_speculation(args.num_speculative_tokens, args.spec_ngram_min, args.spec_ngram_max)
+    except ValueError as exc:
+        raise SystemExit(f"llmbus scheduler: {exc}") from None
     async with ServiceRuntime("scheduler", args.nats_url, args.instance_id) as runtime:
         service = SchedulerService(runtime, args)
         try:

@@ -7,7 +7,8 @@ trace context:
 
     engine.queue    arrival -> first step
     engine.prefill  first step -> first token, with one child span per prefill chunk
-    engine.decode   first token -> end, as one span (not one per token)
+    engine.decode   first token -> end, as one span (not one per token), with the draft
+                    tokens speculative decoding verified and accepted for the request
 """
 
 from __future__ import annotations
@@ -56,5 +57,7 @@ def record_request_spans(request: Request, now: float) -> None:
         decode = _tracer.start_span(
             "engine.decode", context=parent, start_time=_ns(first_token), attributes={
                 **attributes, "gen_ai.usage.output_tokens": len(request.output_token_ids),
-                "gen_ai.response.finish_reasons": [request.finish_reason.name.lower()]})
+                "gen_ai.response.finish_reasons": [request.finish_reason.name.lower()],
+                "llmbus.spec.num_draft_tokens": request.num_draft_tokens,
+                "llmbus.spec.num_accepted_tokens": request.num_accepted_tokens})
         decode.end(end_time=_ns(max(end, first_token)))

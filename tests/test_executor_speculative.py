@@ -9,8 +9,8 @@ import torch
 
 from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from llmbus.services.executor.runner import ModelRunner
-from llmbus.services.executor.sampling_tensors import RequestSampling
-from llmbus.services.executor.speculative import target_probs, verify
+from llmbus.services.executor.sampling_tensors import RequestSampling, SamplingTensors
+from llmbus.services.executor.speculative import position_tensors, target_probs, verify
 from tests.gguf_fixtures import GREEDY, TinySpec, generate, write_tiny_llama
 
 BLOCK_SIZE = 4
@@ -67,6 +67,43 @@ def test_a_step_mixes_requests_with_and_without_drafts_and_their_logprobs(runner
         assert len(lp.top_token_ids) == 2 and lp.logprob < 0
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5,
+                   repetition_penalty=1.3),
+    SamplingParams(temperature=0.0, min_tokens=6, stop_token_ids=[0, 1, 2, 3, 4, 5, 6, 7])],
+    ids=["penalties", "min_tokens"])
+def test_drafts_see_penalties_and_bans_as_of_their_position(runner, params):
+    """Each position is judged as if the drafts before it were accepted: penalties count
+    them, min_tokens bans end where they would. Plain decoding's tokens as drafts are all
+    accepted; a change at one position is caught there."""
+    name = params.min_tokens and "bans" or "pen"
+    expected = generate(runner, [PROMPT], max_tokens=10, params=[params],
+                        request_ids=[f"plain-{name}"])[0]
+    n = len(PROMPT)
+    runner.step(StepPlan(step_id=400, new_requests=[NewRequestData(name, PROMPT, params)],
+                         scheduled=[ScheduledRequest(name, 0, n, [62, 63, 56, 57, 58])]))
+    step = runner.step(StepPlan(step_id=401, scheduled=[ScheduledRequest(
+        name, n, 1 + 6, draft_token_ids=expected[1:7])]))
+    assert step.sampled_token_ids == expected[1:8]
+    step = runner.step(StepPlan(step_id=402, scheduled=[ScheduledRequest(
+        name, n + 7, 1 + 2, draft_token_ids=[expected[8], (expected[9] + 1) % 64])]))
+    assert step.sampled_token_ids == expected[8:10]
+
+
+def test_each_position_counts_the_drafts_before_it():
+    a, b, eos, x = 0, 1, 2, 3
+    logits = torch.tensor([[5.0, 4.5, 0.0, 1.0]] * 3)  # a leads b by less than one penalty
+    penalized = RequestSampling.from_params(
+        SamplingParams(temperature=0.0, frequency_penalty=1.0), vocab_size=4)
+    tensors = position_tensors(penalized, 0, [a, a], {x: 0.0}, "cpu")  # x: the prompt
+    assert verify(logits, [a, a], tensors, None) == [a, b]  # the first a counts against it
+    banned = RequestSampling.from_params(
+        SamplingParams(temperature=0.0, min_tokens=7), eos_token_ids=[eos], vocab_size=4)
+    logits = torch.tensor([[1.0, 0.0, 5.0, 2.0]] * 3)  # eos leads, x next
+    tensors = position_tensors(banned, 5, [x, x], None, "cpu")  # 5 tokens out: 2 more banned
+    assert verify(logits, [x, x], tensors, None) == [x, x, eos]
+
+
 def test_drafts_are_refused_for_a_step_that_does_not_sample(runner):
     plan = StepPlan(step_id=300, new_requests=[NewRequestData("c", PROMPT, GREEDY)],
                     scheduled=[ScheduledRequest("c", 0, len(PROMPT) + 1, [60, 61],
@@ -93,14 +130,15 @@ def test_the_sampling_rule_keeps_each_position_s_distribution(params):
     vocab = 10
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)) * 1.5
     sampling = RequestSampling.from_params(params, vocab_size=vocab)
-    probs = target_probs(logits, sampling)
+    tensors = SamplingTensors.build([sampling] * 3, "cpu")
+    probs = target_probs(logits, tensors)
     likely = int(probs[0].argmax())
     drafts = [likely, int(probs[1].argmin())]  # often right, then (almost) always wrong
     generator = torch.Generator().manual_seed(7)
     first = torch.zeros(vocab)
     second = torch.zeros(vocab)
     for _ in range(5000):
-        tokens = verify(logits, drafts, sampling, generator)
+        tokens = verify(logits, drafts, tensors, generator)
         first[tokens[0]] += 1
         if tokens[0] == likely:  # the first draft accepted: the next is drawn at position 1
             second[tokens[1]] += 1
@@ -112,6 +150,7 @@ def test_the_sampling_rule_keeps_each_position_s_distribution(params):
 def test_seeded_verification_repeats_itself():
     logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(3))
     sampling = RequestSampling.from_params(SamplingParams(temperature=1.0), vocab_size=12)
-    runs = [[verify(logits, [1, 2, 3], sampling, torch.Generator().manual_seed(5))
+    tensors = SamplingTensors.build([sampling] * 4, "cpu")
+    runs = [[verify(logits, [1, 2, 3], tensors, torch.Generator().manual_seed(5))
              for _ in range(1)] for _ in range(2)]
     assert runs[0] == runs[1]

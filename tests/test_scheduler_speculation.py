@@ -184,13 +184,14 @@ def test_misses_back_off_and_the_cache_holds_true_tokens():
         assert [executor.kv[node.block_id, i] for i in range(BLOCK)] == list(node.key)
 
 
-def test_penalties_and_min_tokens_keep_drafts_off():
+def test_penalties_and_min_tokens_speculate_too():
+    """The executor applies them at every verified position (test_executor_speculative)."""
     for params in (SamplingParams(max_tokens=20, ignore_eos=True, presence_penalty=0.5),
-                   SamplingParams(max_tokens=20, ignore_eos=True, min_tokens=19)):
+                   SamplingParams(max_tokens=20, min_tokens=19)):
         s = make(k=4)
         s.add_request("r", "api", [5, 6, 5, 6, 5, 6], params)
         plans = run(s, FakeExecutor(cycle([5, 6])))
-        assert not any(i.draft_token_ids for p in plans for i in p.scheduled)
+        assert any(i.draft_token_ids for p in plans for i in p.scheduled)
 
 
 operations = st.lists(st.one_of(

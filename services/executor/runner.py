@@ -36,7 +36,7 @@ from llmbus.services.executor.model import LlamaModel, build_attention_metadata
 from llmbus.services.executor.penalties import TokenCounts
 from llmbus.services.executor.sampler import sample
 from llmbus.services.executor.sampling_tensors import RequestSampling, SamplingTensors
-from llmbus.services.executor.speculative import verify
+from llmbus.services.executor.speculative import position_tensors, verify
 
 
 @dataclass
@@ -312,10 +312,19 @@ class ModelRunner:
                 logprobs_out.append(next(plain_logprobs))
                 counts.append(1)
                 continue
-            rows = logits[firsts[i]:firsts[i] + len(sched.draft_token_ids) + 1]
-            tokens = verify(rows, list(sched.draft_token_ids), state.sampling,
-                            state.generator or self.shared_generator)
-            state.token_ids.extend(tokens)
+            drafts = list(sched.draft_token_ids)
+            rows = logits[firsts[i]:firsts[i] + len(drafts) + 1]
+            seen = None
+            if state.penalty_slot is not None:
+                token_ids, output_counts = self.token_counts.gather([state.penalty_slot])
+                seen = dict(zip(token_ids[0].tolist(), output_counts[0].tolist(), strict=True))
+            tensors = position_tensors(state.sampling, state.num_output_tokens, drafts, seen,
+                                       self.device)
+            tokens = verify(rows, drafts, tensors, state.generator or self.shared_generator)
+            for token in tokens:
+                state.token_ids.append(token)
+                if state.penalty_slot is not None:
+                    self.token_counts.record([state.penalty_slot], [token])
             sampled += tokens
             counts.append(len(tokens))
             logprobs_out += token_logprobs(

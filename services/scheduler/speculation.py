@@ -26,13 +26,10 @@ MAX_BACKOFF_SHIFT = 6
 
 
 def may_speculate(request: Request, config: SchedulerConfig) -> bool:
-    """Drafts are for a completion's decode steps, with neither penalties (they would need the
-    drafts' counts at every position) nor min_tokens bans still in force."""
-    params = request.params
+    """Drafts are for a completion's decode steps (not a parent's, which never samples),
+    unless it is backing off after misses."""
     return (config.num_speculative_tokens > 0 and not request.is_parent
-            and len(request.output_token_ids) >= max(params.min_tokens, request.spec_resume_at)
-            and not params.presence_penalty and not params.frequency_penalty
-            and (params.repetition_penalty <= 0 or params.repetition_penalty == 1.0))
+            and len(request.output_token_ids) >= request.spec_resume_at)
 
 
 def propose(request: Request, config: SchedulerConfig, limit: int) -> list[int]:

@@ -219,12 +219,13 @@ class Scheduler:
     def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         """Running requests first, oldest first; the newest give way when blocks run out.
         Appends to `scheduled`; returns the token budget left."""
-        index = 0
+        index, speculating = 0, self.config.num_speculative_tokens > 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._num_new_tokens(request, budget)
-            drafts = drafts_for(request, self.config, budget) if num_new else []
-            if num_new == 0 or (not drafts and waits_for_drafts(request, self.config)):
+            drafts = drafts_for(request, self.config, budget) if num_new and speculating else []
+            if num_new == 0 or (speculating and not drafts
+                                and waits_for_drafts(request, self.config)):
                 index += 1
                 continue
             num_new += len(drafts)
@@ -397,12 +398,13 @@ class Scheduler:
         updates = self.take_ended_updates()
         sampled = iter(result.sampled_token_ids)
         logprobs = iter(result.logprobs or [None] * len(result.sampled_token_ids))
-        counts = iter(result.num_sampled or [1] * len(result.sampled_token_ids))
+        counts = iter(result.num_sampled) if result.num_sampled else None
         for item in plan.scheduled:
             if not item.sample:
                 continue
-            count = next(counts)
-            tokens = [(next(sampled), next(logprobs)) for _ in range(count)]
+            count = next(counts) if counts is not None else 1
+            tokens = ([(next(sampled), next(logprobs))] if count == 1
+                      else [(next(sampled), next(logprobs)) for _ in range(count)])
             request = self.requests.get(item.request_id)
             if request is None:
                 continue  # it finished or was aborted after this step was planned

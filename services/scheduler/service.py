@@ -1,4 +1,4 @@
-# Over 300 lines: the engine's 14 options with their help texts, then the adapter they shape.
+# Over 300 lines: the engine's 13 options with their help texts, then the adapter they shape.
 """The scheduler's bus adapter: the only file of this stage that touches NATS.
 
 One engine = one scheduler + its executor. The engine loop (engine_loop.py) plans a step,

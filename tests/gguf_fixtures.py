@@ -75,12 +75,15 @@ def tiny_weights(spec: TinySpec, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
-                     quantized: str | None = None) -> dict[str, np.ndarray]:
+                     quantized: str | None = None, rope_freqs: np.ndarray | None = None,
+                     rope_scaling: tuple[str, float] | None = None) -> dict[str, np.ndarray]:
     """Write a llama GGUF (Q/K permuted like llama.cpp); returns the HF-layout weights.
 
     Tensors are F32. With `quantized` ("Q4_1", "Q4_0" or "Q8_0"), as in llama.cpp's files of
     that type: the layers' matmul weights take that format, the embedding and vocab head Q8_0;
-    they are returned dequantized, so references computed from them stay exact.
+    they are returned dequantized, so references computed from them stay exact. RoPE scaling
+    as llama.cpp writes it: `rope_freqs` (Llama 3.1+: a factor per frequency, as a tensor) or
+    `rope_scaling` (type, factor) in the metadata.
     """
     import gguf
 
@@ -99,6 +102,11 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
     writer.add_token_list([f"<t{i}>" for i in range(spec.vocab_size)])
     writer.add_bos_token_id(spec.bos_token_id)
     writer.add_eos_token_id(spec.eos_token_id)
+    if rope_scaling is not None:
+        writer.add_string("llama.rope.scaling.type", rope_scaling[0])
+        writer.add_float32("llama.rope.scaling.factor", rope_scaling[1])
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     for name, hf_array in weights.items():
         heads = (spec.num_heads if name.endswith("attn_q.weight") else
                  spec.num_kv_heads if name.endswith("attn_k.weight") else None)

@@ -10,7 +10,7 @@ form (codes plus a scale, and for Q4_1 a minimum, per 32 weights), for the quant
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,10 @@ class LlamaConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool
+    # RoPE scaling: every frequency divided by rope_linear_factor (`rope.scaling.type`
+    # linear) and by its own factor (the `rope_freqs` tensor of Llama 3.1+ files).
+    rope_linear_factor: float = 1.0
+    rope_freq_factors: tuple[float, ...] | None = None
 
 
 QUANT_GROUP = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
@@ -149,10 +153,9 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
     if isinstance(_field(reader, "llama.feed_forward_length"), list):
         raise UnsupportedModelError("per-layer feed_forward_length is not supported")
     scaling = _field(reader, "llama.rope.scaling.type", "none")
-    if scaling not in ("none", ""):
-        raise UnsupportedModelError(f"RoPE scaling {scaling!r} is not supported")
-    if "rope_freqs.weight" in tensor_shapes:
-        raise UnsupportedModelError("per-frequency RoPE factors (rope_freqs) are not supported")
+    if scaling not in ("none", "", "linear"):
+        raise UnsupportedModelError(f"llama.rope.scaling.type {scaling!r} is not supported "
+                                    "(supported: none, linear, and the rope_freqs tensor)")
     if "token_embd.weight" not in tensor_shapes:
         raise UnsupportedModelError("GGUF lacks token_embd.weight")
 
@@ -162,6 +165,12 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
     rope_dim = int(_field(reader, "llama.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise UnsupportedModelError(f"partial rotary ({rope_dim} of {head_dim}) is not supported")
+    if tensor_shapes.get("rope_freqs.weight", (head_dim // 2,)) != (head_dim // 2,):
+        raise UnsupportedModelError(f"rope_freqs.weight has shape "
+                                    f"{tensor_shapes['rope_freqs.weight']}, expected "
+                                    f"({head_dim // 2},): one factor per rotary frequency")
+    linear = float(_field(reader, "llama.rope.scaling.factor", 1.0)) if scaling == "linear" \
+        else 1.0
 
     eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
@@ -180,6 +189,7 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
         tie_word_embeddings="output.weight" not in tensor_shapes,
+        rope_linear_factor=linear,
     )
 
 
@@ -223,6 +233,9 @@ def load_gguf(
                 q = type(q)(*(torch.from_numpy(unpermute_qk(t.numpy(), heads))
                               for t in vars(q).values()))
             native[tensor.name] = q
+    if "rope_freqs.weight" in weights:  # a property of the rotary embedding, not a weight
+        factors = tuple(float(f) for f in weights.pop("rope_freqs.weight").float().tolist())
+        config = replace(config, rope_freq_factors=factors)
     if config.tie_word_embeddings:
         if "token_embd.weight" in weights:
             weights["output.weight"] = weights["token_embd.weight"]

@@ -184,6 +184,9 @@ def rope_tables(config: LlamaConfig, max_positions: int) -> tuple[torch.Tensor, 
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta
                       ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_freq_factors is not None:  # Llama 3.1+: a factor per frequency
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    inv_freq = inv_freq / config.rope_linear_factor
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, Dh]
     return emb.cos(), emb.sin()

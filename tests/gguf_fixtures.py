@@ -76,19 +76,28 @@ def tiny_weights(spec: TinySpec, seed: int = 0) -> dict[str, np.ndarray]:
 
 def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
                      quantized: str | None = None, rope_freqs: np.ndarray | None = None,
-                     rope_scaling: tuple[str, float] | None = None) -> dict[str, np.ndarray]:
+                     rope_scaling: tuple[str, float] | None = None,
+                     arch: str = "llama") -> dict[str, np.ndarray]:
     """Write a llama GGUF (Q/K permuted like llama.cpp); returns the HF-layout weights.
 
     Tensors are F32. With `quantized` ("Q4_1", "Q4_0" or "Q8_0"), as in llama.cpp's files of
     that type: the layers' matmul weights take that format, the embedding and vocab head Q8_0;
     they are returned dequantized, so references computed from them stay exact. RoPE scaling
     as llama.cpp writes it: `rope_freqs` (Llama 3.1+: a factor per frequency, as a tensor) or
-    `rope_scaling` (type, factor) in the metadata.
+    `rope_scaling` (type, factor) in the metadata. `arch="qwen2"`: Q/K/V biases, and Q/K rows
+    in HF's order (llama.cpp permutes them for llama files only).
     """
     import gguf
 
     weights = tiny_weights(spec, seed)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    if arch == "qwen2":
+        rng = np.random.default_rng(seed + 1000)
+        for i in range(spec.num_layers):
+            for n, heads in (("q", spec.num_heads), ("k", spec.num_kv_heads),
+                             ("v", spec.num_kv_heads)):
+                weights[f"blk.{i}.attn_{n}.bias"] = \
+                    (0.5 * rng.standard_normal(heads * spec.head_dim)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny-random-llama")
     writer.add_block_count(spec.num_layers)
     writer.add_context_length(spec.context_length)
@@ -103,14 +112,14 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
     writer.add_bos_token_id(spec.bos_token_id)
     writer.add_eos_token_id(spec.eos_token_id)
     if rope_scaling is not None:
-        writer.add_string("llama.rope.scaling.type", rope_scaling[0])
-        writer.add_float32("llama.rope.scaling.factor", rope_scaling[1])
+        writer.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
+        writer.add_float32(f"{arch}.rope.scaling.factor", rope_scaling[1])
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     for name, hf_array in weights.items():
         heads = (spec.num_heads if name.endswith("attn_q.weight") else
                  spec.num_kv_heads if name.endswith("attn_k.weight") else None)
-        array = permute_qk(hf_array, heads) if heads else hf_array
+        array = permute_qk(hf_array, heads) if heads and arch == "llama" else hf_array
         if quantized and array.ndim == 2:
             kind = gguf.GGMLQuantizationType[quantized if name.startswith("blk.") else "Q8_0"]
             writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)

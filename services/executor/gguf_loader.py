@@ -1,8 +1,10 @@
-"""Load a llama-architecture GGUF into a config and float weights.
+"""Load a llama-family GGUF (architectures `llama` and `qwen2`) into a config and float weights.
 
-Weights keep their GGUF names (`blk.{i}.attn_q.weight`, ...) in HF layout: `[out, in]`, with Q
-and K un-permuted from llama.cpp's interleaved rotary layout to the rotate_half convention, so
-one RoPE implementation matches HF transformers on the same file.
+Weights keep their GGUF names (`blk.{i}.attn_q.weight`, ...) in HF layout: `[out, in]`, with a
+llama file's Q and K un-permuted from llama.cpp's interleaved rotary layout to the rotate_half
+convention (qwen2 files keep HF's), so one RoPE implementation matches HF transformers on the
+same file. Metadata is read under the file's architecture (`qwen2.block_count`, ...); qwen2's
+Q/K/V biases load as `blk.{i}.attn_{q,k,v}.bias`.
 
 `load_gguf(..., keep_native=True)` also returns the Q4_0, Q4_1 and Q8_0 matrices in their native
 form (codes plus a scale, and for Q4_1 a minimum, per 32 weights), for the quantized CPU matmuls.
@@ -17,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 
 class UnsupportedModelError(ValueError):
@@ -43,6 +45,9 @@ class LlamaConfig:
     # linear) and by its own factor (the `rope_freqs` tensor of Llama 3.1+ files).
     rope_linear_factor: float = 1.0
     rope_freq_factors: tuple[float, ...] | None = None
+    # llama.cpp stores a llama file's Q/K rows with each head's rotary pairs interleaved (the
+    # loader restores HF's halves); a qwen2 file keeps HF's layout.
+    rotary_pairs_interleaved: bool = True
 
 
 QUANT_GROUP = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
@@ -150,46 +155,53 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"unsupported model architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
-    if isinstance(_field(reader, "llama.feed_forward_length"), list):
+
+    def field(key: str, default: Any = None) -> Any:  # the architecture's own keys
+        return _field(reader, f"{arch}.{key}", default)
+
+    def required(key: str) -> Any:
+        return _required(reader, f"{arch}.{key}")
+    if isinstance(field("feed_forward_length"), list):
         raise UnsupportedModelError("per-layer feed_forward_length is not supported")
-    scaling = _field(reader, "llama.rope.scaling.type", "none")
+    scaling = field("rope.scaling.type", "none")
     if scaling not in ("none", "", "linear"):
-        raise UnsupportedModelError(f"llama.rope.scaling.type {scaling!r} is not supported "
+        raise UnsupportedModelError(f"{arch}.rope.scaling.type {scaling!r} is not supported "
                                     "(supported: none, linear, and the rope_freqs tensor)")
     if "token_embd.weight" not in tensor_shapes:
         raise UnsupportedModelError("GGUF lacks token_embd.weight")
 
-    hidden = int(_required(reader, "llama.embedding_length"))
-    num_heads = int(_required(reader, "llama.attention.head_count"))
-    head_dim = int(_field(reader, "llama.attention.key_length", hidden // num_heads))
-    rope_dim = int(_field(reader, "llama.rope.dimension_count", head_dim))
+    hidden = int(required("embedding_length"))
+    num_heads = int(required("attention.head_count"))
+    head_dim = int(field("attention.key_length", hidden // num_heads))
+    rope_dim = int(field("rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise UnsupportedModelError(f"partial rotary ({rope_dim} of {head_dim}) is not supported")
     if tensor_shapes.get("rope_freqs.weight", (head_dim // 2,)) != (head_dim // 2,):
         raise UnsupportedModelError(f"rope_freqs.weight has shape "
                                     f"{tensor_shapes['rope_freqs.weight']}, expected "
                                     f"({head_dim // 2},): one factor per rotary frequency")
-    linear = float(_field(reader, "llama.rope.scaling.factor", 1.0)) if scaling == "linear" \
+    linear = float(field("rope.scaling.factor", 1.0)) if scaling == "linear" \
         else 1.0
 
     eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     return LlamaConfig(
-        num_layers=int(_required(reader, "llama.block_count")),
+        num_layers=int(required("block_count")),
         hidden_size=hidden,
-        intermediate_size=int(_required(reader, "llama.feed_forward_length")),
+        intermediate_size=int(required("feed_forward_length")),
         num_heads=num_heads,
-        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", num_heads)),
+        num_kv_heads=int(field("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
         # The embedding matrix is the truth; token lists are sometimes padded or short.
         vocab_size=int(tensor_shapes["token_embd.weight"][0]),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        context_length=int(_field(reader, "llama.context_length", 2048)),
+        rope_theta=float(field("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-5)),
+        context_length=int(field("context_length", 2048)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
         tie_word_embeddings="output.weight" not in tensor_shapes,
         rope_linear_factor=linear,
+        rotary_pairs_interleaved=arch == "llama",
     )
 
 
@@ -217,6 +229,8 @@ def load_gguf(
     for tensor in reader.tensors:
         heads = (config.num_heads if tensor.name.endswith("attn_q.weight") else
                  config.num_kv_heads if tensor.name.endswith("attn_k.weight") else None)
+        if not config.rotary_pairs_interleaved:
+            heads = None
         parse = parsers.get(tensor.tensor_type)
         native_form = keep_native and parse is not None and len(shapes[tensor.name]) == 2
         if dense_for_native or not native_form:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from llmbus.services.executor.gguf_loader import LlamaConfig, NativeWeight
+from llmbus.services.executor.gguf_loader import LlamaConfig, NativeWeight, UnsupportedModelError
 from llmbus.services.executor.kv_cache import NULL_BLOCK_ID, KVCache
 from llmbus.services.executor.linear import DenseLinear, Linear, make_linear
 
@@ -179,6 +179,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def qkv_bias(weights: dict[str, torch.Tensor], layer: int) -> torch.Tensor | None:
+    """Layer `layer`'s Q, K and V biases stacked like its fused projection (qwen2 files have
+    them), or None."""
+    names = [f"blk.{layer}.attn_{n}.bias" for n in "qkv"]
+    present = [n in weights for n in names]
+    if not any(present):
+        return None
+    if not all(present):
+        raise UnsupportedModelError(f"layer {layer} has only some of the Q/K/V biases")
+    return torch.cat([weights[n].float() for n in names])
+
+
 def rope_tables(config: LlamaConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_positions, Dh] in the HF (rotate_half) layout, computed as HF does."""
     dim = config.head_dim
@@ -259,6 +271,7 @@ class _Layer:
     ffn_norm: torch.Tensor  # [D]
     gate_up: Linear  # [2 F, D], gate and up fused
     down: Linear  # [D, F]
+    qkv_bias: torch.Tensor | None = None  # [(H + 2 Hkv) * Dh] (qwen2)
 
 
 class LlamaModel:
@@ -294,7 +307,9 @@ class LlamaModel:
                 attn_output=linear(p + "attn_output.weight"),
                 ffn_norm=w(p + "ffn_norm.weight"),
                 gate_up=linear(p + "ffn_gate.weight", p + "ffn_up.weight"),
-                down=linear(p + "ffn_down.weight")))
+                down=linear(p + "ffn_down.weight"),
+                qkv_bias=None if qkv_bias(weights, i) is None
+                else qkv_bias(weights, i).to(device=device, dtype=dtype)))
         self.embed = w("token_embd.weight")  # [V, D]
         head = self.embed if config.tie_word_embeddings else w("output.weight")
         head_native = (native or {}).get("output.weight")
@@ -330,6 +345,8 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             x, h = ops.add_rms_norm(h, delta, layer.attn_norm, eps)
             qkv = layer.qkv(x)  # [T, (H + 2 Hkv) * Dh]
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
             k_cache, v_cache = kv_cache.layer(index)
             q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                                   cfg.num_heads)  # [T, H, Dh]

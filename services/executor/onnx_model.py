@@ -33,7 +33,7 @@ from llmbus.services.executor.dense_prefill import DENSE_PREFILL_TOKENS, DensePr
 from llmbus.services.executor.gguf_loader import QUANT_GROUP, LlamaConfig, NativeWeight, Q8_0Weight
 from llmbus.services.executor.int_step import IntStep
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.model import AttentionMetadata, TorchOps, rope_tables
+from llmbus.services.executor.model import AttentionMetadata, TorchOps, qkv_bias, rope_tables
 from llmbus.services.executor.onnx_graphs import MatrixSource, head_graph, layer_graphs
 from llmbus.services.executor.quant_parts import (
     COLUMNS,
@@ -162,6 +162,7 @@ class OnnxLlamaModel:
         if self.int_step is None:
             self._build_graphs(config, dense, native, num_threads)
         self.embed = _Embedding(native.get("token_embd.weight"), dense.get("token_embd.weight"))
+        self.qkv_biases = [qkv_bias(dense, i) for i in range(config.num_layers)]
         self.native_layers = any(f"blk.{i}.{n}.weight" in native
                                  for i in range(config.num_layers) for n in LAYER_MATRICES)
         self.weight_format = "native" if self.native_layers else "dense"
@@ -195,6 +196,11 @@ class OnnxLlamaModel:
         """Size the rotary tables for positions [0, max_positions)."""
         self.cos, self.sin = rope_tables(self.config, max_positions)  # [P, Dh]
 
+    def _biased(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv plus the layer's Q/K/V bias (qwen2); every path's projection comes out here."""
+        bias = self.qkv_biases[layer]
+        return qkv if bias is None else qkv + bias
+
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
@@ -216,7 +222,8 @@ class OnnxLlamaModel:
         layers[0].run({"hidden": hidden}, {"qkv": qkv})
         for index, graph in enumerate(layers[1:]):
             k_cache, v_cache = kv_cache.layer(index)
-            attn = self.attend(qkv, cos, sin, k_cache, v_cache, meta)  # [T, H * Dh]
+            attn = self.attend(self._biased(index, qkv), cos, sin, k_cache, v_cache,
+                               meta)  # [T, H * Dh]
             outputs = {"hidden_out": spare}
             if "qkv" in graph.output_widths:
                 outputs["qkv"] = qkv
@@ -237,7 +244,7 @@ class OnnxLlamaModel:
         hidden = self.embed(input_ids)  # [T, D], the residual stream
 
         def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:
-            return self.attend(qkv, cos, sin, *kv_cache.layer(index), meta)
+            return self.attend(self._biased(index, qkv), cos, sin, *kv_cache.layer(index), meta)
 
         *layers, head = (self.single_thread_graphs if num_tokens <= SINGLE_THREAD_TOKENS
                          else self.graphs) or [None]

@@ -1,0 +1,85 @@
+"""GGUF families beyond llama, on tiny generated files compared with HF transformers loading the
+same file: qwen2 (Q/K/V biases, Q/K rows in HF order) on the torch backend and on every
+ONNX Runtime path (graphs, llmbus's integer kernel, the bfloat16 prefill)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from llmbus.services.executor.gguf_loader import load_gguf
+from llmbus.services.executor.kv_cache import KVCache
+from llmbus.services.executor.model import LlamaModel, build_attention_metadata
+from llmbus.services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
+from tests.gguf_fixtures import TinySpec, write_tiny_llama
+
+pytest.importorskip("transformers")
+
+SPEC = TinySpec()
+TOKENS = [int(t) for t in np.random.default_rng(1).integers(3, SPEC.vocab_size, 40)]
+
+
+def _hf_logits(path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    with torch.inference_mode():
+        return model(torch.tensor([TOKENS])).logits[0]
+
+
+def _forward(model, config, kv_dtype=torch.float32) -> torch.Tensor:
+    cache = KVCache(config, num_blocks=16, block_size=16, dtype=kv_dtype)
+    n = len(TOKENS)
+    meta = build_attention_metadata([n], [n], [list(range(1, 1 + -(-n // 16)))], 16)
+    with torch.inference_mode():
+        return model.forward(torch.tensor(TOKENS), meta.positions, meta, cache,
+                             torch.arange(n))
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2") / "tiny-qwen2.gguf"
+    write_tiny_llama(path, SPEC, seed=2, arch="qwen2")
+    return path, _hf_logits(path)
+
+
+@pytest.fixture(scope="module")
+def qwen2_q8(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2q8") / "tiny-qwen2-q8_0.gguf"
+    write_tiny_llama(path, SPEC, seed=2, arch="qwen2", quantized="Q8_0")
+    return path, _hf_logits(path)
+
+
+def test_qwen2_on_the_torch_backend(qwen2):
+    path, want = qwen2
+    config, dense, _ = load_gguf(path)
+    assert not config.rotary_pairs_interleaved
+    got = _forward(LlamaModel(config, dense, max_positions=64), config)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    del dense["blk.0.attn_q.bias"], dense["blk.0.attn_k.bias"], dense["blk.0.attn_v.bias"]
+    unbiased = _forward(LlamaModel(config, dense, max_positions=64), config)
+    assert (unbiased - want).abs().max() > 0.1  # the biases matter to this model
+
+
+@pytest.mark.parametrize("path_name", ["graphs", "int_step", "dense_prefill"])
+def test_qwen2_on_every_onnxruntime_path(qwen2_q8, path_name):
+    path, want = qwen2_q8
+    config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
+    exact = path_name == "graphs"
+    model = OnnxLlamaModel(config, dense, native, max_positions=64, num_threads=2,
+                           accuracy_level=ACCURACY_EXACT if exact else ACCURACY_FAST,
+                           int_step=path_name == "int_step",
+                           dense_prefill=path_name == "dense_prefill")
+    if path_name == "int_step" and model.int_step is None:
+        pytest.skip("no C++ compiler: the integer kernel was not built")
+    if path_name == "dense_prefill" and model.dense_prefill is None:
+        pytest.skip("no C++ compiler: the bfloat16 prefill was not built")
+    got = _forward(model, config, torch.float32 if exact else torch.float16)
+    if exact:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    else:  # int8 activations or bfloat16 GEMMs: close, and the same next tokens nearly always
+        assert (got - want).abs().max() < 0.25
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9

@@ -6,8 +6,8 @@ convention (qwen2 files keep HF's), so one RoPE implementation matches HF transf
 same file. Metadata is read under the file's architecture (`qwen2.block_count`, ...); qwen2's
 Q/K/V biases load as `blk.{i}.attn_{q,k,v}.bias`.
 
-`load_gguf(..., keep_native=True)` also returns the Q4_0, Q4_1 and Q8_0 matrices in their native
-form (codes plus a scale, and for Q4_1 a minimum, per 32 weights), for the quantized CPU matmuls.
+`load_gguf(..., keep_native=True)` also returns the quantized matrices in a native form (codes
+plus a scale, and for the 4-bit form a minimum, per 32 weights), for the quantized CPU matmuls.
 """
 
 from __future__ import annotations
@@ -108,6 +108,54 @@ def parse_q4_0(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
                       torch.from_numpy(scales), torch.from_numpy(-8 * scales))
 
 
+_K_BLOCK = 256  # weights per K-quant super-block
+_Q4_K_BLOCK_BYTES = 2 + 2 + 12 + _K_BLOCK // 2  # d, dmin, 8 packed 6-bit (scale, min), codes
+
+
+def _q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 bytes of 6-bit sub-block scales and minimums [..., 12] -> two [..., 8] arrays:
+    sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 in the
+    nibbles of bytes 8-11, their top 2 bits in the top bits of bytes 0-7."""
+    p = packed.astype(np.uint16)
+    scales = np.concatenate([p[..., 0:4] & 63, (p[..., 8:12] & 0xF) | ((p[..., 0:4] >> 6) << 4)],
+                            axis=-1)
+    mins = np.concatenate([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)],
+                          axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def parse_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
+    """Q4_K bytes -> the same weights in Q4_1 form, exactly: each 32-weight sub-block is
+    d * scale * code - dmin * min, and both products are exact in float32 (an 11-bit float16
+    mantissa times a 6-bit integer), so every Q4_1 kernel serves Q4_K unchanged.
+
+    Each 144-byte super-block of 256 weights: float16 d, float16 dmin, 12 bytes of packed
+    6-bit scales and minimums, then 4 runs of 32 bytes: run r's low nibbles are sub-block 2r,
+    its high nibbles sub-block 2r + 1.
+    """
+    out, inp = shape
+    blocks = np.ascontiguousarray(raw).reshape(out, inp // _K_BLOCK, _Q4_K_BLOCK_BYTES)
+    d, dmin = _float16_field(blocks, 0)[..., None], _float16_field(blocks, 2)[..., None]
+    scales, mins = _q4_k_scales_and_mins(blocks[..., 4:16])  # [out, blocks, 8]
+    runs = blocks[..., 16:].reshape(out, inp // _K_BLOCK, 4, 32)
+    codes = np.stack([runs & 0xF, runs >> 4], axis=3).reshape(out, inp)  # sub-block order
+    return Q4_1Weight(torch.from_numpy(codes),
+                      torch.from_numpy((d * scales).reshape(out, inp // QUANT_GROUP)),
+                      torch.from_numpy((-(dmin * mins)).reshape(out, inp // QUANT_GROUP)))
+
+
+def requantize_q8_0(values: np.ndarray) -> Q8_0Weight:
+    """float32 [out, in] -> Q8_0 form with float32 scales (amax / 127 per 32 weights): for
+    Q5_K and Q6_K, whose 16- and 32-weight sub-blocks no 8-bit kernel here takes exactly. Each
+    weight moves by at most half a step of 1/254 of its block's range."""
+    out, inp = values.shape
+    groups = values.reshape(out, inp // QUANT_GROUP, QUANT_GROUP)
+    scales = np.abs(groups).max(axis=-1) / 127.0  # [out, in / 32]
+    safe = np.where(scales > 0, scales, 1.0)[..., None]
+    codes = np.clip(np.rint(groups / safe), -127, 127).astype(np.int8).reshape(out, inp)
+    return Q8_0Weight(torch.from_numpy(codes), torch.from_numpy(scales.astype(np.float32)))
+
+
 @dataclass(frozen=True)
 class Q8_0Weight:
     """A Q8_0 matrix [out, in]: weight = scale * code, per group of 32 inputs."""
@@ -205,21 +253,34 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
     )
 
 
+def _native_parsers(gguf: Any) -> dict[Any, Any]:
+    """GGML type -> the parse of its bytes into a native form the quantized kernels take."""
+    def requantized(kind: Any):
+        def parse(raw: np.ndarray, shape: tuple[int, int]) -> Q8_0Weight:
+            return requantize_q8_0(np.asarray(gguf.quants.dequantize(raw, kind),
+                                              dtype=np.float32).reshape(shape))
+        return parse
+
+    kinds = gguf.GGMLQuantizationType
+    return {kinds.Q4_0: parse_q4_0, kinds.Q4_1: parse_q4_1, kinds.Q8_0: parse_q8_0,
+            kinds.Q4_K: parse_q4_k, kinds.Q5_K: requantized(kinds.Q5_K),
+            kinds.Q6_K: requantized(kinds.Q6_K)}
+
+
 def load_gguf(
     path: str | Path, dtype: torch.dtype = torch.float32, *, keep_native: bool = False,
     dense_for_native: bool = True,
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, NativeWeight]]:
     """Read the config and dequantize every tensor to `dtype` (HF layout, see module doc).
 
-    With `keep_native`, the third item holds each Q4_0, Q4_1 and Q8_0 matrix's native form as
-    well (same names, same un-permuted layout; Q4_0 in Q4_1 form); otherwise it is empty.
+    With `keep_native`, the third item holds each quantized matrix's native form as well (same
+    names, same un-permuted layout): Q4_1 and Q8_0 as they are, Q4_0 and Q4_K in Q4_1 form
+    (exactly), Q5_K and Q6_K requantized to Q8_0; otherwise it is empty.
     Without `dense_for_native`, a matrix with a native form has no dense copy in the second.
     """
     import gguf  # heavy import, only where a model is loaded
 
-    parsers = {gguf.GGMLQuantizationType.Q4_0: parse_q4_0,
-               gguf.GGMLQuantizationType.Q4_1: parse_q4_1,
-               gguf.GGMLQuantizationType.Q8_0: parse_q8_0}
+    parsers = _native_parsers(gguf)
     reader = gguf.GGUFReader(str(path))
     # Reader shapes are ggml order (innermost first); numpy order is reversed.
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}

@@ -86,19 +86,24 @@ def _return_freed_memory() -> None:
 
 
 class _Embedding:
-    """Token rows from a Q8_0 table (scale * code, exact in float32) or a dense one."""
+    """Token rows from a quantized table (Q8_0: scale * code; Q4_0/Q4_1/Q4_K in Q4_1 form:
+    scale * code + minimum; as llama.cpp computes them) or a dense one."""
 
     def __init__(self, native: NativeWeight | None, dense: torch.Tensor | None) -> None:
-        self.q8 = native if isinstance(native, Q8_0Weight) else None
-        self.dense = None if self.q8 is not None else dense
-        if self.q8 is None and dense is None:
-            raise ValueError("the embedding needs a Q8_0 or a dense table")
+        self.native = native
+        self.dense = dense if native is None else None
+        if native is None and dense is None:
+            raise ValueError("the embedding needs a quantized or a dense table")
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D] float32
         if self.dense is not None:
             return self.dense[ids]
-        codes = self.q8.codes[ids].view(len(ids), -1, QUANT_GROUP).float()  # [T, D/32, 32]
-        return (codes * self.q8.scales[ids][..., None]).view(len(ids), -1)
+        q = self.native
+        codes = q.codes[ids].view(len(ids), -1, QUANT_GROUP).float()  # [T, D/32, 32]
+        rows = codes * q.scales[ids][..., None]
+        if not isinstance(q, Q8_0Weight):
+            rows = rows + q.minimums[ids][..., None]
+        return rows.view(len(ids), -1)
 
 
 class _Graph:

@@ -1,0 +1,133 @@
+"""K-quants (Q4_K, Q5_K, Q6_K: what most GGUF downloads are) kept quantized: Q4_K exactly in
+the Q4_1 form every quantized kernel takes, Q5_K and Q6_K requantized to Q8_0 within half a
+step; no dense copy of them in memory; a model of them against its dequantized reference."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmbus.services.executor.gguf_loader import load_gguf, parse_q4_k, requantize_q8_0
+from llmbus.services.executor.kv_cache import KVCache
+from llmbus.services.executor.model import LlamaModel, build_attention_metadata
+from llmbus.services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
+from tests.gguf_fixtures import TinySpec, permute_qk, tiny_weights
+
+KINDS = gguf.GGMLQuantizationType
+BLOCK_BYTES = {KINDS.Q4_K: 144, KINDS.Q5_K: 176, KINDS.Q6_K: 210}
+
+
+def random_k_quant(kind, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid blocks of `kind` with random codes and sub-block scales, weights within ~±1."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
+    scale = (rng.uniform(2e-4, 1e-3, (rows, cols // 256))).astype(np.float16).view(np.uint8)
+    if kind == KINDS.Q6_K:  # ql, qh, 16 int8 scales, then float16 d
+        blocks[..., 208:210] = scale.reshape(rows, cols // 256, 2)
+    else:  # float16 d and dmin first
+        blocks[..., 0:2] = scale.reshape(rows, cols // 256, 2)
+        blocks[..., 2:4] = scale.reshape(rows, cols // 256, 2)
+    return blocks.reshape(rows, cols // 256 * BLOCK_BYTES[kind])
+
+
+def dequantized(raw: np.ndarray, kind, shape) -> np.ndarray:
+    return np.asarray(gguf.quants.dequantize(raw, kind), dtype=np.float32).reshape(shape)
+
+
+def test_q4_k_is_q4_1_exactly():
+    raw = random_k_quant(KINDS.Q4_K, 16, 1024, seed=0)
+    weight = parse_q4_k(raw, (16, 1024))
+    assert weight.codes.max() <= 15
+    assert torch.equal(weight.dequantize(), torch.from_numpy(dequantized(raw, KINDS.Q4_K,
+                                                                         (16, 1024))))
+
+
+@pytest.mark.parametrize("kind", [KINDS.Q5_K, KINDS.Q6_K], ids=lambda k: k.name)
+def test_q5_k_and_q6_k_requantize_within_half_a_step(kind):
+    values = dequantized(random_k_quant(kind, 16, 1024, seed=1), kind, (16, 1024))
+    weight = requantize_q8_0(values)
+    step = weight.scales.repeat_interleave(32, dim=1)
+    error = (weight.dequantize() - torch.from_numpy(values)).abs()
+    assert (error <= step / 2 + 1e-7).all() and error.max() > 0
+
+
+SPEC = TinySpec(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512)
+TOKENS = [int(t) for t in np.random.default_rng(2).integers(3, SPEC.vocab_size, 24)]
+
+
+def write_k_quant_model(path, kinds: dict[str, object]) -> None:
+    """A tiny llama whose matrices named by suffix in `kinds` are random K-quant blocks (the
+    rest F32), Q/K permuted like llama.cpp."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(SPEC.num_layers)
+    writer.add_context_length(SPEC.context_length)
+    writer.add_embedding_length(SPEC.hidden_size)
+    writer.add_feed_forward_length(SPEC.intermediate_size)
+    writer.add_head_count(SPEC.num_heads)
+    writer.add_head_count_kv(SPEC.num_kv_heads)
+    writer.add_rope_freq_base(SPEC.rope_theta)
+    writer.add_layer_norm_rms_eps(SPEC.rms_norm_eps)
+    for seed, (name, array) in enumerate(tiny_weights(SPEC, seed=4).items()):
+        kind = next((k for suffix, k in kinds.items() if name.endswith(suffix)), None)
+        if kind is None or array.ndim != 2:
+            heads = (SPEC.num_heads if name.endswith("attn_q.weight") else
+                     SPEC.num_kv_heads if name.endswith("attn_k.weight") else None)
+            writer.add_tensor(name, permute_qk(array, heads) if heads else array)
+            continue
+        raw = random_k_quant(kind, array.shape[0], array.shape[1], seed)
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _forward(model, config, kv_dtype=torch.float32) -> torch.Tensor:
+    cache = KVCache(config, num_blocks=8, block_size=16, dtype=kv_dtype)
+    n = len(TOKENS)
+    meta = build_attention_metadata([n], [n], [[1, 2]], 16)
+    with torch.inference_mode():
+        return model.forward(torch.tensor(TOKENS), meta.positions, meta, cache,
+                             torch.arange(n))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Per file: (path, logits of the model on its dequantized weights)."""
+    files = {}
+    for name, kinds in {"q4_k": {"weight": KINDS.Q4_K},
+                        "q4_k_m": {"ffn_down.weight": KINDS.Q6_K, "output.weight": KINDS.Q6_K,
+                                   "attn_v.weight": KINDS.Q5_K, "weight": KINDS.Q4_K}}.items():
+        path = tmp_path_factory.mktemp(name) / f"{name}.gguf"
+        write_k_quant_model(path, kinds)
+        config, dense, _ = load_gguf(path)
+        files[name] = path, _forward(LlamaModel(config, dense, max_positions=64), config)
+    return files
+
+
+def test_k_quant_matrices_load_without_a_dense_copy(reference):
+    config, dense, native = load_gguf(reference["q4_k_m"][0], keep_native=True,
+                                      dense_for_native=False)
+    matrices = [n for n in native if n.startswith("blk.")]
+    assert len(matrices) == 7 * SPEC.num_layers and not any(n in dense for n in matrices)
+    assert "output.weight" in native and "token_embd.weight" in native
+
+
+def test_a_q4_k_model_in_the_exact_graphs_is_its_dequantized_reference(reference):
+    path, want = reference["q4_k"]
+    config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
+    model = OnnxLlamaModel(config, dense, native, max_positions=64,
+                           accuracy_level=ACCURACY_EXACT, int_step=False)
+    torch.testing.assert_close(_forward(model, config), want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_mixed_k_quant_model_in_the_fast_kernel_stays_close(reference):
+    path, want = reference["q4_k_m"]
+    config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
+    model = OnnxLlamaModel(config, dense, native, max_positions=64, num_threads=2,
+                           accuracy_level=ACCURACY_FAST)
+    got = _forward(model, config, torch.float16)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    assert (got - want).abs().max() < 0.05 * want.abs().max()

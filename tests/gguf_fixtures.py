@@ -74,10 +74,29 @@ def tiny_weights(spec: TinySpec, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
+def _copy_tokenizer(writer, source: Path) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+
+    def value(key: str):
+        field = reader.get_field(key)
+        return None if field is None else field.contents()
+
+    writer.add_tokenizer_model(value("tokenizer.ggml.model"))
+    writer.add_tokenizer_pre(value("tokenizer.ggml.pre"))
+    writer.add_token_list(value("tokenizer.ggml.tokens"))
+    writer.add_token_types(value("tokenizer.ggml.token_type"))
+    writer.add_token_merges(value("tokenizer.ggml.merges"))
+    writer.add_bos_token_id(value("tokenizer.ggml.bos_token_id"))
+    writer.add_eos_token_id(value("tokenizer.ggml.eos_token_id"))
+    writer.add_chat_template(value("tokenizer.chat_template"))
+
+
 def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
                      quantized: str | None = None, rope_freqs: np.ndarray | None = None,
                      rope_scaling: tuple[str, float] | None = None,
-                     arch: str = "llama") -> dict[str, np.ndarray]:
+                     arch: str = "llama", vocab_from: Path | None = None) -> dict[str, np.ndarray]:
     """Write a llama GGUF (Q/K permuted like llama.cpp); returns the HF-layout weights.
 
     Tensors are F32. With `quantized` ("Q4_1", "Q4_0" or "Q8_0"), as in llama.cpp's files of
@@ -85,7 +104,9 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
     they are returned dequantized, so references computed from them stay exact. RoPE scaling
     as llama.cpp writes it: `rope_freqs` (Llama 3.1+: a factor per frequency, as a tensor) or
     `rope_scaling` (type, factor) in the metadata. `arch="qwen2"`: Q/K/V biases, and Q/K rows
-    in HF's order (llama.cpp permutes them for llama files only).
+    in HF's order (llama.cpp permutes them for llama files only). `vocab_from`: a GGUF whose
+    tokenizer (vocabulary, merges, chat template; spec.vocab_size must match) this file takes,
+    so that the whole stack can serve it.
     """
     import gguf
 
@@ -107,10 +128,13 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
     writer.add_head_count_kv(spec.num_kv_heads)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"<t{i}>" for i in range(spec.vocab_size)])
-    writer.add_bos_token_id(spec.bos_token_id)
-    writer.add_eos_token_id(spec.eos_token_id)
+    if vocab_from is None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list([f"<t{i}>" for i in range(spec.vocab_size)])
+        writer.add_bos_token_id(spec.bos_token_id)
+        writer.add_eos_token_id(spec.eos_token_id)
+    else:
+        _copy_tokenizer(writer, vocab_from)
     if rope_scaling is not None:
         writer.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
         writer.add_float32(f"{arch}.rope.scaling.factor", rope_scaling[1])

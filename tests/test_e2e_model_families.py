@@ -1,0 +1,50 @@
+"""`llmbus up --model FILE` serves each generated family end to end (tiny random weights with
+the default model's vocabulary): greedy completions come back as the executor alone computes
+them."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from llmbus.bus.messages import SamplingParams
+from llmbus.services.executor.runner import ModelRunner
+from llmbus.services.gguf_tokenizer import GGUFTokenizer
+from llmbus.services.model_files import default_model_path
+from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama
+from tests.stack import needs_default_model, start_stack, stop_stack
+
+pytestmark = [pytest.mark.model, needs_default_model()]
+
+SPEC = TinySpec(vocab_size=49152)
+PROMPT = "The river runs past the mill"
+MAX_TOKENS = 8
+
+
+def _llama3_factors() -> np.ndarray:
+    return np.array([1.0, 1.5, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0], dtype=np.float32)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+def test_a_generated_family_is_served(tmp_path, family):
+    path = tmp_path / f"tiny-{family}.gguf"
+    write_tiny_llama(path, SPEC, seed=7, quantized="Q8_0", vocab_from=default_model_path(),
+                     arch="qwen2" if family == "qwen2" else "llama",
+                     rope_freqs=_llama3_factors() if family == "llama3" else None)
+    prompt = GGUFTokenizer.from_gguf(path).encode(PROMPT)
+    runner = ModelRunner(path, model_name="tiny", num_blocks=64, backend="onnxruntime",
+                         precision="fast")
+    want = generate(runner, [prompt], max_tokens=MAX_TOKENS,
+                    params=[SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                           ignore_eos=True)])[0]
+    stack = start_stack(tmp_path, "--model", str(path), "--no-nats-auth")
+    try:
+        models = httpx.get(f"{stack.base_url}/models", timeout=30).json()["data"]
+        reply = httpx.post(f"{stack.base_url}/completions", timeout=120, json={
+            "model": models[0]["id"], "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}).json()
+    finally:
+        stop_stack(stack)
+    assert reply["usage"]["completion_tokens"] == MAX_TOKENS
+    assert reply["choices"][0]["text"] == GGUFTokenizer.from_gguf(path).decode(want)

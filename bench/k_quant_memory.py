@@ -1,0 +1,145 @@
+"""Peak memory of the executor on a Q4_K_M-style file, against the file's size plus its KV cache.
+
+Writes a generated llama GGUF (random K-quant blocks; Q4_K_M's mix: Q6_K for half the layers'
+attn_v and ffn_down and for the output matrix, Q4_K elsewhere), then loads it in a fresh
+process as the executor does (fast mode) and runs one step. Memory is the process's resident
+set: its peak over the load and the step, less what the process held after its imports.
+
+    python -m llmbus.bench.k_quant_memory [--layers 12] [--hidden 1024] [--kv-blocks 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+
+
+def _blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
+    d = rng.uniform(2e-4, 1e-3, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+    if kind == "Q6_K":
+        blocks[..., 208:210] = d
+    else:
+        blocks[..., 0:2] = d
+        blocks[..., 2:4] = d
+    return blocks.reshape(rows, -1)
+
+
+def write_model(path: Path, layers: int, hidden: int, vocab: int) -> int:
+    """A Q4_K_M-style llama file; returns its parameter count."""
+    import gguf
+
+    heads, kv_heads, ffn = hidden // 64, hidden // 256, 4 * hidden
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_block_count, layers), (writer.add_context_length, 4096),
+                       (writer.add_embedding_length, hidden), (writer.add_head_count, heads),
+                       (writer.add_feed_forward_length, ffn),
+                       (writer.add_head_count_kv, kv_heads)):
+        add(value)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    rng = np.random.default_rng(0)
+    num_params = 0
+
+    def matrix(name: str, rows: int, cols: int, kind: str) -> None:
+        nonlocal num_params
+        raw = _blocks(kind, rows, cols, rng)
+        writer.add_tensor(name, raw, raw_shape=raw.shape,
+                          raw_dtype=gguf.GGMLQuantizationType[kind])
+        num_params += rows * cols
+
+    matrix("token_embd.weight", vocab, hidden, "Q4_K")
+    for i in range(layers):
+        p, big = f"blk.{i}.", "Q6_K" if i % 2 == 0 else "Q4_K"
+        writer.add_tensor(p + "attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(p + "ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        matrix(p + "attn_q.weight", hidden, hidden, "Q4_K")
+        matrix(p + "attn_k.weight", kv_heads * 64, hidden, "Q4_K")
+        matrix(p + "attn_v.weight", kv_heads * 64, hidden, big)
+        matrix(p + "attn_output.weight", hidden, hidden, "Q4_K")
+        matrix(p + "ffn_gate.weight", ffn, hidden, "Q4_K")
+        matrix(p + "ffn_up.weight", ffn, hidden, "Q4_K")
+        matrix(p + "ffn_down.weight", hidden, ffn, big)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    matrix("output.weight", vocab, hidden, "Q6_K")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return num_params
+
+
+def measure(path: str, kv_blocks: int) -> dict:
+    """In this (fresh) process: resident memory after imports, then the peak over a load and
+    one step."""
+    import resource
+
+    from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+    from llmbus.services.executor.cpu_kernels.library import configure_openmp
+
+    configure_openmp()
+    import onnxruntime  # noqa: F401  (its memory belongs to the baseline)
+    import torch  # noqa: F401
+
+    from llmbus.services.executor.runner import ModelRunner
+
+    def rss() -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+
+    baseline = rss()
+    runner = ModelRunner(path, model_name="k-quant", num_blocks=kv_blocks,
+                         backend="onnxruntime", precision="fast")
+    prompt = list(range(10, 74))
+    result = runner.step(StepPlan(step_id=0, new_requests=[NewRequestData(
+        "r", prompt, SamplingParams(temperature=0.0))], scheduled=[ScheduledRequest(
+            "r", 0, len(prompt), [1, 2, 3, 4])]))
+    assert not result.error, result.error
+    cache = runner.kv_cache
+    return {"baseline": baseline, "after": rss(),
+            "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "kv_bytes": cache.k.numel() * cache.k.element_size() * 2,
+            "weights": runner.weight_format}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--kv-blocks", type=int, default=256)
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # the child's run
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.kv_blocks)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "q4_k_m.gguf"
+        num_params = write_model(path, args.layers, args.hidden, args.vocab)
+        size = path.stat().st_size
+        child = subprocess.run([sys.executable, "-m", "llmbus.bench.k_quant_memory",
+                                "--measure", str(path), "--kv-blocks", str(args.kv_blocks)],
+                               capture_output=True, text=True, check=True)
+        m = json.loads(child.stdout.splitlines()[-1])
+    mib = 2 ** 20
+    grown_peak, grown_after = m["peak"] - m["baseline"], m["after"] - m["baseline"]
+    budget = size + m["kv_bytes"]
+    print(f"model: {num_params / 1e6:.0f}M parameters, file {size / mib:.0f} MiB, "
+          f"KV cache {m['kv_bytes'] / mib:.0f} MiB; a dense float32 copy would be "
+          f"{num_params * 4 / mib:.0f} MiB")
+    print(f"process after imports {m['baseline'] / mib:.0f} MiB; over that: peak "
+          f"{grown_peak / mib:.0f} MiB, after the step {grown_after / mib:.0f} MiB")
+    print(f"peak / (file + KV cache) = {grown_peak / budget:.2f} "
+          f"(after the step: {grown_after / budget:.2f}; target <= 1.3)")
+
+
+if __name__ == "__main__":
+    main()

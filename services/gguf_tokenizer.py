@@ -1,8 +1,13 @@
-"""A byte-level BPE tokenizer rebuilt from a GGUF file's metadata alone.
+"""A tokenizer rebuilt from a GGUF file's metadata alone: byte-level BPE (`tokenizer.ggml.model`
+gpt2: SmolLM2, Llama 3, Qwen2) or SentencePiece-style BPE (llama: Llama 2, Mistral).
 
-A GGUF carries no `tokenizer.json`, only llama.cpp's metadata keys (vocabulary, merges, token
-types, special token ids, chat template). We rebuild the `tokenizers.Tokenizer` the model was
-trained with from those, so that serving needs neither transformers nor a model hub.
+A GGUF carries no `tokenizer.json`, only llama.cpp's metadata keys (vocabulary, merges or
+scores, token types, special token ids, chat template). We rebuild the `tokenizers.Tokenizer`
+the model was trained with from those, so that serving needs neither transformers nor a model
+hub. A SentencePiece vocabulary has scores instead of merges: two pieces merge when their
+concatenation is in the vocabulary, the highest-scoring concatenation first; spaces are spelled
+"▁" with one prepended to the text, and a character outside the vocabulary falls back to its
+UTF-8 bytes (`<0x..>` tokens).
 
 Shared by the stages that read a model's vocabulary (tokenizer, detokenizer), like
 model_files.py; no service imports another service's modules.
@@ -10,7 +15,7 @@ model_files.py; no service imports another service's modules.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from os import PathLike
 
@@ -18,7 +23,9 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens such as <|im_end|>
 USER_DEFINED_TOKEN_TYPE = 4  # added tokens matched whole in text, but not special
-SUPPORTED_TOKENIZER_MODEL = "gpt2"  # llama.cpp's name for byte-level BPE
+# llama.cpp's names: byte-level BPE, and SentencePiece-style BPE with byte fallback
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
+SPACE = "\u2581"  # how a SentencePiece vocabulary spells a space
 # How text is cut into words before byte-level BPE, by llama.cpp's name for it in a GGUF
 # (`tokenizer.ggml.pre`). Each family splits differently (digits one by one or in threes,
 # contractions, newlines), and the wrong split gives wrong ids silently, so a name not here is
@@ -67,44 +74,95 @@ def byte_alphabet() -> dict[int, str]:
     return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
 
 
-class GGUFTokenizer:
-    """Encode/decode with the vocabulary of a GGUF model (byte-level BPE only).
+def _byte_level(tokens: Sequence[str], merges: Sequence[str],
+                pre: str) -> tuple[Tokenizer, Callable[[str], bool]]:
+    """Byte-level BPE; and whether a token is spelled in the byte alphabet."""
+    if pre not in PRE_TOKENIZERS:
+        raise UnsupportedTokenizerError(
+            f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; supported: "
+            f"{', '.join(SUPPORTED_PRE_TOKENIZERS)}")
+    spelling = byte_alphabet()
+    alphabet = set(spelling.values())
+    # Files should spell every token in the byte alphabet; respell the odd one that is not.
+    vocab = {
+        tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode()): index
+        for index, tok in enumerate(tokens)
+    }
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                     fuse_unk=False)
+    tokenizer = Tokenizer(bpe)
+    if pre in NFC_PRE_TOKENIZERS:
+        tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer, lambda tok: set(tok) <= alphabet
 
-    Words are split as the file's `tokenizer.ggml.pre` names (PRE_TOKENIZERS). For SmolLM2
-    (`smollm`) this matches transformers' `AutoTokenizer.from_pretrained(dir, gguf_file=...)`
-    ids on ordinary text; digits are split one by one before byte-level BPE, as in the SmolLM2
-    `tokenizer.json`, a step transformers' GGUF loader omits, which only changes ids for
-    non-ASCII numerals after a space or next to each other (e.g. " ½").
+
+def sentencepiece_merges(vocab: dict[str, int],
+                         scores: Sequence[float]) -> list[tuple[str, str]]:
+    """The merges a scored vocabulary implies: every way to cut a piece in two known pieces,
+    the best-scoring piece's cuts first (its longer left parts first, then by the parts'
+    ids), as llama.cpp's SentencePiece tokenizer merges."""
+    cuts = []
+    for piece, index in vocab.items():
+        for at in range(1, len(piece)):
+            left, right = piece[:at], piece[at:]
+            if left in vocab and right in vocab:
+                cuts.append((-scores[index], -len(left), -len(right), vocab[left], vocab[right],
+                             left, right))
+    cuts.sort()
+    return [(left, right) for *_, left, right in cuts]
+
+
+def _sentencepiece(tokens: Sequence[str], scores: Sequence[float] | None,
+                   add_space_prefix: bool,
+                   unk_token_id: int | None) -> tuple[Tokenizer, Callable[[str], bool]]:
+    """SentencePiece-style BPE with byte fallback, as Llama 2 and Mistral files describe it."""
+    if scores is None:
+        raise UnsupportedTokenizerError("a SentencePiece vocabulary (tokenizer.ggml.model "
+                                        "llama) needs tokenizer.ggml.scores")
+    vocab = {tok: index for index, tok in enumerate(tokens)}
+    unk = tokens[unk_token_id] if unk_token_id is not None else "<unk>"
+    bpe = models.BPE(vocab=vocab, merges=sentencepiece_merges(vocab, scores), fuse_unk=True,
+                     byte_fallback=True, unk_token=unk if unk in vocab else None)
+    tokenizer = Tokenizer(bpe)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=SPACE, prepend_scheme="first" if add_space_prefix else "never", split=False)
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer, lambda tok: True
+
+
+class GGUFTokenizer:
+    """Encode/decode with the vocabulary of a GGUF model.
+
+    Byte-level files split words as their `tokenizer.ggml.pre` names (PRE_TOKENIZERS). For
+    SmolLM2 (`smollm`) this matches transformers' `AutoTokenizer.from_pretrained(dir,
+    gguf_file=...)` ids on ordinary text; digits are split one by one before byte-level BPE, as
+    in the SmolLM2 `tokenizer.json`, a step transformers' GGUF loader omits, which only changes
+    ids for non-ASCII numerals after a space or next to each other (e.g. " ½").
     """
 
     def __init__(self, *, tokens: Sequence[str], token_types: Sequence[int],
                  merges: Sequence[str], bos_token_id: int | None, eos_token_id: int | None,
                  chat_template: str | None = None, add_bos_token: bool = False,
-                 pre: str = "smollm") -> None:
-        if pre not in PRE_TOKENIZERS:
-            raise UnsupportedTokenizerError(
-                f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; supported: "
-                f"{', '.join(SUPPORTED_PRE_TOKENIZERS)}")
-        spelling = byte_alphabet()
-        alphabet = set(spelling.values())
-        # Files should spell every token in the byte alphabet; respell the odd one that is not.
-        vocab = {
-            tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode()): index
-            for index, tok in enumerate(tokens)
-        }
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
-                         fuse_unk=False)
-        tokenizer = Tokenizer(bpe)
-        if pre in NFC_PRE_TOKENIZERS:
-            tokenizer.normalizer = normalizers.NFC()
-        tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
-        tokenizer.decoder = decoders.ByteLevel()
-        # A control token spelled outside the byte alphabet is a llama.cpp mislabel (transformers
-        # skips those too): adding it would grow the vocabulary past the model's embedding size.
+                 pre: str = "smollm", model: str = "gpt2",
+                 scores: Sequence[float] | None = None, add_space_prefix: bool = True,
+                 unk_token_id: int | None = None) -> None:
+        if model == "llama":
+            tokenizer, spelled = _sentencepiece(tokens, scores, add_space_prefix, unk_token_id)
+        else:
+            tokenizer, spelled = _byte_level(tokens, merges, pre)
+        # A control token spelled outside the vocabulary's alphabet is a llama.cpp mislabel
+        # (transformers skips those too): adding it would grow the vocabulary past the model's
+        # embedding size.
         special = [AddedToken(tok, normalized=False, special=True)
                    for tok, kind in zip(tokens, token_types, strict=True)
-                   if kind == CONTROL_TOKEN_TYPE and set(tok) <= alphabet]
+                   if kind == CONTROL_TOKEN_TYPE and spelled(tok)]
         tokenizer.add_special_tokens(special)
+        vocab = tokenizer.get_vocab(with_added_tokens=False)
         user_defined = [AddedToken(tok, normalized=False, special=False)
                         for tok, kind in zip(tokens, token_types, strict=True)
                         if kind == USER_DEFINED_TOKEN_TYPE and tok in vocab]
@@ -129,16 +187,18 @@ class GGUFTokenizer:
             return default if field is None else field.contents()
 
         model = get("tokenizer.ggml.model")
-        if model != SUPPORTED_TOKENIZER_MODEL:
+        if model not in SUPPORTED_TOKENIZER_MODELS:
             raise UnsupportedTokenizerError(
-                f"{path}: tokenizer model {model!r} is not supported; only byte-level BPE "
-                f"({SUPPORTED_TOKENIZER_MODEL!r}) GGUF tokenizers can be served")
+                f"{path}: tokenizer model {model!r} (tokenizer.ggml.model) is not supported; "
+                f"supported: {', '.join(SUPPORTED_TOKENIZER_MODELS)}")
         pre = get("tokenizer.ggml.pre")
-        if pre is not None and pre not in SUPPORTED_PRE_TOKENIZERS:  # absent: files predating
-            raise UnsupportedTokenizerError(  # the key, which llama.cpp also serves as is
+        if (model == "gpt2" and pre is not None  # absent: files predating the key, which
+                and pre not in SUPPORTED_PRE_TOKENIZERS):  # llama.cpp also serves as is
+            raise UnsupportedTokenizerError(
                 f"{path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
                 f"supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}")
         tokens = get("tokenizer.ggml.tokens")
+        spm = model == "llama"
         return cls(
             tokens=tokens,
             token_types=get("tokenizer.ggml.token_type") or [1] * len(tokens),
@@ -146,8 +206,12 @@ class GGUFTokenizer:
             bos_token_id=get("tokenizer.ggml.bos_token_id"),
             eos_token_id=get("tokenizer.ggml.eos_token_id"),
             chat_template=get("tokenizer.chat_template"),
-            add_bos_token=bool(get("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+            add_bos_token=bool(get("tokenizer.ggml.add_bos_token", spm)),
             pre=pre or "smollm",  # absent: files predating the key, split as SmolLM2 does
+            model=model, scores=get("tokenizer.ggml.scores"),
+            add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
+            unk_token_id=get("tokenizer.ggml.unknown_token_id"),
         )
 
     @property

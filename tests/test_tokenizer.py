@@ -242,16 +242,3 @@ def test_rejects_a_pre_tokenizer_it_does_not_build(tmp_path):
     with pytest.raises(UnsupportedTokenizerError,
                        match=r"'deepseek-llm' \(tokenizer.ggml.pre\)"):
         GGUFTokenizer.from_gguf(path)
-
-
-def test_rejects_non_byte_level_gguf(tmp_path):
-    path = tmp_path / "sentencepiece.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(UnsupportedTokenizerError, match="'llama' is not supported"):
-        GGUFTokenizer.from_gguf(path)

@@ -148,7 +148,7 @@ class GGUFTokenizer:
     def __init__(self, *, tokens: Sequence[str], token_types: Sequence[int],
                  merges: Sequence[str], bos_token_id: int | None, eos_token_id: int | None,
                  chat_template: str | None = None, add_bos_token: bool = False,
-                 pre: str = "smollm", model: str = "gpt2",
+                 add_eos_token: bool = False, pre: str = "smollm", model: str = "gpt2",
                  scores: Sequence[float] | None = None, add_space_prefix: bool = True,
                  unk_token_id: int | None = None) -> None:
         if model == "llama":
@@ -173,6 +173,7 @@ class GGUFTokenizer:
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
+        self.add_eos_token = add_eos_token
         self.special_token_ids = frozenset(tokenizer.token_to_id(t.content) for t in special)
 
     @classmethod
@@ -208,6 +209,7 @@ class GGUFTokenizer:
             chat_template=get("tokenizer.chat_template"),
             # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
             add_bos_token=bool(get("tokenizer.ggml.add_bos_token", spm)),
+            add_eos_token=bool(get("tokenizer.ggml.add_eos_token", False)),
             pre=pre or "smollm",  # absent: files predating the key, split as SmolLM2 does
             model=model, scores=get("tokenizer.ggml.scores"),
             add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
@@ -234,12 +236,15 @@ class GGUFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special-token strings in it (`<|im_start|>`) map to their ids.
 
-        `add_special_tokens` prepends BOS only where the model asks for it (`add_bos_token`);
-        chat prompts carry their own special tokens from the template.
+        `add_special_tokens` adds BOS and EOS only where the model asks for them
+        (`add_bos_token`, `add_eos_token`); chat prompts carry their own special tokens from
+        the template.
         """
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
+        if add_special_tokens and self.add_eos_token and self.eos_token_id is not None:
+            ids.append(self.eos_token_id)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

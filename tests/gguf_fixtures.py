@@ -75,6 +75,7 @@ def tiny_weights(spec: TinySpec, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def _copy_tokenizer(writer, source: Path) -> None:
+    """Every tokenizer key of `source` (byte-level or SentencePiece), as it is there."""
     import gguf
 
     reader = gguf.GGUFReader(str(source))
@@ -83,14 +84,18 @@ def _copy_tokenizer(writer, source: Path) -> None:
         field = reader.get_field(key)
         return None if field is None else field.contents()
 
-    writer.add_tokenizer_model(value("tokenizer.ggml.model"))
-    writer.add_tokenizer_pre(value("tokenizer.ggml.pre"))
-    writer.add_token_list(value("tokenizer.ggml.tokens"))
-    writer.add_token_types(value("tokenizer.ggml.token_type"))
-    writer.add_token_merges(value("tokenizer.ggml.merges"))
-    writer.add_bos_token_id(value("tokenizer.ggml.bos_token_id"))
-    writer.add_eos_token_id(value("tokenizer.ggml.eos_token_id"))
-    writer.add_chat_template(value("tokenizer.chat_template"))
+    for key, add in (("tokenizer.ggml.model", writer.add_tokenizer_model),
+                     ("tokenizer.ggml.pre", writer.add_tokenizer_pre),
+                     ("tokenizer.ggml.tokens", writer.add_token_list),
+                     ("tokenizer.ggml.scores", writer.add_token_scores),
+                     ("tokenizer.ggml.token_type", writer.add_token_types),
+                     ("tokenizer.ggml.merges", writer.add_token_merges),
+                     ("tokenizer.ggml.bos_token_id", writer.add_bos_token_id),
+                     ("tokenizer.ggml.eos_token_id", writer.add_eos_token_id),
+                     ("tokenizer.ggml.unknown_token_id", writer.add_unk_token_id),
+                     ("tokenizer.chat_template", writer.add_chat_template)):
+        if value(key) is not None:
+            add(value(key))
 
 
 def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,

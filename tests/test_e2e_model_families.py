@@ -1,6 +1,6 @@
 """`llmbus up --model FILE` serves each generated family end to end (tiny random weights with
-the default model's vocabulary): greedy completions come back as the executor alone computes
-them."""
+the default model's vocabulary, or a SentencePiece one): greedy completions come back as the
+executor alone computes them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from llmbus.services.gguf_tokenizer import GGUFTokenizer
 from llmbus.services.model_files import default_model_path
 from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama
 from tests.stack import needs_default_model, start_stack, stop_stack
+from tests.test_sentencepiece_tokenizer import write_vocab
 
 pytestmark = [pytest.mark.model, needs_default_model()]
 
@@ -26,13 +27,18 @@ def _llama3_factors() -> np.ndarray:
     return np.array([1.0, 1.5, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0], dtype=np.float32)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama3", "sentencepiece"])
 def test_a_generated_family_is_served(tmp_path, family):
-    path = tmp_path / f"tiny-{family}.gguf"
-    write_tiny_llama(path, SPEC, seed=7, quantized="Q8_0", vocab_from=default_model_path(),
+    path, vocab, spec = tmp_path / f"tiny-{family}.gguf", default_model_path(), SPEC
+    if family == "sentencepiece":  # Llama 2 / Mistral style: a scored vocabulary
+        vocab = tmp_path / "spm-vocab.gguf"
+        write_vocab(vocab)
+        spec = TinySpec(vocab_size=len(GGUFTokenizer.from_gguf(vocab).backend.get_vocab(
+            with_added_tokens=False)))
+    write_tiny_llama(path, spec, seed=7, quantized="Q8_0", vocab_from=vocab,
                      arch="qwen2" if family == "qwen2" else "llama",
                      rope_freqs=_llama3_factors() if family == "llama3" else None)
-    prompt = GGUFTokenizer.from_gguf(path).encode(PROMPT)
+    prompt = GGUFTokenizer.from_gguf(path).encode(PROMPT, add_special_tokens=True)
     runner = ModelRunner(path, model_name="tiny", num_blocks=64, backend="onnxruntime",
                          precision="fast")
     want = generate(runner, [prompt], max_tokens=MAX_TOKENS,

@@ -25,7 +25,8 @@ WORDS = ["the", "then", "there", "theater", "hello", "world", "thing", "is", "an
          "text", "café", "new", "lines", "spaces", "tabs", "leading", "emoji"]
 
 
-def write_vocab(path, *, scores: bool = True, add_space_prefix: bool | None = None) -> None:
+def write_vocab(path, *, scores: bool = True, add_space_prefix: bool | None = None,
+                add_eos: bool | None = None) -> None:
     """A small real-format SentencePiece vocabulary: <unk>, <s>, </s>, the 256 byte tokens,
     characters, then pieces of words (with and without a leading space) in score order."""
     pieces = [SPACE, *"abcdefghijklmnopqrstuvwxyzHTWÜïöéçñ,.:!0123456789日本"]
@@ -53,6 +54,8 @@ def write_vocab(path, *, scores: bool = True, add_space_prefix: bool | None = No
     writer.add_unk_token_id(0)
     if add_space_prefix is not None:
         writer.add_add_space_prefix(add_space_prefix)
+    if add_eos is not None:
+        writer.add_add_eos_token(add_eos)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -121,3 +124,14 @@ def test_streamed_text_is_the_whole_text(vocab_file):
         detokenizer = IncrementalDetokenizer(tokenizer.decode, prompt_ids=prompt)
         streamed = "".join(detokenizer.step([i]).text for i in ids)
         assert streamed == tokenizer.decode(prompt + ids)[len("the"):], text
+
+
+def test_add_eos_and_the_space_prefix_follow_the_file(tmp_path):
+    """As llama.cpp reads the file; transformers' GGUF loader ignores add_space_prefix."""
+    path = tmp_path / "eos.gguf"
+    write_vocab(path, add_space_prefix=False, add_eos=True)
+    tokenizer = GGUFTokenizer.from_gguf(path)
+    ids = tokenizer.encode("the world", add_special_tokens=True)
+    assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
+    assert tokenizer.convert_ids_to_tokens(ids[1:-1]) == ["the", SPACE + "world"]
+    assert tokenizer.decode(ids) == "the world"

@@ -9,7 +9,8 @@ import torch
 
 from llmbus.services.executor.cpu_kernels.library import load_library
 from llmbus.services.executor.dense_prefill import DENSE_PREFILL_TOKENS, widen
-from llmbus.services.executor.gguf_loader import Q4_1Weight, Q8_0Weight, load_gguf
+from llmbus.services.executor.gguf_loader import load_gguf
+from llmbus.services.executor.gguf_quants import Q4_1Weight, Q8_0Weight
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.model import build_attention_metadata
 from llmbus.services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel

@@ -15,7 +15,8 @@ from llmbus.services.executor.cpu_kernels.quant_matmul import (
     Q8_0Float32Linear,
     pack_codes,
 )
-from llmbus.services.executor.gguf_loader import Q4_1Weight, Q8_0Weight, load_gguf
+from llmbus.services.executor.gguf_loader import load_gguf
+from llmbus.services.executor.gguf_quants import Q4_1Weight, Q8_0Weight
 from llmbus.services.executor.linear import INT4_MAX_ROWS, DenseLinear, Int4Linear, make_linear
 from llmbus.services.executor.runner import ModelRunner
 from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama

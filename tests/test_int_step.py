@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from llmbus.services.executor.cpu_kernels.library import load_library
-from llmbus.services.executor.gguf_loader import Q4_1Weight, Q8_0Weight, load_gguf
+from llmbus.services.executor.gguf_loader import load_gguf
+from llmbus.services.executor.gguf_quants import Q4_1Weight, Q8_0Weight
 from llmbus.services.executor.int_step import int_linear
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.model import build_attention_metadata

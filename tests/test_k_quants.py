@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from llmbus.services.executor.gguf_loader import load_gguf, parse_q4_k, requantize_q8_0
+from llmbus.services.executor.gguf_loader import load_gguf
+from llmbus.services.executor.gguf_quants import parse_q4_k, requantize_q8_0
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.model import LlamaModel, build_attention_metadata
 from llmbus.services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from llmbus.services.executor.gguf_loader import Q4_1_GROUP, NativeWeight, Q4_1Weight, Q8_0Weight
+from llmbus.services.executor.gguf_quants import Q4_1_GROUP, NativeWeight, Q4_1Weight, Q8_0Weight
 
 # Rows at or below which the int4 kernel beats dense bfloat16 on the CPU (measured with
 # bench/executor_throughput.py on 2 Zen 4 cores: int4 wins 2.2x at 1 row and 1.1x at 16,

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from llmbus.services.executor.gguf_loader import LlamaConfig, NativeWeight, UnsupportedModelError
+from llmbus.services.executor.gguf_loader import LlamaConfig, UnsupportedModelError
+from llmbus.services.executor.gguf_quants import NativeWeight
 from llmbus.services.executor.kv_cache import NULL_BLOCK_ID, KVCache
 from llmbus.services.executor.linear import DenseLinear, Linear, make_linear
 

@@ -30,7 +30,8 @@ from llmbus.services.cpu_features import has_amx_bfloat16
 from llmbus.services.executor.cpu_kernels.library import load_library
 from llmbus.services.executor.cpu_kernels.paged_attention import PagedAttention
 from llmbus.services.executor.dense_prefill import DENSE_PREFILL_TOKENS, DensePrefill
-from llmbus.services.executor.gguf_loader import QUANT_GROUP, LlamaConfig, NativeWeight, Q8_0Weight
+from llmbus.services.executor.gguf_loader import LlamaConfig
+from llmbus.services.executor.gguf_quants import QUANT_GROUP, NativeWeight, Q8_0Weight
 from llmbus.services.executor.int_step import IntStep
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.model import AttentionMetadata, TorchOps, qkv_bias, rope_tables

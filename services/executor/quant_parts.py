@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmbus.services.executor.gguf_loader import QUANT_GROUP, LlamaConfig, NativeWeight, Q4_1Weight
+from llmbus.services.executor.gguf_loader import LlamaConfig
+from llmbus.services.executor.gguf_quants import QUANT_GROUP, NativeWeight, Q4_1Weight
 
 COLUMNS = 8  # output columns per column group: one 8-lane vector of the kernels
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")

@@ -12,7 +12,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from llmbus.services.executor.gguf_loader import QUANT_GROUP, Q4_1Weight, Q8_0Weight
+from llmbus.services.executor.gguf_quants import QUANT_GROUP, Q4_1Weight, Q8_0Weight
 
 # Rows at or below which the kernel beats the dense float32 GEMM (measured over SmolLM2's 120
 # layer matmuls on 2 Zen 4 cores: 5.5x at 1 row, 1.7x at 16, 1.2x at 32, 0.85x at 48).

@@ -1,0 +1,156 @@
+"""GGUF quantized block formats -> the native forms llmbus's quantized kernels take.
+
+Two forms serve every format: Q4_1Weight (4-bit codes, a scale and a minimum per 32 weights)
+and Q8_0Weight (int8 codes, a scale per 32). Q4_1 and Q8_0 are those forms; Q4_0 and Q4_K
+convert to Q4_1 exactly; Q5_K and Q6_K are requantized to Q8_0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+QUANT_GROUP = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
+Q4_1_GROUP = QUANT_GROUP  # one float16 scale and one float16 minimum, 4-bit codes
+_Q4_1_BLOCK_BYTES = 4 + QUANT_GROUP // 2
+_Q8_0_BLOCK_BYTES = 2 + QUANT_GROUP  # one float16 scale, int8 codes
+_Q4_0_BLOCK_BYTES = 2 + QUANT_GROUP // 2  # one float16 scale, 4-bit codes
+
+
+@dataclass(frozen=True)
+class Q4_1Weight:
+    """A Q4_1 matrix [out, in]: weight = scale * code + minimum, per group of 32 inputs."""
+
+    codes: torch.Tensor  # [out, in] uint8, 0..15
+    scales: torch.Tensor  # [out, in / 32] float32 (exact float16 values)
+    minimums: torch.Tensor  # [out, in / 32] float32 (exact float16 values)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in], as llama.cpp and gguf-py compute it."""
+        scales = self.scales.repeat_interleave(Q4_1_GROUP, dim=1)
+        minimums = self.minimums.repeat_interleave(Q4_1_GROUP, dim=1)
+        return scales * self.codes.float() + minimums
+
+
+def _float16_field(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The float16 at byte `offset` of every block [out, groups, bytes] -> float32 [out, groups]."""
+    return blocks[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """16 code bytes per group -> 32 codes: low nibbles are inputs 0..15, high ones 16..31."""
+    return np.concatenate([packed & 0xF, packed >> 4], axis=-1).reshape(shape)
+
+
+def parse_q4_1(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
+    """Q4_1 bytes [out, in / 32 * 20] -> codes and per-group scale/minimum.
+
+    Each 20-byte block is float16 d, float16 m, then 16 bytes whose low nibbles are inputs
+    0..15 of the group and high nibbles inputs 16..31.
+    """
+    out, inp = shape
+    blocks = np.ascontiguousarray(raw).reshape(out, inp // Q4_1_GROUP, _Q4_1_BLOCK_BYTES)
+    return Q4_1Weight(torch.from_numpy(_nibbles(blocks[..., 4:], shape)),
+                      torch.from_numpy(_float16_field(blocks, 0)),
+                      torch.from_numpy(_float16_field(blocks, 2)))
+
+
+def parse_q4_0(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
+    """Q4_0 bytes -> the same weights in Q4_1 form: d * (code - 8) = d * code + (-8 d), with
+    -8 d exact in float32, so every kernel for Q4_1 serves Q4_0 unchanged, bit for bit.
+
+    Each 18-byte block is float16 d, then 16 bytes of codes in Q4_1's nibble order.
+    """
+    out, inp = shape
+    blocks = np.ascontiguousarray(raw).reshape(out, inp // QUANT_GROUP, _Q4_0_BLOCK_BYTES)
+    scales = _float16_field(blocks, 0)
+    return Q4_1Weight(torch.from_numpy(_nibbles(blocks[..., 2:], shape)),
+                      torch.from_numpy(scales), torch.from_numpy(-8 * scales))
+
+
+_K_BLOCK = 256  # weights per K-quant super-block
+_Q4_K_BLOCK_BYTES = 2 + 2 + 12 + _K_BLOCK // 2  # d, dmin, 8 packed 6-bit (scale, min), codes
+
+
+def _q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 bytes of 6-bit sub-block scales and minimums [..., 12] -> two [..., 8] arrays:
+    sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 in the
+    nibbles of bytes 8-11, their top 2 bits in the top bits of bytes 0-7."""
+    p = packed.astype(np.uint16)
+    scales = np.concatenate([p[..., 0:4] & 63, (p[..., 8:12] & 0xF) | ((p[..., 0:4] >> 6) << 4)],
+                            axis=-1)
+    mins = np.concatenate([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)],
+                          axis=-1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def parse_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
+    """Q4_K bytes -> the same weights in Q4_1 form, exactly: each 32-weight sub-block is
+    d * scale * code - dmin * min, and both products are exact in float32 (an 11-bit float16
+    mantissa times a 6-bit integer), so every Q4_1 kernel serves Q4_K unchanged.
+
+    Each 144-byte super-block of 256 weights: float16 d, float16 dmin, 12 bytes of packed
+    6-bit scales and minimums, then 4 runs of 32 bytes: run r's low nibbles are sub-block 2r,
+    its high nibbles sub-block 2r + 1.
+    """
+    out, inp = shape
+    blocks = np.ascontiguousarray(raw).reshape(out, inp // _K_BLOCK, _Q4_K_BLOCK_BYTES)
+    d, dmin = _float16_field(blocks, 0)[..., None], _float16_field(blocks, 2)[..., None]
+    scales, mins = _q4_k_scales_and_mins(blocks[..., 4:16])  # [out, blocks, 8]
+    runs = blocks[..., 16:].reshape(out, inp // _K_BLOCK, 4, 32)
+    codes = np.stack([runs & 0xF, runs >> 4], axis=3).reshape(out, inp)  # sub-block order
+    return Q4_1Weight(torch.from_numpy(codes),
+                      torch.from_numpy((d * scales).reshape(out, inp // QUANT_GROUP)),
+                      torch.from_numpy((-(dmin * mins)).reshape(out, inp // QUANT_GROUP)))
+
+
+def requantize_q8_0(values: np.ndarray) -> Q8_0Weight:
+    """float32 [out, in] -> Q8_0 form with float32 scales (amax / 127 per 32 weights): for
+    Q5_K and Q6_K, whose 16- and 32-weight sub-blocks no 8-bit kernel here takes exactly. Each
+    weight moves by at most half a step of 1/254 of its block's range."""
+    out, inp = values.shape
+    groups = values.reshape(out, inp // QUANT_GROUP, QUANT_GROUP)
+    scales = np.abs(groups).max(axis=-1) / 127.0  # [out, in / 32]
+    safe = np.where(scales > 0, scales, 1.0)[..., None]
+    codes = np.clip(np.rint(groups / safe), -127, 127).astype(np.int8).reshape(out, inp)
+    return Q8_0Weight(torch.from_numpy(codes), torch.from_numpy(scales.astype(np.float32)))
+
+
+@dataclass(frozen=True)
+class Q8_0Weight:
+    """A Q8_0 matrix [out, in]: weight = scale * code, per group of 32 inputs."""
+
+    codes: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out, in / 32] float32 (exact float16 values)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in], as llama.cpp and gguf-py compute it."""
+        return self.scales.repeat_interleave(QUANT_GROUP, dim=1) * self.codes.float()
+
+
+def parse_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> Q8_0Weight:
+    """Q8_0 bytes [out, in / 32 * 34] -> codes and per-group scales (float16 d, 32 int8)."""
+    out, inp = shape
+    blocks = np.ascontiguousarray(raw).reshape(out, inp // QUANT_GROUP, _Q8_0_BLOCK_BYTES)
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(out, inp)
+    return Q8_0Weight(torch.from_numpy(codes), torch.from_numpy(_float16_field(blocks, 0)))
+
+
+NativeWeight = Q4_1Weight | Q8_0Weight
+
+
+def native_parsers(gguf: Any) -> dict[Any, Any]:
+    """GGML type -> the parse of its bytes into a native form the quantized kernels take."""
+    def requantized(kind: Any):
+        def parse(raw: np.ndarray, shape: tuple[int, int]) -> Q8_0Weight:
+            return requantize_q8_0(np.asarray(gguf.quants.dequantize(raw, kind),
+                                              dtype=np.float32).reshape(shape))
+        return parse
+
+    kinds = gguf.GGMLQuantizationType
+    return {kinds.Q4_0: parse_q4_0, kinds.Q4_1: parse_q4_1, kinds.Q8_0: parse_q8_0,
+            kinds.Q4_K: parse_q4_k, kinds.Q5_K: requantized(kinds.Q5_K),
+            kinds.Q6_K: requantized(kinds.Q6_K)}

@@ -132,3 +132,28 @@ def test_a_mixed_k_quant_model_in_the_fast_kernel_stays_close(reference):
     got = _forward(model, config, torch.float16)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
     assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_requantizing_in_row_chunks_is_requantizing_whole():
+    from llmbus.services.executor.gguf_quants import REQUANTIZE_ROWS, native_parsers
+
+    rows = 2 * REQUANTIZE_ROWS + 100
+    raw = random_k_quant(KINDS.Q6_K, rows, 256, seed=3)
+    chunked = native_parsers(gguf)[KINDS.Q6_K](raw, (rows, 256))
+    whole = requantize_q8_0(dequantized(raw, KINDS.Q6_K, (rows, 256)))
+    assert torch.equal(chunked.codes, whole.codes) and torch.equal(chunked.scales, whole.scales)
+
+
+def test_a_model_that_may_release_the_native_forms_keeps_only_the_embedding(reference):
+    path, want = reference["q4_k_m"]
+    config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
+    kept = OnnxLlamaModel(config, dense, native, max_positions=64, num_threads=2,
+                          accuracy_level=ACCURACY_FAST)
+    if kept.int_step is None:
+        pytest.skip("no C++ compiler: the integer kernel was not built")
+    released = OnnxLlamaModel(config, dense, native, max_positions=64, num_threads=2,
+                              accuracy_level=ACCURACY_FAST, release_native=True)
+    assert set(native) == {"token_embd.weight"}  # tiled matrices left as they were tiled
+    assert released.weight_format == "native"
+    torch.testing.assert_close(_forward(released, config, torch.float16),
+                               _forward(kept, config, torch.float16))

@@ -12,6 +12,7 @@ plus a scale, and for the 4-bit form a minimum, per 32 weights), for the quantiz
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,18 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
     )
 
 
+def _drop_pages(reader: Any, tensor: Any) -> None:
+    """Let the kernel drop the file pages of a tensor already copied out: the mapping would
+    otherwise keep the whole file resident beside the weights made from it."""
+    page = mmap.PAGESIZE
+    start = tensor.data_offset // page * page
+    end = -(-(tensor.data_offset + tensor.n_bytes) // page) * page
+    try:
+        reader.data._mmap.madvise(mmap.MADV_DONTNEED, start, min(end, len(reader.data)) - start)
+    except (AttributeError, OSError, ValueError):  # no madvise here: the pages just stay
+        pass
+
+
 def load_gguf(
     path: str | Path, dtype: torch.dtype = torch.float32, *, keep_native: bool = False,
     dense_for_native: bool = True,
@@ -167,6 +180,7 @@ def load_gguf(
                 q = type(q)(*(torch.from_numpy(unpermute_qk(t.numpy(), heads))
                               for t in vars(q).values()))
             native[tensor.name] = q
+        _drop_pages(reader, tensor)
     if "rope_freqs.weight" in weights:  # a property of the rotary embedding, not a weight
         factors = tuple(float(f) for f in weights.pop("rope_freqs.weight").float().tolist())
         config = replace(config, rope_freq_factors=factors)

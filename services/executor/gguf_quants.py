@@ -142,12 +142,20 @@ def parse_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> Q8_0Weight:
 NativeWeight = Q4_1Weight | Q8_0Weight
 
 
+REQUANTIZE_ROWS = 1024
+
+
 def native_parsers(gguf: Any) -> dict[Any, Any]:
     """GGML type -> the parse of its bytes into a native form the quantized kernels take."""
     def requantized(kind: Any):
         def parse(raw: np.ndarray, shape: tuple[int, int]) -> Q8_0Weight:
-            return requantize_q8_0(np.asarray(gguf.quants.dequantize(raw, kind),
-                                              dtype=np.float32).reshape(shape))
+            rows = np.ascontiguousarray(raw).reshape(shape[0], -1)
+            parts = [requantize_q8_0(np.asarray(  # a few MiB of float32 at a time
+                gguf.quants.dequantize(rows[first:first + REQUANTIZE_ROWS], kind),
+                dtype=np.float32).reshape(-1, shape[1]))
+                for first in range(0, shape[0], REQUANTIZE_ROWS)]
+            return Q8_0Weight(torch.cat([p.codes for p in parts]),
+                              torch.cat([p.scales for p in parts]))
         return parse
 
     kinds = gguf.GGMLQuantizationType

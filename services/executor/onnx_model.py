@@ -137,10 +137,12 @@ class OnnxLlamaModel:
     def __init__(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
                  native: dict[str, NativeWeight], *, max_positions: int,
                  accuracy_level: int = ACCURACY_FAST, num_threads: int = 1,
-                 dense_prefill: bool | None = None, int_step: bool | None = None) -> None:
+                 dense_prefill: bool | None = None, int_step: bool | None = None,
+                 release_native: bool = False) -> None:
         """`dense_prefill` and `int_step` force those paths on or off (None: the fast mode
         takes them where they run; see the module doc). Either runs only where the kernels
-        were built and every layer matrix is quantized."""
+        were built and every layer matrix is quantized. `release_native`: the model may take
+        the matrices it tiles out of `native` as it goes (the caller has no further use)."""
         if accuracy_level not in (ACCURACY_EXACT, ACCURACY_FAST):
             raise ValueError(f"accuracy_level {accuracy_level}: expected 0 (exact) or 4 (fast)")
         self.config, self.accuracy_level = config, accuracy_level
@@ -156,9 +158,19 @@ class OnnxLlamaModel:
         if dense_prefill is None:
             dense_prefill = fast and has_amx_bfloat16()
         dense_prefill = dense_prefill and quantized
-        parts = layer_parts(config, native) if int_step or dense_prefill else None
-        self.int_step = (IntStep(config, dense, parts, QuantPart.of(native["output.weight"]),
-                                 lib, num_threads) if int_step else None)
+        self.native_layers = any(f"blk.{i}.{n}.weight" in native
+                                 for i in range(config.num_layers) for n in LAYER_MATRICES)
+        self.weight_format = "native" if self.native_layers else "dense"
+        release = release_native and bool(int_step)  # no graph will need them
+        parts = layer_parts(config, native, release) if int_step or dense_prefill else None
+        head = None
+        if int_step:
+            untied = release and native.get("output.weight") is not native.get(
+                "token_embd.weight")  # the embedding keeps a tied table
+            head = QuantPart.of(native.pop("output.weight") if untied
+                                else native["output.weight"])
+        self.int_step = (IntStep(config, dense, parts, head, lib, num_threads)
+                         if int_step else None)
         self.dense_prefill = (DensePrefill(config, dense, parts, lib, num_threads)
                               if dense_prefill else None)
         # ONNX Runtime runs what llmbus's kernels do not: every step of the exact mode, and the
@@ -169,11 +181,9 @@ class OnnxLlamaModel:
             self._build_graphs(config, dense, native, num_threads)
         self.embed = _Embedding(native.get("token_embd.weight"), dense.get("token_embd.weight"))
         self.qkv_biases = [qkv_bias(dense, i) for i in range(config.num_layers)]
-        self.native_layers = any(f"blk.{i}.{n}.weight" in native
-                                 for i in range(config.num_layers) for n in LAYER_MATRICES)
-        self.weight_format = "native" if self.native_layers else "dense"
         self.set_max_positions(max_positions)
         self.scale = config.head_dim ** -0.5
+        _return_freed_memory()  # the load's temporaries: unpacked codes, dequantized blocks
 
     def _build_graphs(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
                       native: dict[str, NativeWeight], num_threads: int) -> None:

@@ -73,11 +73,13 @@ def covers(config: LlamaConfig, native: dict[str, NativeWeight]) -> bool:
     return all(n in native and native[n].codes.shape[0] % COLUMNS == 0 for n in names)
 
 
-def layer_parts(config: LlamaConfig, native: dict[str, NativeWeight]) -> list[LayerParts]:
-    """Every layer's matrices (the file must be `covers`ed)."""
+def layer_parts(config: LlamaConfig, native: dict[str, NativeWeight],
+                release: bool = False) -> list[LayerParts]:
+    """Every layer's matrices (the file must be `covers`ed). With `release`, each matrix
+    leaves `native` once tiled, so that the load never holds both forms of every weight."""
 
     def part(name: str) -> QuantPart:
-        return QuantPart.of(native[name])
+        return QuantPart.of(native.pop(name) if release else native[name])
 
     return [{"qkv": [part(f"blk.{i}.attn_{n}.weight") for n in "qkv"],
              "o": [part(f"blk.{i}.attn_output.weight")],

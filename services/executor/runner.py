@@ -156,7 +156,8 @@ class ModelRunner:
         exact = precision == "exact"
         self.model = OnnxLlamaModel(
             config, dense, native, max_positions=1, num_threads=self.num_threads,
-            accuracy_level=ACCURACY_EXACT if exact else ACCURACY_FAST)
+            accuracy_level=ACCURACY_EXACT if exact else ACCURACY_FAST, release_native=True)
+        del dense, native  # what the model did not keep goes now
         self.weight_format = self.model.weight_format
         return config, torch.float32 if exact else torch.float16
 

@@ -167,3 +167,32 @@ def test_a_head_the_kernel_cannot_tile_falls_back_to_the_graphs(tmp_path):
     cache = KVCache(config, num_blocks=8, block_size=BLOCK_SIZE, dtype=torch.float16)
     logits = _run(model, cache, [([3, 1, 4, 1, 5, 9, 2], 0, 7, [1, 2])])
     assert logits.shape[-1] == 250 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("vocab_size", [256, 250], ids=["tiled-at-load", "graphs"])
+def test_the_fast_runner_tiles_at_load_or_reloads_for_the_graphs(tmp_path, vocab_size):
+    """The fast runner tiles each matrix as it is loaded when the integer kernel takes the
+    whole file; a head it cannot tile (250 rows) means a second load in the graphs' form. Both
+    answer as a model built from a plain load."""
+    from dataclasses import replace
+
+    from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+    from llmbus.services.executor.cpu_kernels.library import load_library
+
+    path = tmp_path / f"tiny-v{vocab_size}.gguf"
+    write_tiny_llama(path, replace(SPEC, vocab_size=vocab_size), quantized="Q4_1")
+    runner = ModelRunner(path, model_name="tiny", num_blocks=16, block_size=BLOCK_SIZE,
+                         backend="onnxruntime", precision="fast")
+    if load_library() is None:
+        pytest.skip("no C++ compiler: nothing is tiled")
+    assert (runner.model.int_step is not None) == (vocab_size == 256)
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    step = runner.step(StepPlan(step_id=0, new_requests=[NewRequestData(
+        "r", prompt, SamplingParams(temperature=0.0, logprobs=1))],
+        scheduled=[ScheduledRequest("r", 0, len(prompt), [1, 2])]))
+    config, model = _model(path, ACCURACY_FAST)
+    cache = KVCache(config, num_blocks=8, block_size=BLOCK_SIZE, dtype=torch.float16)
+    logits = _run(model, cache, [(prompt, 0, len(prompt), [1, 2])])[-1]
+    assert step.sampled_token_ids == [int(logits.argmax())]
+    assert step.logprobs[0].logprob == pytest.approx(
+        float(torch.log_softmax(logits, -1).max()), abs=1e-4)

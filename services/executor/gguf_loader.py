@@ -13,6 +13,7 @@ plus a scale, and for the 4-bit form a minimum, per 32 weights), for the quantiz
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,7 @@ def _drop_pages(reader: Any, tensor: Any) -> None:
 
 def load_gguf(
     path: str | Path, dtype: torch.dtype = torch.float32, *, keep_native: bool = False,
-    dense_for_native: bool = True,
+    dense_for_native: bool = True, transform: Callable[[str, NativeWeight], Any] | None = None,
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, NativeWeight]]:
     """Read the config and dequantize every tensor to `dtype` (HF layout, see module doc).
 
@@ -149,6 +150,7 @@ def load_gguf(
     names, same un-permuted layout): Q4_1 and Q8_0 as they are, Q4_0 and Q4_K in Q4_1 form
     (exactly), Q5_K and Q6_K requantized to Q8_0; otherwise it is empty.
     Without `dense_for_native`, a matrix with a native form has no dense copy in the second.
+    `transform(name, native)` replaces each native form as soon as it is parsed.
     """
     import gguf  # heavy import, only where a model is loaded
 
@@ -179,7 +181,7 @@ def load_gguf(
             if heads:  # the permutation moves whole rows: codes, scales and minimums alike
                 q = type(q)(*(torch.from_numpy(unpermute_qk(t.numpy(), heads))
                               for t in vars(q).values()))
-            native[tensor.name] = q
+            native[tensor.name] = q if transform is None else transform(tensor.name, q)
         _drop_pages(reader, tensor)
     if "rope_freqs.weight" in weights:  # a property of the rotary embedding, not a weight
         factors = tuple(float(f) for f in weights.pop("rope_freqs.weight").float().tolist())

@@ -37,10 +37,10 @@ from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.model import AttentionMetadata, TorchOps, qkv_bias, rope_tables
 from llmbus.services.executor.onnx_graphs import MatrixSource, head_graph, layer_graphs
 from llmbus.services.executor.quant_parts import (
-    COLUMNS,
     LAYER_MATRICES,
     QuantPart,
     covers,
+    kernel_takes,
     layer_parts,
 )
 
@@ -153,8 +153,7 @@ class OnnxLlamaModel:
         quantized = lib is not None and covers(config, native)
         if int_step is None:
             int_step = fast
-        int_step = (int_step and quantized and "output.weight" in native
-                    and native["output.weight"].codes.shape[0] % COLUMNS == 0)
+        int_step = int_step and quantized and kernel_takes(config, native)
         if dense_prefill is None:
             dense_prefill = fast and has_amx_bfloat16()
         dense_prefill = dense_prefill and quantized
@@ -187,6 +186,9 @@ class OnnxLlamaModel:
 
     def _build_graphs(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
                       native: dict[str, NativeWeight], num_threads: int) -> None:
+        if any(isinstance(w, QuantPart) for w in native.values()):
+            raise ValueError("the ONNX Runtime graphs need the matrices as loaded, not tiled "
+                             "for the integer kernel (load without tile_as_loaded)")
         def matrix(name: str) -> MatrixSource:
             if name in native:
                 return MatrixSource(native[name], None)

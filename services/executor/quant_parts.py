@@ -35,7 +35,9 @@ class QuantPart:
     mins: torch.Tensor | None = None  # q4 only, as scales
 
     @classmethod
-    def of(cls, native: NativeWeight) -> QuantPart:
+    def of(cls, native: NativeWeight | QuantPart) -> QuantPart:
+        if isinstance(native, QuantPart):  # tiled as it was loaded
+            return native
         n, k = native.codes.shape
         if n % COLUMNS or k % QUANT_GROUP:
             raise ValueError(f"a [{n}, {k}] matrix: the kernels take N % {COLUMNS} == 0 and "
@@ -66,11 +68,30 @@ def _tile_scales(per_block: torch.Tensor) -> torch.Tensor:
 LayerParts = dict[str, list[QuantPart]]
 
 
-def covers(config: LlamaConfig, native: dict[str, NativeWeight]) -> bool:
-    """Whether every layer matrix of the file is quantized (Q4_0/Q4_1/Q8_0) in a shape the
-    kernels tile (N a multiple of 8)."""
+def rows(weight: NativeWeight | QuantPart) -> int:
+    return weight.n if isinstance(weight, QuantPart) else weight.codes.shape[0]
+
+
+def covers(config: LlamaConfig, native: dict[str, NativeWeight | QuantPart]) -> bool:
+    """Whether every layer matrix of the file is quantized in a shape the kernels tile (N a
+    multiple of 8)."""
     names = [f"blk.{i}.{m}.weight" for i in range(config.num_layers) for m in LAYER_MATRICES]
-    return all(n in native and native[n].codes.shape[0] % COLUMNS == 0 for n in names)
+    return all(n in native and rows(native[n]) % COLUMNS == 0 for n in names)
+
+
+def kernel_takes(config: LlamaConfig, native: dict[str, NativeWeight | QuantPart]) -> bool:
+    """Whether the integer kernel can run every matmul of the file, the vocabulary head too."""
+    return (covers(config, native) and "output.weight" in native
+            and rows(native["output.weight"]) % COLUMNS == 0)
+
+
+def tile_as_loaded(name: str, weight: NativeWeight) -> NativeWeight | QuantPart:
+    """A load-time transform (gguf_loader.load_gguf): layer matrices and an untied vocabulary
+    head go straight into the kernels' form, so the load never holds every matrix twice. The
+    embedding table keeps its form (rows are looked up from it)."""
+    matmul = name == "output.weight" or (name.startswith("blk.") and any(
+        name.endswith(f".{m}.weight") for m in LAYER_MATRICES))
+    return QuantPart.of(weight) if matmul and rows(weight) % COLUMNS == 0 else weight
 
 
 def layer_parts(config: LlamaConfig, native: dict[str, NativeWeight],

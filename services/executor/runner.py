@@ -138,11 +138,13 @@ class ModelRunner:
 
     def _load_onnx(self, model_path: str | Path, dtype: torch.dtype,
                    precision: str) -> tuple[LlamaConfig, torch.dtype]:
+        from llmbus.services.executor.cpu_kernels.library import load_library
         from llmbus.services.executor.onnx_model import (
             ACCURACY_EXACT,
             ACCURACY_FAST,
             OnnxLlamaModel,
         )
+        from llmbus.services.executor.quant_parts import kernel_takes, tile_as_loaded
 
         if self.device.type != "cpu":
             raise ValueError("the onnxruntime backend runs on the CPU; use --backend torch on "
@@ -152,8 +154,17 @@ class ModelRunner:
                              "--exact or not chooses its precision")
         if precision not in ("exact", "fast"):
             raise ValueError(f"unknown precision {precision!r}: expected exact or fast")
-        config, dense, native = load_gguf(model_path, keep_native=True, dense_for_native=False)
         exact = precision == "exact"
+        # The fast mode's integer kernel takes its matrices tiled: tile each as it is loaded
+        # (never holding every matrix twice), unless the kernel cannot take the whole file
+        # and ONNX Runtime's graphs, which read the loaded forms, run instead.
+        tiled = not exact and load_library() is not None
+        config, dense, native = load_gguf(model_path, keep_native=True, dense_for_native=False,
+                                          transform=tile_as_loaded if tiled else None)
+        if tiled and not kernel_takes(config, native):
+            del dense, native
+            config, dense, native = load_gguf(model_path, keep_native=True,
+                                              dense_for_native=False)
         self.model = OnnxLlamaModel(
             config, dense, native, max_positions=1, num_threads=self.num_threads,
             accuracy_level=ACCURACY_EXACT if exact else ACCURACY_FAST, release_native=True)

@@ -154,3 +154,41 @@ def test_seeded_verification_repeats_itself():
     runs = [[verify(logits, [1, 2, 3], tensors, torch.Generator().manual_seed(5))
              for _ in range(1)] for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_the_sampling_rule_keeps_the_tiny_model_s_distribution(tmp_path):
+    """The same on a tiny generated model's own logits at a prompt's end and two drafts: the
+    first is its likeliest token, the second one it rarely picks (top-k 8: chi-square over
+    8 tokens)."""
+    from llmbus.services.executor.gguf_loader import load_gguf
+    from llmbus.services.executor.kv_cache import KVCache
+    from llmbus.services.executor.model import LlamaModel
+    from tests.test_executor_model import _run
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, TinySpec(), seed=9)
+    config, dense, _ = load_gguf(path)
+    model = LlamaModel(config, dense, max_positions=64)
+    sampling = RequestSampling.from_params(SamplingParams(temperature=1.0, top_k=8),
+                                           vocab_size=config.vocab_size)
+    tensors = SamplingTensors.build([sampling] * 3, "cpu")
+
+    def logits_of(tokens: list[int]) -> torch.Tensor:
+        cache = KVCache(config, num_blocks=8, block_size=BLOCK_SIZE)
+        return _run(model, cache, [(tokens, 0, len(tokens), [1, 2, 3, 4])])
+
+    likely = int(logits_of(PROMPT)[-1].argmax())
+    second = target_probs(logits_of(PROMPT + [likely])[-1:], tensors)[0]
+    rare = int(torch.where(second > 0, second, 2.0).argmin())  # in the top 8, least likely
+    logits = logits_of(PROMPT + [likely, rare])[-3:]  # at the prompt's end and each draft
+    probs = target_probs(logits, tensors)
+    generator = torch.Generator().manual_seed(11)
+    counts = torch.zeros(2, config.vocab_size)
+    for _ in range(5000):
+        tokens = verify(logits, [likely, rare], tensors, generator)
+        counts[0, tokens[0]] += 1
+        if tokens[0] == likely:
+            counts[1, tokens[1]] += 1
+    for position in (0, 1):
+        statistic, support = _chi_square(counts[position], probs[position])
+        assert support == 8 and statistic < CHI2_999[support - 1], counts[position]

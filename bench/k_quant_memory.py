@@ -19,15 +19,17 @@ from pathlib import Path
 
 import numpy as np
 
-BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
-def _blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+def random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid blocks of K-quant `kind` (gguf-py has no K-quant quantizer) with random codes and
+    sub-block scales, weights within about ±1: [rows, bytes per row]."""
     blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
     d = rng.uniform(2e-4, 1e-3, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
-    if kind == "Q6_K":
+    if kind == "Q6_K":  # ql, qh, 16 int8 scales, then float16 d
         blocks[..., 208:210] = d
-    else:
+    else:  # float16 d and dmin first
         blocks[..., 0:2] = d
         blocks[..., 2:4] = d
     return blocks.reshape(rows, -1)
@@ -51,7 +53,7 @@ def write_model(path: Path, layers: int, hidden: int, vocab: int) -> int:
 
     def matrix(name: str, rows: int, cols: int, kind: str) -> None:
         nonlocal num_params
-        raw = _blocks(kind, rows, cols, rng)
+        raw = random_k_quant(kind, rows, cols, rng)
         writer.add_tensor(name, raw, raw_shape=raw.shape,
                           raw_dtype=gguf.GGMLQuantizationType[kind])
         num_params += rows * cols

@@ -52,14 +52,14 @@ def measure_proposer(num_running: int, length: int, num_steps: int) -> list[floa
     requests = [[rng.randrange(50) for _ in range(length)] for _ in range(num_running)]
     indexes = [NgramIndex(2, 4) for _ in requests]
     for index, tokens in zip(indexes, requests, strict=True):
-        index.propose(tokens, 4)  # the prompt is indexed once, when the request starts
+        index.propose((), tokens, 4)  # the prompt is indexed once, when the request starts
     times = []
     for _ in range(num_steps):
         for tokens in requests:
             tokens.append(rng.randrange(50))
         started = time.perf_counter()
         for index, tokens in zip(indexes, requests, strict=True):
-            index.propose(tokens, 4)
+            index.propose((), tokens, 4)
         times.append(time.perf_counter() - started)
     return times
 

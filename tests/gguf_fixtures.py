@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+from llmbus.services.executor.gguf_loader import unpermute_qk
 from llmbus.services.gguf_tokenizer import GGUFTokenizer, byte_alphabet
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -98,10 +100,18 @@ def _copy_tokenizer(writer, source: Path) -> None:
             add(value(key))
 
 
+def random_k_quant(kind, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random but valid blocks of a K-quant GGMLQuantizationType (see bench/k_quant_memory)."""
+    from llmbus.bench.k_quant_memory import random_k_quant as blocks
+
+    return blocks(kind.name, rows, cols, np.random.default_rng(seed))
+
+
 def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
                      quantized: str | None = None, rope_freqs: np.ndarray | None = None,
                      rope_scaling: tuple[str, float] | None = None,
-                     arch: str = "llama", vocab_from: Path | None = None) -> dict[str, np.ndarray]:
+                     arch: str = "llama", vocab_from: Path | None = None,
+                     k_quants: dict[str, object] | None = None) -> dict[str, np.ndarray]:
     """Write a llama GGUF (Q/K permuted like llama.cpp); returns the HF-layout weights.
 
     Tensors are F32. With `quantized` ("Q4_1", "Q4_0" or "Q8_0"), as in llama.cpp's files of
@@ -111,7 +121,8 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
     `rope_scaling` (type, factor) in the metadata. `arch="qwen2"`: Q/K/V biases, and Q/K rows
     in HF's order (llama.cpp permutes them for llama files only). `vocab_from`: a GGUF whose
     tokenizer (vocabulary, merges, chat template; spec.vocab_size must match) this file takes,
-    so that the whole stack can serve it.
+    so that the whole stack can serve it. `k_quants`: matrices whose name ends with a key are
+    random blocks of that K-quant type instead (returned dequantized, as the file holds them).
     """
     import gguf
 
@@ -149,7 +160,13 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
         heads = (spec.num_heads if name.endswith("attn_q.weight") else
                  spec.num_kv_heads if name.endswith("attn_k.weight") else None)
         array = permute_qk(hf_array, heads) if heads and arch == "llama" else hf_array
-        if quantized and array.ndim == 2:
+        kind = next((k for suffix, k in (k_quants or {}).items() if name.endswith(suffix)), None)
+        if kind is not None and array.ndim == 2:
+            raw = random_k_quant(kind, *array.shape, seed=seed * 7919 + zlib.crc32(name.encode()))
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
+            values = np.asarray(gguf.quants.dequantize(raw, kind), np.float32).reshape(array.shape)
+            weights[name] = unpermute_qk(values, heads) if heads and arch == "llama" else values
+        elif quantized and array.ndim == 2:
             kind = gguf.GGMLQuantizationType[quantized if name.startswith("blk.") else "Q8_0"]
             writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
             # Blocks run along rows and the rotary permutation moves whole rows, so the exact

@@ -14,23 +14,9 @@ from llmbus.services.executor.gguf_quants import parse_q4_k, requantize_q8_0
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.model import LlamaModel, build_attention_metadata
 from llmbus.services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
-from tests.gguf_fixtures import TinySpec, permute_qk, tiny_weights
+from tests.gguf_fixtures import TinySpec, random_k_quant, write_tiny_llama
 
 KINDS = gguf.GGMLQuantizationType
-BLOCK_BYTES = {KINDS.Q4_K: 144, KINDS.Q5_K: 176, KINDS.Q6_K: 210}
-
-
-def random_k_quant(kind, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Valid blocks of `kind` with random codes and sub-block scales, weights within ~±1."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
-    scale = (rng.uniform(2e-4, 1e-3, (rows, cols // 256))).astype(np.float16).view(np.uint8)
-    if kind == KINDS.Q6_K:  # ql, qh, 16 int8 scales, then float16 d
-        blocks[..., 208:210] = scale.reshape(rows, cols // 256, 2)
-    else:  # float16 d and dmin first
-        blocks[..., 0:2] = scale.reshape(rows, cols // 256, 2)
-        blocks[..., 2:4] = scale.reshape(rows, cols // 256, 2)
-    return blocks.reshape(rows, cols // 256 * BLOCK_BYTES[kind])
 
 
 def dequantized(raw: np.ndarray, kind, shape) -> np.ndarray:
@@ -58,33 +44,6 @@ SPEC = TinySpec(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=
 TOKENS = [int(t) for t in np.random.default_rng(2).integers(3, SPEC.vocab_size, 24)]
 
 
-def write_k_quant_model(path, kinds: dict[str, object]) -> None:
-    """A tiny llama whose matrices named by suffix in `kinds` are random K-quant blocks (the
-    rest F32), Q/K permuted like llama.cpp."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(SPEC.num_layers)
-    writer.add_context_length(SPEC.context_length)
-    writer.add_embedding_length(SPEC.hidden_size)
-    writer.add_feed_forward_length(SPEC.intermediate_size)
-    writer.add_head_count(SPEC.num_heads)
-    writer.add_head_count_kv(SPEC.num_kv_heads)
-    writer.add_rope_freq_base(SPEC.rope_theta)
-    writer.add_layer_norm_rms_eps(SPEC.rms_norm_eps)
-    for seed, (name, array) in enumerate(tiny_weights(SPEC, seed=4).items()):
-        kind = next((k for suffix, k in kinds.items() if name.endswith(suffix)), None)
-        if kind is None or array.ndim != 2:
-            heads = (SPEC.num_heads if name.endswith("attn_q.weight") else
-                     SPEC.num_kv_heads if name.endswith("attn_k.weight") else None)
-            writer.add_tensor(name, permute_qk(array, heads) if heads else array)
-            continue
-        raw = random_k_quant(kind, array.shape[0], array.shape[1], seed)
-        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def _forward(model, config, kv_dtype=torch.float32) -> torch.Tensor:
     cache = KVCache(config, num_blocks=8, block_size=16, dtype=kv_dtype)
     n = len(TOKENS)
@@ -102,7 +61,7 @@ def reference(tmp_path_factory):
                         "q4_k_m": {"ffn_down.weight": KINDS.Q6_K, "output.weight": KINDS.Q6_K,
                                    "attn_v.weight": KINDS.Q5_K, "weight": KINDS.Q4_K}}.items():
         path = tmp_path_factory.mktemp(name) / f"{name}.gguf"
-        write_k_quant_model(path, kinds)
+        write_tiny_llama(path, SPEC, seed=4, k_quants=kinds)
         config, dense, _ = load_gguf(path)
         files[name] = path, _forward(LlamaModel(config, dense, max_positions=64), config)
     return files

@@ -24,16 +24,16 @@ def test_the_longest_match_wins_and_its_latest_occurrence():
     #         0  1  2  3  4  5  6  7  8  9
     tokens = [5, 6, 7, 8, 9, 6, 7, 1, 5, 6, 7]
     # suffix (5, 6, 7) occurred at 0 (followed by 8); (6, 7) later at 5 (followed by 1)
-    assert index.propose(tokens, 3) == [8, 9, 6]
+    assert index.propose((), tokens, 3) == [8, 9, 6]
     tokens.append(2)  # (7, 2), (2) never seen: nothing
-    assert index.propose(tokens, 3) == []
+    assert index.propose((), tokens, 3) == []
     tokens.append(7)  # (2, 7) no; (7) latest at 10 -> followed by 2
-    assert index.propose(tokens, 3) == [2, 7]
+    assert index.propose((), tokens, 3) == [2, 7]
 
 
 def test_a_repeated_token_proposes_more_of_itself():
-    assert NgramIndex(1, 4).propose([3, 3, 3, 3, 3], 4) == [3]
-    assert NgramIndex(2, 4).propose([1, 2, 1, 2, 1, 2], 4) == [1, 2]
+    assert NgramIndex(1, 4).propose([3, 3], [3, 3, 3], 4) == [3]
+    assert NgramIndex(2, 4).propose([1, 2, 1, 2, 1, 2], [], 4) == [1, 2]
 
 
 @given(st.lists(st.integers(0, 4), min_size=1, max_size=60), st.integers(1, 3),
@@ -41,17 +41,19 @@ def test_a_repeated_token_proposes_more_of_itself():
 def test_the_index_agrees_with_a_scan_as_tokens_arrive(tokens, n_min, extra, k, cuts):
     n_max = n_min + extra
     index = NgramIndex(n_min, n_max)
-    grown = 0
-    for cut in [*cuts, len(tokens)]:  # asked at several lengths, like a request over steps
+    prompt = tokens[:cuts[0] if cuts else 1]  # then the output grows, step by step
+    grown = len(prompt)
+    for cut in [*cuts[1:], len(tokens)]:
         grown = min(len(tokens), grown + cut)
-        assert index.propose(tokens[:grown], k) == scan(tokens[:grown], k, n_min, n_max)
+        output = tokens[len(prompt):grown]
+        assert index.propose(prompt, output, k) == scan(tokens[:grown], k, n_min, n_max)
 
 
 def test_a_lookup_indexes_only_the_tokens_that_arrived_since_the_last():
     index = NgramIndex(2, 4)
     tokens = list(range(1000))
-    index.propose(tokens, 4)
+    index.propose((), tokens, 4)
     size = len(index._after)
     tokens.append(7)
-    index.propose(tokens, 4)
+    index.propose((), tokens, 4)
     assert len(index._after) - size == 3  # one new n-gram per n, not the whole history again

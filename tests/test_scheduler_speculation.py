@@ -5,11 +5,18 @@ rejected draft, a stale cached block or an uncopied shared one), then writes its
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmbus.bus.messages import FinishReason, SamplingParams, StepPlan, StepResult
+from llmbus.bus.messages import (
+    FinishReason,
+    RequestTokens,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
 from llmbus.services.scheduler.config import SchedulerConfig
 from llmbus.services.scheduler.scheduler import Scheduler
 
@@ -87,14 +94,16 @@ def cycle(period: list[int]):
     return lambda _, tokens: period[len(tokens) % len(period)]
 
 
-def run(s: Scheduler, executor: FakeExecutor, depth: int = 2, max_steps: int = 500,
-        in_flight: deque | None = None):
-    """Plan (up to `depth` ahead) and run steps until every request finished."""
+def drive(s: Scheduler, step: Callable[[StepPlan], StepResult], depth: int = 2,
+          max_steps: int = 500, in_flight: deque | None = None,
+          ) -> tuple[list[StepPlan], list[RequestTokens]]:
+    """Plan (up to `depth` ahead, as the engine loop does) and run steps until every request
+    finished; the plans sent and the updates for the detokenizer."""
     in_flight = deque() if in_flight is None else in_flight
-    plans = []
+    plans, updates = [], []
     for _ in range(max_steps):
         if not s.has_work and not in_flight:
-            return plans
+            return plans, updates
         if len(in_flight) < depth and s.has_work:
             plan = s.schedule()
             if plan.scheduled or not in_flight:
@@ -103,9 +112,13 @@ def run(s: Scheduler, executor: FakeExecutor, depth: int = 2, max_steps: int = 5
                 continue
             s.unschedule_empty(plan)
         plan = in_flight.popleft()
-        s.update(plan, executor.run(plan))
+        updates += s.update(plan, step(plan))
         s.check_invariants()
     raise AssertionError("requests did not finish")
+
+
+def run(s: Scheduler, executor: FakeExecutor, **options) -> list[StepPlan]:
+    return drive(s, executor.run, **options)[0]
 
 
 def test_a_repeating_output_is_verified_several_tokens_a_step():
@@ -128,18 +141,7 @@ def test_the_output_with_drafts_is_the_output_without():
     for k in (0, 3):
         s = make(k=k, n_min=1)
         s.add_request("r", "api", [3, 4, 5, 3, 4], SamplingParams(max_tokens=60, ignore_eos=True))
-        updates = []
-        executor = FakeExecutor(model)
-        in_flight: deque = deque()
-        while s.has_work or in_flight:
-            if len(in_flight) < 2 and s.has_work:
-                plan = s.schedule()
-                if plan.scheduled or not in_flight:
-                    in_flight.append(plan)
-                    continue
-                s.unschedule_empty(plan)
-            plan = in_flight.popleft()
-            updates += s.update(plan, executor.run(plan))
+        _, updates = drive(s, FakeExecutor(model).run)
         outputs.append([t for u in updates for t in u.new_token_ids])
         if k:
             assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # some right, some wrong
@@ -151,13 +153,7 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_request_there():
     s.add_request("r", "api", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=30))
     model = cycle([5, 6, 7])  # after the prompt: 7, 5, 6, 7, ...
     executor = FakeExecutor(lambda rid, tokens: EOS if len(tokens) == 11 else model(rid, tokens))
-    updates = []
-    in_flight: deque = deque()
-    while s.has_work or in_flight:
-        if not in_flight and s.has_work:
-            in_flight.append(s.schedule())
-        plan = in_flight.popleft()
-        updates += s.update(plan, executor.run(plan))
+    _, updates = drive(s, executor.run, depth=1)
     tokens = [t for u in updates for t in u.new_token_ids]
     assert tokens == [7, 5, 6, EOS] and updates[-1].finish_reason == FinishReason.STOP
 

@@ -4,18 +4,18 @@ which repeat their context at length and some of which never do."""
 
 from __future__ import annotations
 
-from collections import deque
 from itertools import zip_longest
 
 import pytest
 
-from llmbus.bus.messages import RequestTokens, SamplingParams
+from llmbus.bus.messages import SamplingParams, StepPlan, StepResult
 from llmbus.services.executor.runner import ModelRunner
 from llmbus.services.gguf_tokenizer import GGUFTokenizer
 from llmbus.services.model_files import default_model_path
 from llmbus.services.scheduler.config import SchedulerConfig
 from llmbus.services.scheduler.scheduler import Scheduler
 from tests.stack import needs_default_model
+from tests.test_scheduler_speculation import drive
 
 pytestmark = [pytest.mark.model, needs_default_model()]
 
@@ -68,19 +68,13 @@ def _generate(runner: ModelRunner, prompts: list[list[int]], k: int,
         scheduler.add_request(f"{tag}-{i}", "api", prompt,
                               SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                              logprobs=2))
-    updates: list[RequestTokens] = []
-    in_flight: deque = deque()
-    while scheduler.has_work or in_flight:
-        if len(in_flight) < 2 and scheduler.has_work:
-            plan = scheduler.schedule()
-            if plan.scheduled or not in_flight:
-                in_flight.append(plan)
-                continue
-            scheduler.unschedule_empty(plan)
-        plan = in_flight.popleft()
+
+    def step(plan: StepPlan) -> StepResult:
         result = runner.step(plan)
         assert not result.error, result.error
-        updates += scheduler.update(plan, result)
+        return result
+
+    _, updates = drive(scheduler, step, max_steps=10_000)
     outputs = {f"{tag}-{i}": [] for i in range(len(prompts))}
     logprobs = {f"{tag}-{i}": [] for i in range(len(prompts))}
     for update in updates:

@@ -25,8 +25,8 @@ class Q4_1Weight:
     """A Q4_1 matrix [out, in]: weight = scale * code + minimum, per group of 32 inputs."""
 
     codes: torch.Tensor  # [out, in] uint8, 0..15
-    scales: torch.Tensor  # [out, in / 32] float32 (exact float16 values)
-    minimums: torch.Tensor  # [out, in / 32] float32 (exact float16 values)
+    scales: torch.Tensor  # [out, in / 32] float32 (float16 values; Q4_K: exact products)
+    minimums: torch.Tensor  # [out, in / 32] float32, as scales
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in], as llama.cpp and gguf-py compute it."""
@@ -124,7 +124,7 @@ class Q8_0Weight:
     """A Q8_0 matrix [out, in]: weight = scale * code, per group of 32 inputs."""
 
     codes: torch.Tensor  # [out, in] int8
-    scales: torch.Tensor  # [out, in / 32] float32 (exact float16 values)
+    scales: torch.Tensor  # [out, in / 32] float32 (float16 values; requantized: amax / 127)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in], as llama.cpp and gguf-py compute it."""

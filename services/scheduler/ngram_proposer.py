@@ -23,23 +23,27 @@ class NgramIndex:
         self.n_min, self.n_max = n_min, n_max
         self._after: dict[tuple[int, ...], int] = {}
         self._num_indexed = 0  # n-grams ending before this position are in the index
+        self._tokens: list[int] = []  # the request's tokens, as far as seen
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to `k` tokens that followed the longest earlier match of the tokens' suffix.
-
-        `tokens` is the request's whole sequence so far and only ever grows between calls.
-        """
-        self._extend(tokens)
+    def propose(self, prompt: Sequence[int], output: Sequence[int], k: int) -> list[int]:
+        """Up to `k` tokens that followed the longest earlier match of the suffix of
+        prompt + output. The prompt stays the same and the output only grows between calls;
+        only what is new since the last call is copied and indexed."""
+        tokens = self._tokens
+        if not tokens:
+            tokens.extend(prompt)
+        tokens.extend(output[len(tokens) - len(prompt):])
+        self._extend()
         end = len(tokens)
         for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
             start = self._after.get(tuple(tokens[end - n:end]))
             if start is not None:
-                return list(tokens[start:start + k])
+                return tokens[start:start + k]
         return []
 
-    def _extend(self, tokens: Sequence[int]) -> None:
+    def _extend(self) -> None:
         """Index the n-grams that end before the last token (each has a continuation)."""
-        last = len(tokens) - 1
+        tokens, last = self._tokens, len(self._tokens) - 1
         for stop in range(max(self._num_indexed, 1), last + 1):  # n-grams tokens[..:stop]
             for n in range(self.n_min, min(self.n_max, stop) + 1):
                 self._after[tuple(tokens[stop - n:stop])] = stop

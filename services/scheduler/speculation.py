@@ -38,7 +38,8 @@ def propose(request: Request, config: SchedulerConfig, limit: int) -> list[int]:
         return []
     if request.ngram_index is None:
         request.ngram_index = NgramIndex(config.spec_ngram_min, config.spec_ngram_max)
-    return request.ngram_index.propose(request.token_ids(), limit)
+    return request.ngram_index.propose(request.prompt_token_ids, request.output_token_ids,
+                                       limit)
 
 
 def drafts_for(request: Request, config: SchedulerConfig, budget: int) -> list[int]:

@@ -54,6 +54,11 @@ def executor_step(engine_id: str) -> str:
     return f"{PREFIX}.engine.{engine_id}.executor.step"
 
 
+def executor_grammar(engine_id: str) -> str:
+    """scheduler -> executor (request/reply): compile a request's output constraint ahead."""
+    return f"{PREFIX}.engine.{engine_id}.executor.grammar"
+
+
 # scheduler -> detokenizer (publish): new tokens of one step. The detokenizer keeps per-request
 # decode state, so each completion is sent to one copy's own subject (detokenizer_tokens, see
 # services/scheduler/detokenizer_routing.py); this shared subject, a queue group, is only used

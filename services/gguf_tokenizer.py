@@ -15,6 +15,7 @@ model_files.py; no service imports another service's modules.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from functools import cache
 from os import PathLike
@@ -169,6 +170,7 @@ class GGUFTokenizer:
         tokenizer.add_tokens(user_defined)
 
         self._tokenizer = tokenizer
+        self.model = model
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
@@ -179,13 +181,9 @@ class GGUFTokenizer:
     @classmethod
     def from_gguf(cls, path: str | PathLike[str]) -> GGUFTokenizer:
         """Read the tokenizer metadata of a GGUF file (the tensors are not loaded)."""
-        from gguf import GGUFReader  # numpy + gguf only when a file is actually read
+        from llmbus.services.gguf_metadata import read_metadata
 
-        fields = GGUFReader(path).fields
-
-        def get(key: str, default=None):
-            field = fields.get(key)
-            return default if field is None else field.contents()
+        get = read_metadata(path).get
 
         model = get("tokenizer.ggml.model")
         if model not in SUPPORTED_TOKENIZER_MODELS:
@@ -257,3 +255,21 @@ class GGUFTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
+
+    def token_bytes(self) -> list[bytes]:
+        """The exact bytes each token id stands for (a special token: its spelling), so that
+        a grammar can tell which tokens may come next; a byte-level token's characters each
+        stand for one byte, a SentencePiece token spells a space "▁" and a byte `<0xAB>`."""
+        byte_of = {char: byte for byte, char in byte_alphabet().items()}
+        out = []
+        for token_id in range(self.vocab_size):
+            spelling = self._tokenizer.id_to_token(token_id) or ""
+            if token_id in self.special_token_ids:
+                out.append(spelling.encode())
+            elif self.model == "llama":
+                byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", spelling)
+                out.append(bytes([int(byte.group(1), 16)]) if byte
+                           else spelling.replace(SPACE, " ").encode())
+            else:
+                out.append(bytes(byte_of.get(c, 0x3F) for c in spelling))
+        return out

@@ -12,9 +12,10 @@ PARAMS = m.SamplingParams(
     temperature=0.5, top_p=0.9, top_k=40, max_tokens=8, seed=7, ignore_eos=True,
     stop_token_ids=[2], stop=["\n"], include_stop_str_in_output=True, min_p=0.05,
     presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1, min_tokens=1,
-    logprobs=2, logit_bias={5: -1.0})
+    logprobs=2, logit_bias={5: -1.0},
+    structured=m.StructuredOutput(kind="regex", spec="[0-9]+", param="guided_regex"))
 LOGPROBS = m.TokenLogprobs(logprob=-0.5, top_token_ids=[42, 7], top_logprobs=[-0.5, -1.5])
-CHAT = m.ChatMessage(role="user", content="hi")
+CHAT = m.ChatMessage(role="user", content="hi", tool_calls_json="[]", tool_call_id="c1")
 TOKENS = m.RequestTokens(
     request_id="r1", reply_subject="api.x", new_token_ids=[42],
     finish_reason=m.FinishReason.STOP, num_prompt_tokens=2, stop=["x"],
@@ -33,7 +34,7 @@ EXAMPLES = [
     PARAMS, LOGPROBS, CHAT,
     m.GenerateRequest(request_id="r1", reply_subject="api.x", model="m", params=PARAMS,
                       messages=[CHAT], prompt="p", prompt_token_ids=[1],
-                      add_generation_prompt=False, n=2),
+                      add_generation_prompt=False, n=2, tools_json="[]"),
     m.Admission(num_prompt_tokens=3, error_code=m.ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 error_message="too long", error_param="messages", scheduler_instance_id="s1"),
     m.EncodeRequest(messages=[CHAT], prompt="p", add_generation_prompt=False,
@@ -56,6 +57,9 @@ EXAMPLES = [
     m.ExecutorInfoRequest(),
     m.ExecutorInfo(model_name="m", max_model_len=8192, num_blocks=100, block_size=16,
                    eos_token_ids=[2], vocab_size=49152),
+    m.StructuredOutput(kind="choice", spec='["a"]', param="guided_choice"),
+    m.GrammarRequest(structured=m.StructuredOutput(kind="json_object")),
+    m.GrammarReply(error="e"),
     m.NewRequestData(request_id="r1", prompt_token_ids=[1, 2], params=PARAMS,
                      traceparent="00-t-s-01"),
     m.ScheduledRequest(request_id="r1", start=0, num_tokens=2, new_block_ids=[5],
@@ -87,24 +91,27 @@ EXAMPLES = [
 # the new field's value to its example and its bytes here.
 GOLDEN = {
     "SamplingParams": (
-        "dc0010cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999999999999acb3f"
-        "e0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff0000000000000"),
+        "dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999999999999acb3f"
+        "e0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff000000000000093a57265"
+        "676578a65b302d395d2bac6775696465645f7265676578"),
     "TokenLogprobs": "93cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000",
-    "ChatMessage": "92a475736572a26869",
+    "ChatMessage": "94a475736572a26869a25b5da26331",
     "GenerateRequest": (
-        "99a27231a56170692e78a16ddc0010cb3fe0000000000000cb3feccccccccccccd280807c3910291a10a"
+        "9aa27231a56170692e78a16ddc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10a"
         "c3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cb"
-        "bff00000000000009192a475736572a26869a1709101c202"),
+        "bff000000000000093a57265676578a65b302d395d2bac6775696465645f72656765789194a475736572"
+        "a26869a25b5da26331a1709101c202a25b5d"),
     "Admission": "950302a8746f6f206c6f6e67a86d65737361676573a27331",
-    "EncodeRequest": "949192a475736572a26869a170c2c2",
+    "EncodeRequest": "949194a475736572a26869a25b5da26331a170c2c2",
     "EncodeResult": "92920102a165",
     "DecodeRequest": "91920102",
     "DecodeResult": "92a174a165",
     "CacheEvent": "95a26530910b910cc3a27331",
     "SubmitRequest": (
-        "96a27231a56170692e78920102dc0010cb3fe0000000000000cb3feccccccccccccd280807c3910291a1"
+        "96a27231a56170692e78920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a1"
         "0ac3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105"
-        "cbbff0000000000000cb3ff800000000000002"),
+        "cbbff000000000000093a57265676578a65b302d395d2bac6775696465645f7265676578cb3ff8000000"
+        "00000002"),
     "AbortRequest": "92a2723101",
     "EngineStatsRequest": "90",
     "EngineStats": (
@@ -113,16 +120,20 @@ GOLDEN = {
     "ModelInfo": "93a16dcd2000a26530",
     "ExecutorInfoRequest": "90",
     "ExecutorInfo": "96a16dcd200064109102cdc000",
+    "StructuredOutput": "93a663686f696365a55b2261225dad6775696465645f63686f696365",
+    "GrammarRequest": "9193ab6a736f6e5f6f626a656374a0af726573706f6e73655f666f726d6174",
+    "GrammarReply": "91a165",
     "NewRequestData": (
-        "94a27231920102dc0010cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999"
+        "94a27231920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999"
         "999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff0000000"
-        "000000a930302d742d732d3031"),
+        "00000093a57265676578a65b302d395d2bac6775696465645f7265676578a930302d742d732d3031"),
     "ScheduledRequest": "96a2723100029105c29109",
     "BlockCopy": "920102",
     "StepPlan": (
-        "96039194a272319101dc0010cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3f"
+        "96039194a272319101dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3f"
         "a999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff000"
-        "0000000000a09196a27231000190c39091a2723091a2723991920102"),
+        "000000000093a57265676578a65b302d395d2bac6775696465645f7265676578a09196a27231000190c3"
+        "9091a2723091a2723991920102"),
     "StepResult": (
         "9903912acb3f847ae147ae147b0102a165cb3fe00000000000009293cbbfe0000000000000922a0792cb"
         "bfe0000000000000cbbff8000000000000c09101"),

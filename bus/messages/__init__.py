@@ -22,6 +22,7 @@ from llmbus.bus.messages.common import (
     ErrorCode,
     FinishReason,
     SamplingParams,
+    StructuredOutput,
     TokenLogprobs,
 )
 from llmbus.bus.messages.to_api import (
@@ -37,6 +38,8 @@ from llmbus.bus.messages.to_executor import (
     BlockCopy,
     ExecutorInfo,
     ExecutorInfoRequest,
+    GrammarReply,
+    GrammarRequest,
     NewRequestData,
     ScheduledRequest,
     StepPlan,
@@ -64,8 +67,8 @@ __all__ = [
     "AbortRequest", "Admission", "ApiMetricsRequest", "ApiMetricsSnapshot", "BlockCopy",
     "CacheEvent", "ChatMessage", "DecodeRequest", "DecodeResult", "DeltaBatch", "EncodeRequest",
     "EncodeResult", "EngineStats", "EngineStatsRequest", "ErrorCode", "ExecutorInfo",
-    "ExecutorInfoRequest", "FinishReason", "GenerateRequest", "Heartbeat", "ModelInfo",
-    "ModelInfoRequest", "NewRequestData", "Ping", "Pong", "RequestTokens", "SamplingParams",
-    "ScheduledRequest", "StepPlan", "StepResult", "SubmitRequest", "TextDelta", "TextLogprob",
-    "TokenBatch", "TokenLogprobs",
+    "ExecutorInfoRequest", "FinishReason", "GenerateRequest", "GrammarReply", "GrammarRequest",
+    "Heartbeat", "ModelInfo", "ModelInfoRequest", "NewRequestData", "Ping", "Pong",
+    "RequestTokens", "SamplingParams", "ScheduledRequest", "StepPlan", "StepResult",
+    "StructuredOutput", "SubmitRequest", "TextDelta", "TextLogprob", "TokenBatch", "TokenLogprobs",
 ]

@@ -29,6 +29,20 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 4  # -> 500
 
 
+class StructuredOutput(Message):
+    """A constraint on a completion's text, as the client wrote it (never a compiled library
+    object: each stage that needs it compiles it, see services/structured_output.py).
+
+    kind: "json_schema" (spec: the schema's JSON text), "json_object" (any JSON object),
+    "regex", "choice" (spec: a JSON list of the allowed strings) or "grammar" (Lark, or GBNF
+    when it has `::=` rules). `param` is the API parameter it came from, for error messages.
+    """
+
+    kind: str
+    spec: str = ""
+    param: str = "response_format"
+
+
 class SamplingParams(Message):
     temperature: float = 1.0
     top_p: float = 1.0
@@ -47,6 +61,7 @@ class SamplingParams(Message):
     min_tokens: int = 0  # eos and stop_token_ids are suppressed until this many tokens
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the top k
     logit_bias: dict[int, float] = {}
+    structured: StructuredOutput | None = None  # constrained decoding (grammar, JSON schema)
 
 
 class TokenLogprobs(Message):
@@ -60,3 +75,7 @@ class TokenLogprobs(Message):
 class ChatMessage(Message):
     role: str
     content: str
+    # An assistant's function calls: OpenAI's `tool_calls` list as JSON text (arguments stay
+    # strings); a `tool` message's answer names the call it answers.
+    tool_calls_json: str = ""
+    tool_call_id: str = ""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmbus.bus.messages.common import Message, SamplingParams, TokenLogprobs
+from llmbus.bus.messages.common import Message, SamplingParams, StructuredOutput, TokenLogprobs
 
 
 class ExecutorInfoRequest(Message):
@@ -18,6 +18,17 @@ class ExecutorInfo(Message):
     block_size: int
     eos_token_ids: list[int]
     vocab_size: int
+
+
+class GrammarRequest(Message):
+    """scheduler -> executor: compile this constraint now (off the step loop) and keep it, so
+    that the request it belongs to can be scheduled; the reply says whether it compiled."""
+
+    structured: StructuredOutput
+
+
+class GrammarReply(Message):
+    error: str = ""  # empty: compiled and cached
 
 
 class NewRequestData(Message):

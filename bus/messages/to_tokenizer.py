@@ -18,6 +18,9 @@ class GenerateRequest(Message):
     prompt_token_ids: list[int] | None = None
     add_generation_prompt: bool = True
     n: int = 1
+    # Function definitions for the chat template (OpenAI's `tools` list as JSON text), when
+    # the model is to see them; see services/tool_calls.py.
+    tools_json: str = ""
 
 
 class Admission(Message):

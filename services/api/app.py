@@ -21,6 +21,7 @@ from litestar.handlers import BaseRouteHandler
 from litestar.response import ServerSentEvent
 
 from llmbus.bus.messages import EncodeRequest
+from llmbus.services.api.constraints import output_constraint
 from llmbus.services.api.engine_client import EngineClient
 from llmbus.services.api.errors import EXCEPTION_HANDLERS, OpenAIError, bad_request
 from llmbus.services.api.generation import Generation
@@ -84,10 +85,11 @@ async def chat_completions(request: Request, state: State) -> Response:
     params = sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens,
                              default_max_tokens=0, num_logprobs=chat_logprobs(req),
                              limits=state.settings.limits)
+    params.structured, tools = output_constraint(req, chat=True)
     generation = await Generation.start(
         engine, chat=True, model=model, params=params, n=req.n,
-        sources=[{"messages": messages}], include_usage=_include_usage(req),
-        metrics=_metrics(state, model))
+        sources=[{"messages": messages, "tools_json": tools.tools_json if tools else ""}],
+        include_usage=_include_usage(req), metrics=_metrics(state, model), tools=tools)
     return await _respond(generation, req.stream)
 
 
@@ -99,6 +101,7 @@ async def completions(request: Request, state: State) -> Response:
     prompts = completion_prompts(req, state.settings.limits)
     params = sampling_params(req, max_tokens=req.max_tokens, default_max_tokens=16,
                              num_logprobs=req.logprobs, limits=state.settings.limits)
+    params.structured, _ = output_constraint(req, chat=False)
     echo_texts = None
     if req.echo:
         echo_texts = [p if isinstance(p, str) else await engine.decode(p) for p in prompts]

@@ -28,9 +28,11 @@ from llmbus.bus.messages import (
     TextLogprob,
 )
 from llmbus.services.api import openai_responses as fmt
+from llmbus.services.api.constraints import ToolUse
 from llmbus.services.api.engine_client import EngineClient
 from llmbus.services.api.errors import OpenAIError
 from llmbus.services.api.metrics import ApiMetrics
+from llmbus.services.tool_calls import Call, parse_calls
 
 log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.api")
@@ -44,6 +46,9 @@ class Choice:
     num_tokens: int = 0
     text_offset: int = 0  # characters sent so far (completions' logprobs text_offset)
     last_delta_at: float | None = None
+    # Streaming with tools: text held back while it may be calls (None: not decided yet).
+    held: list[str] = field(default_factory=list)
+    holding: bool | None = None
 
 
 @dataclass
@@ -68,17 +73,25 @@ class Generation:
     first_token_at: float | None = None
     queue_seconds: float = 0.0
     _itls: list[float] = field(default_factory=list)
+    tools: ToolUse | None = None  # chat requests that may call functions
+
+    def _calls(self, choice: Choice, text: str) -> list[Call] | None:
+        """The function calls a finished choice made, if it made calls."""
+        if self.tools is None or choice.finish_reason != FinishReason.STOP:
+            return None
+        return parse_calls(text, set(self.tools.names))
 
     @classmethod
     async def start(cls, engine: EngineClient, *, chat: bool, model: str,
                     params: SamplingParams, n: int, sources: list[dict[str, Any]],
                     include_usage: bool, echo_texts: list[str] | None = None,
-                    metrics: ApiMetrics | None = None) -> Generation:
+                    metrics: ApiMetrics | None = None,
+                    tools: ToolUse | None = None) -> Generation:
         """Admit every prompt into the pipeline; if one is refused, abort the others."""
         prefix = "chatcmpl" if chat else "cmpl"
         gen = cls(engine, f"{prefix}-{uuid.uuid4().hex}", model, chat, n,
                   params.logprobs is not None, include_usage,
-                  echo_texts or [""] * len(sources), metrics=metrics)
+                  echo_texts or [""] * len(sources), metrics=metrics, tools=tools)
         gen.choices = [Choice() for _ in range(len(sources) * n)]
         gen.span = _tracer.start_span(
             "chat" if chat else "text_completion", kind=SpanKind.SERVER, attributes={
@@ -180,7 +193,13 @@ class Generation:
             text = echo + "".join(choice.text)
             reason = fmt.finish_reason_name(choice.finish_reason)
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                calls = self._calls(choice, text)
+                if calls:
+                    message = {"role": "assistant", "content": None,
+                               "tool_calls": fmt.tool_calls(calls, stream=False)}
+                    reason = "tool_calls"
+                choices.append({"index": index, "message": message,
                                 "logprobs": fmt.chat_logprobs(choice.logprobs)
                                 if self.with_logprobs else None, "finish_reason": reason})
             else:
@@ -211,7 +230,10 @@ class Generation:
                     break  # not `finished`: the rest of the request is aborted everywhere
                 index, choice = self._apply(delta)
                 reason = fmt.finish_reason_name(delta.finish_reason)
-                if delta.text or delta.logprobs or reason:
+                if self.tools is not None:
+                    for chunk in self._tool_chunks(index, choice, delta, reason):
+                        yield chunk
+                elif delta.text or delta.logprobs or reason:
                     yield self._chunk(index, delta.text, reason, delta.logprobs, choice)
             else:
                 finished, error = True, None
@@ -225,6 +247,33 @@ class Generation:
             if stream_span is not None:
                 stream_span.end()
             self._end_span(error)
+
+    def _tool_chunks(self, index: int, choice: Choice, delta: TextDelta,
+                     reason: str | None) -> list[str]:
+        """Stream a choice that may call functions: text that starts like calls (`[`, `{` or
+        `<tool_call>`) is held to the end, then sent as tool-call deltas if it parses as calls
+        (one delta per call, whole, which the OpenAI SDK accumulates as it would pieces);
+        other text streams as content."""
+        if choice.holding is None:
+            choice.held.append(delta.text)
+            start = "".join(choice.held).lstrip()
+            if start:
+                choice.holding = start[0] in "[{<"
+            if choice.holding is False and not reason:
+                text, choice.held = "".join(choice.held), []
+                return [self._chunk(index, text, None, delta.logprobs, choice)] if text else []
+        elif choice.holding:
+            choice.held.append(delta.text)
+        elif delta.text or delta.logprobs or reason:
+            return [self._chunk(index, delta.text, reason, delta.logprobs, choice)]
+        if not reason:
+            return []
+        text, choice.held = "".join(choice.held), []
+        calls = self._calls(choice, "".join(choice.text))
+        if calls:
+            return [self._chunk(index, {"tool_calls": fmt.tool_calls(calls, stream=True)},
+                                "tool_calls", None)]
+        return [self._chunk(index, text, reason, None, choice)]
 
     def _chunk(self, index: int, content: Any, reason: str | None,
                logprobs: list[TextLogprob] | None, choice: Choice | None = None) -> str:

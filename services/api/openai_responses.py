@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import uuid
+
 from llmbus.bus.messages import FinishReason, TextLogprob
+from llmbus.services.tool_calls import Call
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                   FinishReason.ABORT: "abort"}
@@ -49,3 +52,10 @@ def completion_object(chat: bool, stream: bool) -> str:
     if chat:
         return "chat.completion.chunk" if stream else "chat.completion"
     return "text_completion"
+
+
+def tool_calls(calls: list[Call], stream: bool) -> list[dict]:
+    """`message.tool_calls` (or, streamed, `delta.tool_calls`, which carry their index)."""
+    return [{**({"index": i} if stream else {}), "id": f"call_{uuid.uuid4().hex[:24]}",
+             "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(calls)]

@@ -26,10 +26,23 @@ class TextPart(msgspec.Struct):
     text: str = ""
 
 
+class FunctionCallIn(msgspec.Struct):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(msgspec.Struct):
+    function: FunctionCallIn
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessageIn(msgspec.Struct):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class StreamOptions(msgspec.Struct):
@@ -57,12 +70,17 @@ class _Common(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     user: str | None = None
-    # Accepted so that their presence can be answered clearly (see _reject_unsupported).
-    tools: Any = None
+    # Output constraints, checked by services/api/constraints.py.
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    tools: Any = None  # chat only
     tool_choice: Any = None
+    # Accepted so that their presence can be answered clearly (see _reject_unsupported).
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -72,6 +90,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    parallel_tool_calls: bool | None = None  # default: several calls may come at once
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -104,7 +123,7 @@ class Limits:
     max_prompts: int = 64  # prompts in one batched completion request
 
 
-_ROLES = {"system", "user", "assistant", "developer"}
+_ROLES = {"system", "user", "assistant", "developer", "tool"}
 
 
 def decode_body(body: bytes, request_type: type) -> Any:
@@ -125,15 +144,18 @@ def decode_body(body: bytes, request_type: type) -> Any:
 def _reject_unsupported(req: _Common) -> None:
     """Parameters whose meaning this server does not implement."""
     unsupported = {
-        "tools": req.tools is not None, "tool_choice": req.tool_choice not in (None, "none"),
         "functions": req.functions is not None, "function_call": req.function_call is not None,
-        "response_format": req.response_format not in (None, {"type": "text"}),
         "best_of": req.best_of not in (None, 1, req.n), "suffix": req.suffix is not None,
     }
+    if not isinstance(req, ChatCompletionRequest):
+        unsupported |= {"tools": req.tools is not None, "tool_choice": req.tool_choice is not None}
     for param, used in unsupported.items():
         if used:
-            raise bad_request(f"`{param}` is not supported by this server", param=param,
-                              code="unsupported_parameter")
+            hint = {"functions": "; use `tools`", "function_call": "; use `tool_choice`",
+                    "tools": " on /v1/completions; use /v1/chat/completions",
+                    "tool_choice": " on /v1/completions; use /v1/chat/completions"}
+            raise bad_request(f"`{param}` is not supported by this server{hint.get(param, '')}",
+                              param=param, code="unsupported_parameter")
 
 
 def _check_range(value: float | None, param: str, low: float, high: float,
@@ -252,5 +274,16 @@ def chat_messages(messages_in: list[ChatMessageIn] | None) -> list[ChatMessage]:
                 raise bad_request("only text content parts are supported", param="messages")
             content = "".join(part.text for part in content)
         role = "system" if message.role == "developer" else message.role
-        messages.append(ChatMessage(role=role, content=content or ""))
+        if role == "tool" and not message.tool_call_id:
+            raise bad_request("a `tool` message needs the `tool_call_id` it answers",
+                              param="messages")
+        calls = ""
+        if message.tool_calls:
+            if role != "assistant":
+                raise bad_request("only assistant messages carry `tool_calls`", param="messages")
+            calls = msgspec.json.encode([{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.arguments}}
+                for c in message.tool_calls]).decode()
+        messages.append(ChatMessage(role=role, content=content or "", tool_calls_json=calls,
+                                    tool_call_id=message.tool_call_id or ""))
     return messages

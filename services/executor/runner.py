@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,7 @@ from llmbus.bus.messages import (
     StepResult,
     TokenLogprobs,
 )
+from llmbus.services.executor.constraints import Grammars, Vocabulary, apply_masks
 from llmbus.services.executor.gguf_loader import LlamaConfig, load_gguf
 from llmbus.services.executor.kv_cache import (
     KVCache,
@@ -38,6 +40,9 @@ from llmbus.services.executor.sampler import sample
 from llmbus.services.executor.sampling_tensors import RequestSampling, SamplingTensors
 from llmbus.services.executor.speculative import position_tensors, verify
 
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
 
 @dataclass
 class _RequestState:
@@ -48,6 +53,7 @@ class _RequestState:
     generator: torch.Generator | None  # only for seeded requests
     penalty_slot: int | None  # its row in the runner's TokenCounts, if it has penalties
     block_table: list[int] = field(default_factory=list)
+    matcher: LLMatcher | None = None  # constrained decoding: where its grammar is
 
     @property
     def num_output_tokens(self) -> int:
@@ -113,6 +119,8 @@ class ModelRunner:
         self.token_counts = TokenCounts(self.device)
         self.shared_generator = torch.Generator(device=self.device)
         self.shared_generator.seed()
+        self.grammars = Grammars(lambda: Vocabulary.from_gguf(
+            model_path, config.vocab_size, config.eos_token_ids), config.vocab_size)
 
     def _load_torch(self, model_path: str | Path, dtype: torch.dtype,
                     weights: str) -> LlamaConfig:
@@ -214,9 +222,11 @@ class ModelRunner:
         sampling = RequestSampling.from_params(new.params, self.config.eos_token_ids,
                                                self.config.vocab_size)
         slot = self.token_counts.add(new.prompt_token_ids) if sampling.has_penalties else None
+        matcher = (self.grammars.matcher(new.params.structured)
+                   if new.params.structured is not None else None)
         self.requests[new.request_id] = _RequestState(
             list(new.prompt_token_ids), len(new.prompt_token_ids), new.params, sampling,
-            generator, slot)
+            generator, slot, matcher=matcher)
 
     def _apply_plan_changes(self, plan: StepPlan) -> None:
         """What the plan changes before its forward: forgotten, preempted and new requests,
@@ -354,13 +364,18 @@ class ModelRunner:
             [s.sampling for s in states], self.device,
             num_output_tokens=[s.num_output_tokens for s in states],
             penalty_counts=self.token_counts.gather(slots) if slots else None)
-        sampled = sample(logits, tensors, [s.generator for s in states],
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        allowed_logits = logits if not constrained else apply_masks(
+            logits, constrained, self.grammars.bitmask([states[i].matcher for i in constrained]))
+        sampled = sample(allowed_logits, tensors, [s.generator for s in states],
                          self.shared_generator)  # [S]
-        # `sample` left the logits untouched: these are the model's raw logprobs.
+        # Neither `sample` nor the masks touched `logits`: these are the model's raw logprobs.
         logprobs = token_logprobs(logits, sampled, [s.sampling.num_logprobs for s in states])
         token_ids = sampled.tolist()
         for state, token_id in zip(states, token_ids, strict=True):
             state.token_ids.append(token_id)
+            if state.matcher is not None:
+                state.matcher.consume_token(token_id)
         if slots:
             self.token_counts.record(slots, [t for s, t in zip(states, token_ids, strict=True)
                                              if s.penalty_slot is not None])

@@ -21,7 +21,15 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Status, StatusCode
 
 from llmbus.bus import subjects
-from llmbus.bus.messages import ExecutorInfo, ExecutorInfoRequest, Heartbeat, StepPlan, StepResult
+from llmbus.bus.messages import (
+    ExecutorInfo,
+    ExecutorInfoRequest,
+    GrammarReply,
+    GrammarRequest,
+    Heartbeat,
+    StepPlan,
+    StepResult,
+)
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.bus.tracing import context_from_traceparent, link_to
 from llmbus.services.executor.cpu_kernels.library import configure_openmp
@@ -168,6 +176,19 @@ async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, device: str,
     async def on_info(_: ExecutorInfoRequest, __: Msg) -> ExecutorInfo:
         return info
 
+    # Constraints compile in a thread of their own: never in the forward's, never on the loop.
+    compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+    compiler.submit(runner.grammars.warm)
+
+    async def on_grammar(request: GrammarRequest, _: Msg) -> GrammarReply:
+        from llmbus.services.structured_output import ConstraintError
+
+        try:
+            await loop.run_in_executor(compiler, runner.grammars.prepare, request.structured)
+        except ConstraintError as exc:
+            return GrammarReply(error=str(exc))
+        return GrammarReply()
+
     last_reply = time.perf_counter()
     links: dict[str, Link] = {}  # request id -> link to its trace, for step spans
     residents: dict[str, tuple[int, str]] = {}  # request id -> (registered at, traceparent)
@@ -199,6 +220,8 @@ async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, device: str,
 
     await runtime.on_request(subjects.executor_info(args.engine_id), ExecutorInfoRequest, on_info)
     await runtime.on_request(subjects.executor_step(args.engine_id), StepPlan, on_step)
+    await runtime.on_request(subjects.executor_grammar(args.engine_id), GrammarRequest,
+                             on_grammar)
     try:
         await runtime.serve(lambda: Heartbeat(
             service="executor", instance_id=runtime.instance_id, engine_id=args.engine_id,
@@ -209,3 +232,4 @@ async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, device: str,
             await asyncio.sleep(0.1)
     finally:
         compute.shutdown(wait=False)
+        compiler.shutdown(wait=False)

@@ -19,6 +19,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from llmbus.bus import subjects
+from llmbus.bus.codec import encode
 from llmbus.bus.liveness import Liveness
 from llmbus.bus.messages import (
     AbortRequest,
@@ -42,6 +43,7 @@ from llmbus.bus.runtime import ServiceRuntime
 from llmbus.bus.tracing import current_traceparent
 from llmbus.services.scheduler.admission import AdmissionError
 from llmbus.services.scheduler.config import SchedulerConfig, check_speculation
+from llmbus.services.scheduler.constraint_admission import compile_constraint
 from llmbus.services.scheduler.detokenizer_routing import DetokenizerRouting
 from llmbus.services.scheduler.engine_loop import EngineLoop
 from llmbus.services.scheduler.scheduler import Scheduler
@@ -103,6 +105,7 @@ class SchedulerService:
         self.executor = Liveness()
         self.draining = False  # SIGTERM: finish what is held, take nothing new
         self._next_expiry_check = 0.0
+        self._compiling: set[asyncio.Task] = set()  # constrained submits, see on_submit_message
 
     async def start(self) -> None:
         self.info = await self._wait_for_executor()
@@ -124,9 +127,9 @@ class SchedulerService:
                                expired=self._expired, executor_silent=self.executor_silent,
                                depth=self.args.pipeline_depth)
         runtime, group = self.runtime, subjects.queue_group("scheduler")
-        await runtime.on_request(subjects.engine_submit(self.engine_id), SubmitRequest,
-                                 self.on_submit)
-        await runtime.on_request(subjects.ENGINE_SUBMIT, SubmitRequest, self.on_submit,
+        await runtime.on_message(subjects.engine_submit(self.engine_id), SubmitRequest,
+                                 self.on_submit_message)
+        await runtime.on_message(subjects.ENGINE_SUBMIT, SubmitRequest, self.on_submit_message,
                                  queue=group)
         await runtime.on_message(subjects.SCHEDULER_ABORT, AbortRequest, self.on_abort)
         await runtime.on_message(subjects.engine_withdraw(self.engine_id), AbortRequest,
@@ -166,6 +169,22 @@ class SchedulerService:
                 await asyncio.sleep(0.2)
         raise asyncio.CancelledError
 
+    async def on_submit_message(self, submit: SubmitRequest, msg: Msg) -> None:
+        """Answer a submit; a constrained one in a task of its own (its constraint compiles
+        first), so that the submits behind it do not wait."""
+        async def answer() -> None:
+            try:
+                await msg.respond(encode(await self.on_submit(submit, msg)))
+            except Exception:
+                log.exception("submit failed", request_id=submit.request_id)
+
+        if submit.params.structured is None:
+            await answer()
+            return
+        task = asyncio.create_task(answer())
+        self._compiling.add(task)
+        task.add_done_callback(self._compiling.discard)
+
     async def on_submit(self, submit: SubmitRequest, _: Msg) -> Admission:
         scheduler = self.scheduler
         assert scheduler is not None
@@ -178,6 +197,11 @@ class SchedulerService:
             return Admission(error_code=ErrorCode.OVERLOADED,
                              error_message="the server is busy (its queue is full); retry "
                                            "shortly")
+        if submit.params.structured is not None:
+            refused = await compile_constraint(self.runtime, self.engine_id,
+                                               submit.params.structured)
+            if refused is not None:
+                return refused
         try:
             # The engine's own clock: a tokenizer on another host may be skewed, and the queue
             # timeout must not fire (or never fire) because of it.

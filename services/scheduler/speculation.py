@@ -27,8 +27,10 @@ MAX_BACKOFF_SHIFT = 6
 
 def may_speculate(request: Request, config: SchedulerConfig) -> bool:
     """Drafts are for a completion's decode steps (not a parent's, which never samples),
-    unless it is backing off after misses."""
+    unless it is backing off after misses. A constrained completion gets none: its grammar
+    matcher in the executor only moves forward (services/executor/constraints.py)."""
     return (config.num_speculative_tokens > 0 and not request.is_parent
+            and request.params.structured is None
             and len(request.output_token_ids) >= request.spec_resume_at)
 
 

@@ -3,9 +3,15 @@ the vocabulary. No bus, no spans (the adapter, service.py, records those)."""
 
 from __future__ import annotations
 
-from llmbus.bus.messages import EncodeRequest, GenerateRequest
+import json
+import re
+
+from llmbus.bus.messages import ChatMessage, EncodeRequest, GenerateRequest
 from llmbus.services.gguf_tokenizer import GGUFTokenizer
 from llmbus.services.tokenizer.chat_template import render_chat_template
+from llmbus.services.tool_calls import function_of, template_messages, tools_system_prompt
+
+_USES_TOOLS = re.compile(r"\btools\b")  # a template that renders `tools` itself
 
 
 class Tokenization:
@@ -29,10 +35,33 @@ class Tokenization:
         if request.messages:
             if not tok.chat_template:
                 raise ValueError("this model has no chat template; use /v1/completions")
+            tools = json.loads(getattr(request, "tools_json", "") or "null")
+            has_tools = bool(_USES_TOOLS.search(tok.chat_template))
+            messages = template_messages([_as_dict(m) for m in request.messages], has_tools)
+            if tools and not has_tools:
+                messages = _with_system_prompt(
+                    messages, tools_system_prompt([function_of(t) for t in tools]))
             text = render_chat_template(
-                tok.chat_template, [{"role": m.role, "content": m.content}
-                                    for m in request.messages],
-                add_generation_prompt=request.add_generation_prompt,
-                bos_token=tok.bos_token, eos_token=tok.eos_token)
+                tok.chat_template, messages, add_generation_prompt=request.add_generation_prompt,
+                bos_token=tok.bos_token, eos_token=tok.eos_token,
+                tools=tools if has_tools else None)
             return tok.encode(text)
         return tok.encode(request.prompt or "", add_special_tokens=True)
+
+
+def _as_dict(message: ChatMessage) -> dict:
+    out: dict = {"role": message.role, "content": message.content}
+    if message.tool_calls_json:
+        out["tool_calls"] = json.loads(message.tool_calls_json)
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _with_system_prompt(messages: list[dict], prompt: str) -> list[dict]:
+    """`prompt` after the conversation's system message, or as one."""
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]
+        return [{**first, "content": f"{first.get('content') or ''}\n\n{prompt}"},
+                *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]

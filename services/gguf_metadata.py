@@ -1,0 +1,71 @@
+"""A GGUF file's key-value metadata, read without its tensors.
+
+gguf-py's GGUFReader parses every field (and every tensor's info) into numpy views, which takes
+2.5 s for SmolLM2's 49k-token vocabulary on a Zen 4 core; the stages that only need the
+vocabulary and the chat template (tokenizer, detokenizer, the executor's grammars) read the
+metadata section directly instead, in a tenth of that. Little-endian files, GGUF v2 and v3.
+"""
+
+from __future__ import annotations
+
+import struct
+from os import PathLike
+from typing import Any, BinaryIO
+
+import numpy as np
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+          10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFFormatError(ValueError):
+    """Not a GGUF file this reader understands."""
+
+
+def _read(f: BinaryIO, fmt: str) -> Any:
+    size = struct.calcsize(fmt)
+    data = f.read(size)
+    if len(data) != size:
+        raise GGUFFormatError("the file ends inside its metadata")
+    return struct.unpack(fmt, data)[0]
+
+
+def _string(f: BinaryIO) -> str:
+    length = _read(f, "<Q")
+    return f.read(length).decode("utf-8", errors="replace")
+
+
+def _value(f: BinaryIO, kind: int) -> Any:
+    if kind in _SCALARS:
+        return _read(f, _SCALARS[kind])
+    if kind == _STRING:
+        return _string(f)
+    if kind == _ARRAY:
+        element, count = _read(f, "<I"), _read(f, "<Q")
+        if element == _STRING:
+            return [_string(f) for _ in range(count)]
+        if element in _NUMPY:
+            dtype = np.dtype(_NUMPY[element])
+            return np.frombuffer(f.read(dtype.itemsize * count), dtype).tolist()
+        return [_value(f, element) for _ in range(count)]
+    raise GGUFFormatError(f"unknown metadata value type {kind}")
+
+
+def read_metadata(path: str | PathLike[str]) -> dict[str, Any]:
+    """Every metadata key of the file with its value (strings, numbers, lists)."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise GGUFFormatError(f"{path} is not a GGUF file")
+        version = _read(f, "<I")
+        if version not in (2, 3):
+            raise GGUFFormatError(f"{path}: GGUF version {version} (expected 2 or 3)")
+        _read(f, "<Q")  # tensor count
+        num_keys = _read(f, "<Q")
+        metadata = {}
+        for _ in range(num_keys):
+            key = _string(f)
+            metadata[key] = _value(f, _read(f, "<I"))
+        return metadata

@@ -41,6 +41,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--ignore-eos", action="store_true",
                       help="ask the server to go on past EOS (vLLM/llama.cpp `ignore_eos`)")
     data.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    data.add_argument("--json-schema", default=None, metavar="FILE",
+                      help="constrain every request's output to the JSON schema in FILE "
+                           "(structured output: compare with the same run without it)")
     data.add_argument("--tokenizer", choices=("gguf", "server"), default="gguf",
                       help="measure prompt lengths with the GGUF's tokenizer (exact, local) or "
                       "the server's /tokenize (default: %(default)s)")
@@ -72,6 +75,18 @@ def load_tokenizer(args: argparse.Namespace, model: str | None) -> Tokenizer:
     return GGUFTokenizer.from_gguf(path)
 
 
+def load_json_schema(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--json-schema {path}: {exc}") from None
+    if not isinstance(schema, dict):
+        raise SystemExit(f"--json-schema {path}: not a JSON schema object")
+    return schema
+
+
 def build_dataset(args: argparse.Namespace, tokenizer: Tokenizer) -> list[BenchRequest]:
     if args.dataset == "jsonl":
         if not args.dataset_path:
@@ -98,7 +113,8 @@ def run_serve(args: argparse.Namespace) -> dict:
                        api_key=args.api_key, max_concurrency=args.max_concurrency,
                        request_rate=args.request_rate, max_tokens=args.max_tokens,
                        ignore_eos=args.ignore_eos, seed=args.seed,
-                       num_warmups=args.num_warmups, progress=not args.no_progress)
+                       num_warmups=args.num_warmups, progress=not args.no_progress,
+                       json_schema=load_json_schema(args.json_schema))
     extra = {"dataset": args.dataset, "num_requests": len(requests),
              "input_len": args.input_len if args.dataset != "jsonl" else None,
              "prefix_len": args.prefix_len if args.dataset == "shared-prefix" else None,

@@ -138,10 +138,16 @@ def jsonl_dataset(path: str | Path, *, num_requests: int | None = None,
 
 
 def request_body(request: BenchRequest, *, chat: bool, model: str, max_tokens: int,
-                 ignore_eos: bool, include_usage: bool) -> dict[str, Any]:
-    """The streaming JSON body of one request for /v1/chat/completions or /v1/completions."""
+                 ignore_eos: bool, include_usage: bool,
+                 json_schema: dict | None = None) -> dict[str, Any]:
+    """The streaming JSON body of one request for /v1/chat/completions or /v1/completions;
+    with `json_schema`, its output is constrained to it (OpenAI's `response_format`, which
+    vLLM and llmbus take on both endpoints)."""
     body: dict[str, Any] = {"model": model, "stream": True,
                             "max_tokens": request.max_tokens or max_tokens, "temperature": 0.0}
+    if json_schema is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "bench", "schema": json_schema}}
     if ignore_eos:
         body["ignore_eos"] = True  # vLLM / llama.cpp extension; llmbus accepts it too
     if include_usage:

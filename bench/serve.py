@@ -81,6 +81,7 @@ class RunConfig:
     seed: int = 0
     num_warmups: int = 1
     progress: bool = True
+    json_schema: dict | None = None  # every request's output constrained to this schema
 
     def as_dict(self) -> dict[str, Any]:
         data = {k: v for k, v in vars(self).items() if k not in ("api_key", "progress")}
@@ -113,7 +114,8 @@ async def run_benchmark(requests: Sequence[BenchRequest], config: RunConfig,
     def body(request: BenchRequest, max_tokens: int | None = None) -> dict[str, Any]:
         return request_body(request, chat=config.endpoint == "chat", model=config.model,
                             max_tokens=max_tokens or config.max_tokens,
-                            ignore_eos=config.ignore_eos, include_usage=include_usage)
+                            ignore_eos=config.ignore_eos, include_usage=include_usage,
+                            json_schema=config.json_schema)
 
     async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits, transport=transport) as client:
         include_usage = True

@@ -46,7 +46,8 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     },
     "scheduler": {
         "publish": [S.executor_info(ANY), S.executor_step(ANY), S.executor_grammar(ANY),
-                    S.DETOKENIZER_TOKENS, S.detokenizer_tokens(ANY), S.ENGINE_CACHE_EVENTS, S.heartbeat("scheduler")],
+                    S.DETOKENIZER_TOKENS, S.detokenizer_tokens(ANY), S.ENGINE_CACHE_EVENTS,
+                    S.heartbeat("scheduler")],
         "subscribe": [S.ENGINE_SUBMIT, S.engine_submit(ANY), S.engine_withdraw(ANY),
                       S.SCHEDULER_ABORT, S.ENGINE_MODEL, S.ENGINE_STATS, S.engine_stats(ANY),
                       S.heartbeat("detokenizer"), S.heartbeat("api"), S.heartbeat("executor"),

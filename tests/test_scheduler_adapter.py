@@ -14,12 +14,16 @@ from llmbus.bus.codec import decode, encode
 from llmbus.bus.liveness import HEARTBEAT_INTERVAL
 from llmbus.bus.messages import (
     Admission,
+    ErrorCode,
     ExecutorInfo,
     FinishReason,
+    GrammarReply,
+    GrammarRequest,
     Heartbeat,
     SamplingParams,
     StepPlan,
     StepResult,
+    StructuredOutput,
     SubmitRequest,
     TokenBatch,
 )
@@ -38,11 +42,15 @@ class FakeExecutor:
     def __init__(self) -> None:
         self.alive = True
         self.steps: list[StepPlan] = []
+        self.compiled = asyncio.Event()  # grammar requests wait for this
+        self.compiled.set()
+        self.grammars: list[GrammarRequest] = []
 
     async def start(self, url: str) -> None:
         self.nc = await nats.connect(url)
         await self.nc.subscribe(subjects.executor_info(ENGINE), cb=self.on_info)
         await self.nc.subscribe(subjects.executor_step(ENGINE), cb=self.on_step)
+        await self.nc.subscribe(subjects.executor_grammar(ENGINE), cb=self.on_grammar)
         await self.nc.flush()
         self.beating = asyncio.create_task(self.beat())
 
@@ -66,6 +74,14 @@ class FakeExecutor:
         await msg.respond(encode(StepResult(
             step_id=plan.step_id, sampled_token_ids=[7] * sum(s.sample for s in plan.scheduled),
             forward_seconds=0.001)))
+
+    async def on_grammar(self, msg) -> None:
+        """Compiles once `compiled` is set; a spec saying "bad" does not compile."""
+        request = decode(msg.data, GrammarRequest)
+        self.grammars.append(request)
+        await self.compiled.wait()
+        error = "no such grammar" if "bad" in request.structured.spec else ""
+        await msg.respond(encode(GrammarReply(error=error)))
 
     async def close(self) -> None:
         self.beating.cancel()
@@ -102,10 +118,12 @@ async def engine():
         stack.stop()
 
 
-async def _submit(runtime: ServiceRuntime, request_id: str, max_tokens: int) -> Admission:
+async def _submit(runtime: ServiceRuntime, request_id: str, max_tokens: int,
+                  structured: StructuredOutput | None = None) -> Admission:
     return await runtime.request(subjects.engine_submit(ENGINE), SubmitRequest(
         request_id=request_id, reply_subject="api.x", prompt_token_ids=[10, 11, 12],
-        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)), Admission, timeout=5)
+        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, structured=structured)),
+        Admission, timeout=5)
 
 
 async def _until(condition, what: str) -> None:
@@ -147,3 +165,31 @@ async def test_an_executor_that_dies_mid_request_ends_it_with_an_error(engine):
     await _until(lambda: any(i.finish_reason for i in _items(tokens, "r2")), "r2 ended")
     [last] = [i for i in _items(tokens, "r2") if i.finish_reason]
     assert last.finish_reason == FinishReason.ERROR and "executor" in last.error
+
+
+@pytest.mark.asyncio
+async def test_a_constrained_request_waits_for_its_grammar_and_the_others_do_not(engine):
+    runtime, executor, tokens, _ = engine
+    executor.compiled.clear()
+    constrained = asyncio.create_task(_submit(runtime, "c1", max_tokens=3, structured=(
+        StructuredOutput(kind="regex", spec="[0-9]+", param="guided_regex"))))
+    await _until(lambda: executor.grammars, "the executor was asked to compile")
+    admission = await _submit(runtime, "plain", max_tokens=3)  # not stuck behind c1
+    assert admission.error_code == 0 and not constrained.done()
+    await _until(lambda: any(i.finish_reason for i in _items(tokens, "plain")), "plain ran")
+    assert not any(n.request_id == "c1" for p in executor.steps for n in p.new_requests)
+    executor.compiled.set()
+    assert (await constrained).error_code == 0
+    await _until(lambda: any(i.finish_reason for i in _items(tokens, "c1")), "c1 ran")
+    assert executor.grammars[0].structured.spec == "[0-9]+"
+
+
+@pytest.mark.asyncio
+async def test_a_constraint_the_executor_cannot_compile_is_refused_at_admission(engine):
+    runtime, executor, _, _ = engine
+    admission = await _submit(runtime, "c2", max_tokens=3, structured=StructuredOutput(
+        kind="grammar", spec="bad", param="guided_grammar"))
+    assert admission.error_code == ErrorCode.INVALID_REQUEST
+    assert admission.error_param == "guided_grammar" and "no such grammar" in (
+        admission.error_message)
+    assert not any(n.request_id == "c2" for p in executor.steps for n in p.new_requests)

@@ -16,6 +16,7 @@ from llmbus.bus.messages import (
     SamplingParams,
     StepPlan,
     StepResult,
+    StructuredOutput,
 )
 from llmbus.services.scheduler.config import SchedulerConfig
 from llmbus.services.scheduler.scheduler import Scheduler
@@ -131,6 +132,17 @@ def test_a_repeating_output_is_verified_several_tokens_a_step():
     assert drafted and s.num_accepted_tokens == s.num_draft_tokens  # the cycle is exact
     assert len(plans) < 40 / 2  # several tokens per step once the cycle shows
     assert max(len(i.draft_token_ids) for i in drafted) == 4
+
+
+def test_a_constrained_request_gets_no_drafts():
+    """Its grammar matcher in the executor only goes forward (executor/constraints.py)."""
+    s = make(k=4)
+    s.add_request("r", "api", [9, 8, 7], SamplingParams(
+        max_tokens=40, ignore_eos=True, structured=StructuredOutput(kind="json_object")))
+    executor = FakeExecutor(cycle([5, 6, 7, 1]))
+    plans = run(s, executor)
+    assert executor.tokens["r"][3:] == [1, 5, 6, 7] * 10
+    assert not any(i.draft_token_ids for p in plans for i in p.scheduled)
 
 
 def test_the_output_with_drafts_is_the_output_without():

@@ -147,9 +147,10 @@ def _to_int32(bit: int) -> int:
 
 
 def allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, words] int32 bitmask -> [R, vocab_size] bool."""
+    """[R, words] int32 bitmask -> [R, vocab_size] bool, on the bitmask's device."""
     words = bitmask.to(torch.int64)[:, :, None]  # no sign trouble at bit 31
-    return ((words & _BITS) != 0).reshape(bitmask.shape[0], -1)[:, :vocab_size]
+    bits = _BITS.to(bitmask.device)
+    return ((words & bits) != 0).reshape(bitmask.shape[0], -1)[:, :vocab_size]
 
 
 def apply_masks(logits: torch.Tensor, rows: Sequence[int],
@@ -157,6 +158,6 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[int],
     """logits [S, V] with rows `rows` masked by bitmask [len(rows), words] (disallowed
     tokens -inf): a copy; `logits` is left as it was."""
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    keep = allowed(bitmask, logits.shape[1]).to(logits.device)
+    keep = allowed(bitmask.to(logits.device), logits.shape[1])  # 32x less to copy
     masked = logits.index_select(0, index).masked_fill_(~keep, float("-inf"))
     return logits.index_copy(0, index, masked)

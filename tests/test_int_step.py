@@ -4,12 +4,15 @@ can run, and the whole forward against the exact one on the default model."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import gguf
 import pytest
 import torch
 
 from llmbus.services.executor.cpu_kernels.library import load_library
 from llmbus.services.executor.gguf_loader import load_gguf
-from llmbus.services.executor.gguf_quants import Q4_1Weight, Q8_0Weight
+from llmbus.services.executor.gguf_quants import Q4_1Weight, Q8_0Weight, parse_q4_k
 from llmbus.services.executor.int_step import int_linear
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.model import build_attention_metadata
@@ -17,6 +20,7 @@ from llmbus.services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, O
 from llmbus.services.executor.quant_parts import QuantPart
 from llmbus.services.model_files import default_model_path
 from tests.cpu_isas import ISAS
+from tests.gguf_fixtures import random_k_quant
 
 needs_compiler = pytest.mark.skipif(load_library() is None, reason="no C++ compiler here")
 GROUP = 32
@@ -70,6 +74,40 @@ def test_matmul_matches_reference(isa, kind, wide, tokens, k):
         got = int_linear(lib, [QuantPart.of(w) for w in weights], x, tokens if wide else 0,
                            threads)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@needs_compiler
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wide", [False, True])
+def test_q4_k_kept_factored_gives_the_same_bits_as_in_q4_1_form(isa, wide):
+    """A Q4_K matrix whose scales stay factored (super-block float x 6-bit sub-scale, 0.59
+    bytes a weight) multiplies bit for bit like its Q4_1 form (0.75 bytes a weight): the
+    kernel forms the same float32 products that loading it in Q4_1 form does."""
+    lib = load_library(isa)
+    q4_k = [parse_q4_k(random_k_quant(gguf.GGMLQuantizationType.Q4_K, n, 512, seed=n),
+                       (n, 512)) for n in (16, 8)]
+    factored = [QuantPart.of(w) for w in q4_k]
+    plain = [QuantPart.of(replace(w, k_factors=None)) for w in q4_k]
+    assert factored[0].sub_scales is not None and plain[0].sub_scales is None
+    assert factored[0].scales.numel() * 8 == plain[0].scales.numel()
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    for threads in (1, 2):
+        assert torch.equal(int_linear(lib, factored, x, 5 if wide else 0, threads),
+                           int_linear(lib, plain, x, 5 if wide else 0, threads))
+    torch.testing.assert_close(  # and it is the matmul of the dequantized weights
+        int_linear(lib, factored, x, 5 if wide else 0),
+        torch.cat([_reference(w, x, wide) for w in q4_k], dim=1), atol=1e-4, rtol=1e-4)
+
+
+def test_tiling_8_bit_codes_in_their_own_memory_gives_the_same_tiles():
+    gen = torch.Generator().manual_seed(5)
+    weight = _weight("q8_0", 8 * 300, 96, gen)  # more column groups than one chunk of them
+    expected = QuantPart.of(weight)
+    before = weight.codes.data_ptr()
+    consumed = QuantPart.of(weight, consume=True)
+    assert consumed.codes.data_ptr() == before  # no second copy of the codes
+    assert torch.equal(consumed.codes, expected.codes)
+    assert torch.equal(consumed.scales, expected.scales)
 
 
 @needs_compiler

@@ -41,8 +41,9 @@ def widen(lib: ctypes.CDLL, parts: list[QuantPart], buffer: torch.Tensor,
     for q in parts:
         target = out[row:row + q.n]
         if q.kind == "q4":
-            status = lib.q4_dequantize_bf16(q.codes.data_ptr(), q.scales.data_ptr(),
-                                            q.mins.data_ptr(), q.n, q.k, target.data_ptr(),
+            scales, mins = q.block_scales()  # multiplied out for a factored Q4_K part
+            status = lib.q4_dequantize_bf16(q.codes.data_ptr(), scales.data_ptr(),
+                                            mins.data_ptr(), q.n, q.k, target.data_ptr(),
                                             num_threads)
         else:
             status = lib.q8_0_dequantize_bf16(q.codes.data_ptr(), q.scales.data_ptr(), q.n,

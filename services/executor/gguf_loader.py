@@ -179,8 +179,7 @@ def load_gguf(
         if native_form:
             q = parse(tensor.data, shapes[tensor.name])
             if heads:  # the permutation moves whole rows: codes, scales and minimums alike
-                q = type(q)(*(torch.from_numpy(unpermute_qk(t.numpy(), heads))
-                              for t in vars(q).values()))
+                q = q.map_rows(lambda t, h=heads: torch.from_numpy(unpermute_qk(t.numpy(), h)))
             native[tensor.name] = q if transform is None else transform(tensor.name, q)
         _drop_pages(reader, tensor)
     if "rope_freqs.weight" in weights:  # a property of the rotary embedding, not a weight

@@ -21,12 +21,34 @@ _Q4_0_BLOCK_BYTES = 2 + QUANT_GROUP // 2  # one float16 scale, 4-bit codes
 
 
 @dataclass(frozen=True)
+class KFactors:
+    """A Q4_K matrix's scales as the file holds them, per 256-weight super-block (d, and the
+    minimums' -dmin) and per 32-weight sub-block (6-bit integers): a block's scale is
+    d * scale and its minimum -dmin * min. The integer kernel multiplies them as it goes, so
+    that it holds 0.09 bytes of scales a weight, not 0.25 (quant_parts.QuantPart)."""
+
+    d: torch.Tensor  # [out, in / 256] float32 (float16 values)
+    neg_dmin: torch.Tensor  # [out, in / 256] float32
+    scales: torch.Tensor  # [out, in / 32] uint8, 0..63
+    mins: torch.Tensor  # [out, in / 32] uint8
+
+    def map_rows(self, fn) -> KFactors:
+        return KFactors(*(fn(t) for t in (self.d, self.neg_dmin, self.scales, self.mins)))
+
+
+@dataclass(frozen=True)
 class Q4_1Weight:
     """A Q4_1 matrix [out, in]: weight = scale * code + minimum, per group of 32 inputs."""
 
     codes: torch.Tensor  # [out, in] uint8, 0..15
     scales: torch.Tensor  # [out, in / 32] float32 (float16 values; Q4_K: exact products)
     minimums: torch.Tensor  # [out, in / 32] float32, as scales
+    k_factors: KFactors | None = None  # Q4_K: the factors of scales and minimums
+
+    def map_rows(self, fn) -> Q4_1Weight:
+        """The same weight with `fn` applied to the rows of each tensor (a permutation)."""
+        return Q4_1Weight(fn(self.codes), fn(self.scales), fn(self.minimums),
+                          None if self.k_factors is None else self.k_factors.map_rows(fn))
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in], as llama.cpp and gguf-py compute it."""
@@ -102,9 +124,13 @@ def parse_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
     scales, mins = _q4_k_scales_and_mins(blocks[..., 4:16])  # [out, blocks, 8]
     runs = blocks[..., 16:].reshape(out, inp // _K_BLOCK, 4, 32)
     codes = np.stack([runs & 0xF, runs >> 4], axis=3).reshape(out, inp)  # sub-block order
+    sub_blocks = inp // QUANT_GROUP
+    factors = KFactors(torch.from_numpy(d[..., 0]), torch.from_numpy(-dmin[..., 0]),
+                       torch.from_numpy(scales.astype(np.uint8).reshape(out, sub_blocks)),
+                       torch.from_numpy(mins.astype(np.uint8).reshape(out, sub_blocks)))
     return Q4_1Weight(torch.from_numpy(codes),
-                      torch.from_numpy((d * scales).reshape(out, inp // QUANT_GROUP)),
-                      torch.from_numpy((-(dmin * mins)).reshape(out, inp // QUANT_GROUP)))
+                      torch.from_numpy((d * scales).reshape(out, sub_blocks)),
+                      torch.from_numpy((-(dmin * mins)).reshape(out, sub_blocks)), factors)
 
 
 def requantize_q8_0(values: np.ndarray) -> Q8_0Weight:
@@ -125,6 +151,9 @@ class Q8_0Weight:
 
     codes: torch.Tensor  # [out, in] int8
     scales: torch.Tensor  # [out, in / 32] float32 (float16 values; requantized: amax / 127)
+
+    def map_rows(self, fn) -> Q8_0Weight:
+        return Q8_0Weight(fn(self.codes), fn(self.scales))
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in], as llama.cpp and gguf-py compute it."""
@@ -150,12 +179,15 @@ def native_parsers(gguf: Any) -> dict[Any, Any]:
     def requantized(kind: Any):
         def parse(raw: np.ndarray, shape: tuple[int, int]) -> Q8_0Weight:
             rows = np.ascontiguousarray(raw).reshape(shape[0], -1)
-            parts = [requantize_q8_0(np.asarray(  # a few MiB of float32 at a time
-                gguf.quants.dequantize(rows[first:first + REQUANTIZE_ROWS], kind),
-                dtype=np.float32).reshape(-1, shape[1]))
-                for first in range(0, shape[0], REQUANTIZE_ROWS)]
-            return Q8_0Weight(torch.cat([p.codes for p in parts]),
-                              torch.cat([p.scales for p in parts]))
+            weight = Q8_0Weight(torch.empty(shape, dtype=torch.int8),
+                                torch.empty(shape[0], shape[1] // QUANT_GROUP))
+            for first in range(0, shape[0], REQUANTIZE_ROWS):  # a few MiB of float32 at a time
+                part = requantize_q8_0(np.asarray(gguf.quants.dequantize(
+                    rows[first:first + REQUANTIZE_ROWS], kind), dtype=np.float32).reshape(
+                    -1, shape[1]))
+                weight.codes[first:first + REQUANTIZE_ROWS] = part.codes
+                weight.scales[first:first + REQUANTIZE_ROWS] = part.scales
+            return weight
         return parse
 
     kinds = gguf.GGMLQuantizationType

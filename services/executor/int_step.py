@@ -33,7 +33,8 @@ _MAX_PARTS = 3
 class IntMatrix(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("pad", ctypes.c_int32), ("wide_rows", ctypes.c_int64),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("codes", ctypes.c_void_p),
-                ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)]
+                ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+                ("sub_scales", ctypes.c_void_p), ("sub_mins", ctypes.c_void_p)]
 
 
 class IntLinear(ctypes.Structure):
@@ -51,6 +52,8 @@ class IntLinear(ctypes.Structure):
             slot.wide_rows = wide_rows if q.kind == "q4" else 0
             slot.codes, slot.scales = q.codes.data_ptr(), q.scales.data_ptr()
             slot.mins = q.mins.data_ptr() if q.mins is not None else None
+            if q.sub_scales is not None:  # Q4_K kept factored
+                slot.sub_scales, slot.sub_mins = q.sub_scales.data_ptr(), q.sub_mins.data_ptr()
         return linear
 
 

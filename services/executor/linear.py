@@ -20,7 +20,7 @@ path has the same weights on both sides and differs only in summation order.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import Protocol
 
 import torch
@@ -101,8 +101,9 @@ def make_linear(dense: torch.Tensor, parts: list[NativeWeight] | None, *,
         Q8_0Float32Linear,
     )
 
-    def stacked(kind):  # one weight of `kind` from the row-stacked parts
-        return kind(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(kind)))
+    def stacked(kind):  # one weight of `kind` from the row-stacked parts (tensor fields)
+        return kind(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(kind)
+                      if f.default is MISSING))
 
     if not parts or dense.device.type != "cpu":
         return DenseLinear(dense)

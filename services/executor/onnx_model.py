@@ -38,6 +38,7 @@ from llmbus.services.executor.model import AttentionMetadata, TorchOps, qkv_bias
 from llmbus.services.executor.onnx_graphs import MatrixSource, head_graph, layer_graphs
 from llmbus.services.executor.quant_parts import (
     LAYER_MATRICES,
+    PackedRows,
     QuantPart,
     covers,
     kernel_takes,
@@ -88,9 +89,11 @@ def _return_freed_memory() -> None:
 
 class _Embedding:
     """Token rows from a quantized table (Q8_0: scale * code; Q4_0/Q4_1/Q4_K in Q4_1 form:
-    scale * code + minimum; as llama.cpp computes them) or a dense one."""
+    scale * code + minimum, its codes packed two a byte where loaded for the integer kernel;
+    as llama.cpp computes them) or a dense one."""
 
-    def __init__(self, native: NativeWeight | None, dense: torch.Tensor | None) -> None:
+    def __init__(self, native: NativeWeight | PackedRows | None,
+                 dense: torch.Tensor | None) -> None:
         self.native = native
         self.dense = dense if native is None else None
         if native is None and dense is None:
@@ -100,6 +103,8 @@ class _Embedding:
         if self.dense is not None:
             return self.dense[ids]
         q = self.native
+        if isinstance(q, PackedRows):
+            return q.rows(ids)
         codes = q.codes[ids].view(len(ids), -1, QUANT_GROUP).float()  # [T, D/32, 32]
         rows = codes * q.scales[ids][..., None]
         if not isinstance(q, Q8_0Weight):
@@ -186,7 +191,7 @@ class OnnxLlamaModel:
 
     def _build_graphs(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
                       native: dict[str, NativeWeight], num_threads: int) -> None:
-        if any(isinstance(w, QuantPart) for w in native.values()):
+        if any(isinstance(w, QuantPart | PackedRows) for w in native.values()):
             raise ValueError("the ONNX Runtime graphs need the matrices as loaded, not tiled "
                              "for the integer kernel (load without tile_as_loaded)")
         def matrix(name: str) -> MatrixSource:

@@ -23,6 +23,10 @@
 //   Q4 (Q4_1; Q4_0 in Q4_1 form): codes [n/8, k/32, 4, 32] uint8: in quarter h of block g,
 //      byte 4j + i holds column 8c + j's code of input 32g + 8h + i in its low nibble and of
 //      input 32g + 8h + 4 + i in its high one; scales, mins [n/8, k/32, 8] float32.
+//   Q4 with sub-scales (Q4_K kept factored, 0.59 bytes a weight instead of 0.75): scales,
+//      mins [n/8, k/256, 8] float32 per super-block of 8 blocks; sub_scales, sub_mins
+//      [n/8, k/32, 8] uint8; block g's scale is scales[g / 8] * sub_scales[g], one float32
+//      product, the same that loading it in Q4_1 form computes (so the results are too).
 //   Q8_0: codes [n/8, k/32, 8, 32] int8: in eighth e of block g, byte 4j + i is column
 //      8c + j's code of input 32g + 4e + i; scales [n/8, k/32, 8] float32; w = s * code.
 // So each 32-bit lane of a 32-byte load is one column's four consecutive codes: a dot-product
@@ -72,6 +76,8 @@ struct IntMatrix {
     const uint8_t* codes;
     const float* scales;
     const float* mins;  // Q4 only
+    const uint8_t* sub_scales;  // Q4 with sub-scales only (see the layouts above), else null
+    const uint8_t* sub_mins;
 };
 
 // A row-stack of up to three matrices sharing k (QKV, gate + up): outputs side by side.
@@ -185,11 +191,20 @@ inline __m256i dot_s16(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
+// Block g's scales (or mins) for the 8 columns: stored per block, or a super-block's times
+// the block's uint8 sub-scale.
+inline __m256 block_factors(const float* f, const uint8_t* sub, int64_t g) {
+    if (sub == nullptr) return _mm256_loadu_ps(f + g * COLUMNS);
+    const __m128i bytes = _mm_loadl_epi64((const __m128i*)(sub + g * COLUMNS));
+    return _mm256_mul_ps(_mm256_loadu_ps(f + (g >> 3) * COLUMNS),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+}
+
 // y[row + r, 8 columns] for R rows, from one column group's blocks (w: its codes, s and m: its
-// scales and mins, G blocks).
+// scales and mins, ss and sm their sub-scales or null, G blocks).
 template <int R, Kind KIND, bool WIDE>
-void tile(const uint8_t* w, const float* s, const float* m, int64_t G, const Inputs& in,
-          int64_t row, float* y, int64_t ldy, bool accumulate) {
+void tile(const uint8_t* w, const float* s, const float* m, const uint8_t* ss, const uint8_t* sm,
+          int64_t G, const Inputs& in, int64_t row, float* y, int64_t ldy, bool accumulate) {
     const Quantized& x = *in.x;
     const float* d = (WIDE ? x.d16.data() : x.d8.data()) + row * G;
     const float* sums = x.sum.data() + row * G;
@@ -254,12 +269,12 @@ void tile(const uint8_t* w, const float* s, const float* m, int64_t G, const Inp
                     isum[r] = _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1));
 #endif
         }
-        const __m256 scale = _mm256_loadu_ps(s + g * COLUMNS);
+        const __m256 scale = block_factors(s, ss, g);
         for (int r = 0; r < R; ++r)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]),
                                      _mm256_mul_ps(scale, _mm256_set1_ps(d[r * G + g])), acc[r]);
         if (KIND == Q4) {
-            const __m256 mins = _mm256_loadu_ps(m + g * COLUMNS);
+            const __m256 mins = block_factors(m, sm, g);
             for (int r = 0; r < R; ++r)
                 acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sums[r * G + g]), acc[r]);
         }
@@ -272,9 +287,15 @@ void tile(const uint8_t* w, const float* s, const float* m, int64_t G, const Inp
 
 #else  // no AVX2: plain loops over the same layout (correct, not fast)
 
+// Block g's scale (or min) of column j: stored per block, or a super-block's times a sub-scale.
+inline float block_factor(const float* f, const uint8_t* sub, int64_t g, int j) {
+    if (sub == nullptr) return f[g * COLUMNS + j];
+    return f[(g >> 3) * COLUMNS + j] * float(sub[g * COLUMNS + j]);
+}
+
 template <int R, Kind KIND, bool WIDE>
-void tile(const uint8_t* w, const float* s, const float* m, int64_t G, const Inputs& in,
-          int64_t row, float* y, int64_t ldy, bool accumulate) {
+void tile(const uint8_t* w, const float* s, const float* m, const uint8_t* ss, const uint8_t* sm,
+          int64_t G, const Inputs& in, int64_t row, float* y, int64_t ldy, bool accumulate) {
     const Quantized& x = *in.x;
     for (int r = 0; r < R; ++r) {
         for (int j = 0; j < COLUMNS; ++j) {
@@ -295,8 +316,8 @@ void tile(const uint8_t* w, const float* s, const float* m, int64_t G, const Inp
                     const int slot = (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1);
                     dot += int64_t(code) * (WIDE ? x.q16[at + slot] : x.q8[at + i]);
                 }
-                total += float(dot) * s[g * COLUMNS + j] * (WIDE ? x.d16[b] : x.d8[b]);
-                if (KIND == Q4) total += m[g * COLUMNS + j] * x.sum[b];
+                total += float(dot) * block_factor(s, ss, g, j) * (WIDE ? x.d16[b] : x.d8[b]);
+                if (KIND == Q4) total += block_factor(m, sm, g, j) * x.sum[b];
             }
             float& out = y[(row + r) * ldy + j];
             out = accumulate ? out + total : total;
@@ -311,15 +332,19 @@ void column_group(const IntMatrix& w, int64_t c, const Inputs& in, float* y, int
                   bool accumulate) {
     const int64_t G = w.k / GROUP;
     const uint8_t* codes = w.codes + c * G * (KIND == Q8 ? 256 : 128);
-    const float* s = w.scales + c * G * COLUMNS;
-    const float* m = KIND == Q4 ? w.mins + c * G * COLUMNS : nullptr;
+    const bool factored = KIND == Q4 && w.sub_scales != nullptr;
+    const int64_t per_group = (factored ? G / 8 : G) * COLUMNS;  // scales of one column group
+    const float* s = w.scales + c * per_group;
+    const float* m = KIND == Q4 ? w.mins + c * per_group : nullptr;
+    const uint8_t* ss = factored ? w.sub_scales + c * G * COLUMNS : nullptr;
+    const uint8_t* sm = factored ? w.sub_mins + c * G * COLUMNS : nullptr;
     y += c * COLUMNS;
     int64_t row = in.first;
     for (; row + ROWS <= in.end; row += ROWS)
-        tile<ROWS, KIND, WIDE>(codes, s, m, G, in, row, y, ldy, accumulate);
-    for (; row + 2 <= in.end; row += 2) tile<2, KIND, WIDE>(codes, s, m, G, in, row, y, ldy,
-                                                           accumulate);
-    if (row < in.end) tile<1, KIND, WIDE>(codes, s, m, G, in, row, y, ldy, accumulate);
+        tile<ROWS, KIND, WIDE>(codes, s, m, ss, sm, G, in, row, y, ldy, accumulate);
+    for (; row + 2 <= in.end; row += 2)
+        tile<2, KIND, WIDE>(codes, s, m, ss, sm, G, in, row, y, ldy, accumulate);
+    if (row < in.end) tile<1, KIND, WIDE>(codes, s, m, ss, sm, G, in, row, y, ldy, accumulate);
 }
 
 int64_t width(const IntLinear& l) {
@@ -334,6 +359,9 @@ bool valid(const IntLinear& l) {
         const IntMatrix& w = l.parts[p];
         if ((w.kind != Q4 && w.kind != Q8) || w.k != l.parts[0].k || w.k % GROUP ||
             w.n % COLUMNS)
+            return false;
+        if (w.sub_scales != nullptr && (w.kind != Q4 || w.sub_mins == nullptr ||
+                                        w.k % (8 * GROUP)))
             return false;
     }
     return true;

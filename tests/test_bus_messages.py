@@ -63,7 +63,7 @@ EXAMPLES = [
     m.NewRequestData(request_id="r1", prompt_token_ids=[1, 2], params=PARAMS,
                      traceparent="00-t-s-01"),
     m.ScheduledRequest(request_id="r1", start=0, num_tokens=2, new_block_ids=[5],
-                       sample=False, draft_token_ids=[9]),
+                       sample=False, draft_token_ids=[9], num_steps=3),
     m.BlockCopy(src=1, dst=2),
     m.StepPlan(step_id=3, new_requests=[m.NewRequestData(request_id="r1",
                                                          prompt_token_ids=[1], params=PARAMS)],
@@ -127,13 +127,13 @@ GOLDEN = {
         "94a27231920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999"
         "999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff0000000"
         "00000093a57265676578a65b302d395d2bac6775696465645f7265676578a930302d742d732d3031"),
-    "ScheduledRequest": "96a2723100029105c29109",
+    "ScheduledRequest": "97a2723100029105c2910903",
     "BlockCopy": "920102",
     "StepPlan": (
         "96039194a272319101dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3f"
         "a999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff000"
-        "000000000093a57265676578a65b302d395d2bac6775696465645f7265676578a09196a27231000190c3"
-        "9091a2723091a2723991920102"),
+        "000000000093a57265676578a65b302d395d2bac6775696465645f7265676578a09197a27231000190c3"
+        "900191a2723091a2723991920102"),
     "StepResult": (
         "9903912acb3f847ae147ae147b0102a165cb3fe00000000000009293cbbfe0000000000000922a0792cb"
         "bfe0000000000000cbbff8000000000000c09101"),
@@ -201,7 +201,7 @@ def test_field_order_is_the_wire_format():
     # Array-like: positional, in declaration order. Changing this breaks running peers.
     assert msgspec.msgpack.decode(encode(m.ScheduledRequest(request_id="r1", start=4,
                                                             num_tokens=1))) == [
-        "r1", 4, 1, [], True, []]
+        "r1", 4, 1, [], True, [], 1]
     assert encode(m.AbortRequest(request_id="r1")).hex() == "92a27231c0"
 
 

@@ -120,6 +120,17 @@ async def test_json_object_regex_and_choice_always_match(stack):
     assert set(choices) <= {"yes", "no", "it depends"} and len(choices) == 20
 
 
+async def test_guided_json_on_completions(stack):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
+              "required": ["answer"], "additionalProperties": False}
+    async with client(stack.base_url) as sdk:
+        reply = await sdk.completions.create(
+            model=MODEL_NAME, prompt="What is 6 times 7? Answer in JSON:", max_tokens=20,
+            temperature=0, extra_body={"guided_json": schema})
+    assert set(json.loads(reply.choices[0].text)) == {"answer"}
+    assert reply.choices[0].finish_reason == "stop"
+
+
 async def test_grammar_in_gbnf_and_lark(stack):
     async with client(stack.base_url) as sdk:
         for grammar in ('root ::= "The answer is " [0-9]+ "."',  # GBNF

@@ -26,7 +26,7 @@ BLOCK = 4
 
 
 def make(k: int = 4, num_blocks: int = 32, prefix_caching: bool = True, n_min: int = 2,
-         **limits) -> Scheduler:
+         **limits) -> Scheduler:  # also takes decode_steps (multi-step decoding)
     return Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=BLOCK, max_model_len=limits.pop("max_model_len", 96),
         eos_token_ids=(EOS,), enable_prefix_caching=prefix_caching, num_speculative_tokens=k,
@@ -50,7 +50,8 @@ class FakeExecutor:
             tokens, table = self.tokens[item.request_id], self.tables[item.request_id]
             table.extend(item.new_block_ids)
             known_end = item.start + item.num_tokens - len(item.draft_token_ids)
-            assert known_end <= len(tokens) and len(table) * BLOCK >= item.start + item.num_tokens
+            end = item.start + item.num_tokens + item.num_steps - 1  # multi-step: one a step
+            assert known_end <= len(tokens) and len(table) * BLOCK >= end
             for position in range(item.start):  # what this query attends to
                 slot = (table[position // BLOCK], position % BLOCK)
                 assert self.kv.get(slot) == tokens[position], (item.request_id, position)
@@ -62,6 +63,11 @@ class FakeExecutor:
                 assert known_end == len(tokens)
                 new = self._verify(item.request_id, tokens, item.draft_token_ids)
                 tokens.extend(new)
+                for _ in range(item.num_steps - 1):  # each further step feeds the last token
+                    position = len(tokens) - 1
+                    self.kv[table[position // BLOCK], position % BLOCK] = tokens[-1]
+                    new.append(self.next_token(item.request_id, tokens))
+                    tokens.append(new[-1])
                 sampled += new
                 counts.append(len(new))
         return StepResult(step_id=plan.step_id, sampled_token_ids=sampled, num_sampled=counts)

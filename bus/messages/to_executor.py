@@ -51,6 +51,10 @@ class ScheduledRequest(Message):
     Speculative decoding: `draft_token_ids` (d guesses) follow the known tokens in the query,
     which is then num_tokens = (tokens from `start` to the last known) + d long; the executor
     keeps the drafts the model agrees with and samples one more token after them.
+
+    Multi-step decoding: a decode with `num_steps` s > 1 runs s forwards in this step, each
+    feeding the token the one before sampled, and samples s tokens (its blocks hold them all):
+    one plan and one result carry s tokens of a small batch, not one.
     """
 
     request_id: str
@@ -59,6 +63,7 @@ class ScheduledRequest(Message):
     new_block_ids: list[int] = []
     sample: bool = True
     draft_token_ids: list[int] = []
+    num_steps: int = 1
 
 
 class BlockCopy(Message):

@@ -248,6 +248,11 @@ class ModelRunner:
         if sched.draft_token_ids and (not sched.sample or known_end <= sched.start):
             raise ValueError(f"request {sched.request_id!r}: drafts must follow a known token "
                              "of a step that samples")
+        if sched.num_steps > 1 and (sched.draft_token_ids or not sched.sample
+                                    or sched.num_tokens != 1):
+            raise ValueError(f"request {sched.request_id!r}: several steps are for a plain "
+                             "decode (one token, sampled, no drafts)")
+        end += sched.num_steps - 1  # the positions the further steps write
         if sched.num_tokens < 1 or sched.start < 0 or known_end > len(state.token_ids):
             raise ValueError(f"request {sched.request_id!r}: tokens [{sched.start}, "
                              f"{known_end}) outside its {len(state.token_ids)} known tokens")
@@ -265,16 +270,53 @@ class ModelRunner:
         self._apply_plan_changes(plan)
         if not plan.scheduled:
             return [], [], []
-
-        input_ids: list[int] = []
-        query_lens, context_lens, block_tables = [], [], []
-        sampling_rows: list[int] = []  # index of each sampling sequence in the batch
-        for index, sched in enumerate(plan.scheduled):
+        for sched in plan.scheduled:
             state = self.requests.get(sched.request_id)
             if state is None:
                 raise KeyError(f"unknown request {sched.request_id!r}")
             state.block_table.extend(sched.new_block_ids)
             self._check_scheduled(sched, state)
+        sampled, logprobs, counts = self._forward(plan.scheduled)
+        if any(s.num_steps > 1 for s in plan.scheduled):
+            if counts:  # drafts verified: a step either speculates or takes several steps
+                raise ValueError("a plan with drafts cannot also take several steps")
+            return self._more_steps(plan.scheduled, sampled, logprobs)
+        return sampled, logprobs, counts
+
+    def _more_steps(self, scheduled: list[ScheduledRequest], first: list[int],
+                    first_logprobs: list[TokenLogprobs | None],
+                    ) -> tuple[list[int], list[TokenLogprobs | None], list[int]]:
+        """Multi-step decoding: after the plan's forward, decode the requests that asked for
+        more steps, one forward per step, each feeding its own last token. Returns every
+        sampler's tokens in plan order, with their counts."""
+        samplers = [s for s in scheduled if s.sample]
+        tokens = {s.request_id: [t] for s, t in zip(samplers, first, strict=True)}
+        with_logprobs = bool(first_logprobs)
+        logprobs = {s.request_id: [lp] for s, lp in zip(
+            samplers, first_logprobs or [None] * len(samplers), strict=True)}
+        for step in range(1, max(s.num_steps for s in samplers)):
+            batch = [ScheduledRequest(request_id=s.request_id, num_tokens=1,
+                                      start=len(self.requests[s.request_id].token_ids) - 1)
+                     for s in samplers if s.num_steps > step]
+            sampled, step_logprobs, _ = self._forward(batch)
+            with_logprobs = with_logprobs or bool(step_logprobs)
+            for s, token, lp in zip(batch, sampled, step_logprobs or [None] * len(batch),
+                                    strict=True):
+                tokens[s.request_id].append(token)
+                logprobs[s.request_id].append(lp)
+        order = [s.request_id for s in samplers]
+        return ([t for r in order for t in tokens[r]],
+                [lp for r in order for lp in logprobs[r]] if with_logprobs else [],
+                [len(tokens[r]) for r in order])
+
+    def _forward(self, scheduled: list[ScheduledRequest],
+                 ) -> tuple[list[int], list[TokenLogprobs | None], list[int]]:
+        """One forward over `scheduled` (checked, block tables extended), then sampling."""
+        input_ids: list[int] = []
+        query_lens, context_lens, block_tables = [], [], []
+        sampling_rows: list[int] = []  # index of each sampling sequence in the batch
+        for index, sched in enumerate(scheduled):
+            state = self.requests[sched.request_id]
             end = sched.start + sched.num_tokens
             input_ids.extend(state.token_ids[sched.start:end - len(sched.draft_token_ids)])
             input_ids.extend(sched.draft_token_ids)
@@ -286,7 +328,7 @@ class ModelRunner:
         meta = build_attention_metadata(query_lens, context_lens, block_tables,
                                         self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # [T]
-        samplers = [plan.scheduled[i] for i in sampling_rows]
+        samplers = [scheduled[i] for i in sampling_rows]
         logits_indices = self._logits_indices(meta, sampling_rows, samplers)
         logits = self.model.forward(ids, meta.positions, meta, self.kv_cache, logits_indices)
         if not sampling_rows:

@@ -19,10 +19,14 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     spec_ngram_min: int = 2
     spec_ngram_max: int = 4
+    # Multi-step decoding (multi_step.py): tokens a small batch's decodes take per step.
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
         check_speculation(self.num_speculative_tokens, self.spec_ngram_min,
                           self.spec_ngram_max)
+        if self.decode_steps < 1:
+            raise ValueError(f"--decode-steps must be 1 or more, got {self.decode_steps}")
 
 
 def check_speculation(num_tokens: int, ngram_min: int, ngram_max: int) -> None:

@@ -41,6 +41,7 @@ from llmbus.bus.messages import (
 from llmbus.services.scheduler.admission import AdmissionError, params_for, resolve_max_tokens
 from llmbus.services.scheduler.config import SchedulerConfig
 from llmbus.services.scheduler.kv_manager import KVManager
+from llmbus.services.scheduler.multi_step import decode_steps, multi_step_decode
 from llmbus.services.scheduler.outputs import end_updates, stop_reason, token_update
 from llmbus.services.scheduler.request import Request, RequestStatus
 from llmbus.services.scheduler.speculation import drafts_for, verified, waits_for_drafts
@@ -200,26 +201,27 @@ class Scheduler:
         for parent in [r for r in self.running if r.is_parent
                        and r.num_computed_tokens >= r.target_tokens]:
             self._fork(parent)
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, decode steps)
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
         self._schedule_waiting(budget, scheduled)
         plan = StepPlan(step_id=self.num_steps, finished_request_ids=self._forget_ids,
                         preempted_request_ids=self._preempted_ids, copy_blocks=self._copies)
         self._forget_ids, self._preempted_ids, self._copies = [], [], []
-        for request, num_new in scheduled:
+        for request, num_new, num_steps in scheduled:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             if request.num_computed_tokens < request.num_prompt_tokens:
                 request.prefill_chunks.append((now, num_new))
-            plan.scheduled.append(self._plan_item(request, num_new, plan))
+            plan.scheduled.append(self._plan_item(request, num_new, plan, num_steps))
         self.num_steps += 1
         self.max_batch_size = max(self.max_batch_size, len(plan.scheduled))
         return plan
 
-    def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+    def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int, int]]) -> int:
         """Running requests first, oldest first; the newest give way when blocks run out.
         Appends to `scheduled`; returns the token budget left."""
         index, speculating = 0, self.config.num_speculative_tokens > 0
+        multi_step = multi_step_decode(self.config, len(self.running), len(self.waiting))
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._num_new_tokens(request, budget)
@@ -229,18 +231,19 @@ class Scheduler:
                 index += 1
                 continue
             num_new += len(drafts)
-            while not self._reserve_blocks(request, num_new):
+            num_steps = decode_steps(request, self.config, budget) if multi_step else 1
+            while not self._reserve_blocks(request, num_new + num_steps - 1):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is request:
                     return budget  # it preempted itself; everything after it is gone too
             request.draft_token_ids = drafts
-            scheduled.append((request, num_new))
-            budget -= num_new
+            scheduled.append((request, num_new, num_steps))
+            budget -= num_new + num_steps - 1
             index += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> None:
+    def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int, int]]) -> None:
         """Then waiting requests, in order, while budget, sequence slots and blocks allow."""
         num_seqs = sum(r.num_forks for r in self.running)
         while self.waiting and budget > 0:
@@ -260,7 +263,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append((request, num_new))
+            scheduled.append((request, num_new, 1))
             budget -= num_new
             num_seqs += request.num_forks
 
@@ -272,7 +275,8 @@ class Scheduler:
         self._copies = plan.copy_blocks + self._copies
         self.num_steps -= 1
 
-    def _plan_item(self, request: Request, num_new: int, plan: StepPlan) -> ScheduledRequest:
+    def _plan_item(self, request: Request, num_new: int, plan: StepPlan,
+                   num_steps: int = 1) -> ScheduledRequest:
         if not request.known_to_executor:
             request.known_to_executor = True
             plan.new_requests.append(NewRequestData(
@@ -285,10 +289,10 @@ class Scheduler:
         item = ScheduledRequest(
             request_id=request.request_id, start=start, num_tokens=num_new,
             new_block_ids=request.block_table[request.num_blocks_sent:], sample=sample,
-            draft_token_ids=list(drafts))
+            draft_token_ids=list(drafts), num_steps=num_steps)
         request.num_blocks_sent = len(request.block_table)
-        request.num_computed_tokens = end
-        request.num_pending_tokens += sample
+        request.num_computed_tokens = end + num_steps - 1  # each further step computes one
+        request.num_pending_tokens += sample * num_steps
         self._cache_full_blocks(request)
         return item
 
@@ -408,7 +412,7 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None:
                 continue  # it finished or was aborted after this step was planned
-            request.num_pending_tokens -= 1
+            request.num_pending_tokens -= item.num_steps
             if item.draft_token_ids:
                 self.num_draft_tokens += len(item.draft_token_ids)
                 self.num_accepted_tokens += count - 1

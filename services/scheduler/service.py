@@ -46,10 +46,12 @@ from llmbus.services.scheduler.config import SchedulerConfig, check_speculation
 from llmbus.services.scheduler.constraint_admission import compile_constraint
 from llmbus.services.scheduler.detokenizer_routing import DetokenizerRouting
 from llmbus.services.scheduler.engine_loop import EngineLoop
+from llmbus.services.scheduler.multi_step import MAX_BATCH as MULTI_STEP_MAX_BATCH
 from llmbus.services.scheduler.scheduler import Scheduler
 from llmbus.services.scheduler.spans import record_request_spans
 
 log = structlog.get_logger()
+DEFAULT_DECODE_STEPS = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding: longest suffix looked up (default: 4)")
     parser.add_argument("--spec-ngram-min", type=int, default=2,
                         help="speculative decoding: shortest suffix looked up (default: 2)")
+    parser.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
+                        help="multi-step decoding: while nothing waits and at most "
+                             f"{MULTI_STEP_MAX_BATCH} requests run, each step decodes this many "
+                             "tokens of each (one plan and one result on the bus per that many "
+                             "tokens; a request that arrives meanwhile waits for them); 1 = off "
+                             f"(default: {DEFAULT_DECODE_STEPS})")
     parser.add_argument("--step-timeout", type=float, default=60.0,
                         help="seconds to wait for the executor's answer to one step before "
                              "failing its requests (default: 60)")
@@ -116,6 +124,7 @@ class SchedulerService:
             max_num_batched_tokens=self.args.max_num_batched_tokens,
             enable_prefix_caching=not self.args.no_prefix_caching,
             num_speculative_tokens=self.args.num_speculative_tokens,
+            decode_steps=self.args.decode_steps,
             spec_ngram_min=self.args.spec_ngram_min, spec_ngram_max=self.args.spec_ngram_max))
         step_subject = subjects.executor_step(self.engine_id)
 

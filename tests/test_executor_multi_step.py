@@ -1,0 +1,58 @@
+"""Multi-step decoding in the executor, on a tiny random model: a plan whose decodes take
+several steps samples the tokens that as many one-step plans would (greedy, seeded, with
+penalties and logprobs), and a plan that cannot hold them is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+from llmbus.services.executor.runner import ModelRunner
+from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama
+
+PROMPTS = {"a": [1, 5, 9, 13], "b": [1, 7]}
+PARAMS = {"a": SamplingParams(temperature=0.0, logprobs=2),
+          "b": SamplingParams(temperature=1.0, seed=5, presence_penalty=0.5)}
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_tiny_llama(path, TinySpec())
+    return ModelRunner(path, model_name="tiny", block_size=4, num_blocks=128)
+
+
+def test_several_steps_a_plan_sample_what_one_step_plans_do(runner):
+    expected = generate(runner, list(PROMPTS.values()), max_tokens=9,
+                        params=list(PARAMS.values()), request_ids=["x", "y"])
+    first = runner.step(StepPlan(step_id=0, new_requests=[
+        NewRequestData(r, PROMPTS[r], PARAMS[r]) for r in "ab"], scheduled=[
+        ScheduledRequest("a", 0, 4, [1, 2, 3]), ScheduledRequest("b", 0, 2, [4, 5, 6])]))
+    out = {"a": [first.sampled_token_ids[0]], "b": [first.sampled_token_ids[1]]}
+    for step_id, steps in ((1, {"a": 4, "b": 3}), (2, {"a": 4, "b": 5})):
+        plan = StepPlan(step_id=step_id, scheduled=[ScheduledRequest(
+            r, len(PROMPTS[r]) + len(out[r]) - 1, 1, num_steps=steps[r]) for r in "ab"])
+        result = runner.step(plan)
+        assert result.error == "" and result.num_sampled == [steps["a"], steps["b"]]
+        assert len(result.logprobs) == sum(steps.values())
+        assert all(lp is not None for lp in result.logprobs[:steps["a"]])  # a asked for them
+        assert all(lp is None for lp in result.logprobs[steps["a"]:])
+        tokens = iter(result.sampled_token_ids)
+        for r in "ab":
+            out[r] += [next(tokens) for _ in range(steps[r])]
+    assert out["a"] == expected[0] and out["b"] == expected[1]
+    runner.step(StepPlan(step_id=3, finished_request_ids=["a", "b"]))
+
+
+def test_a_plan_without_blocks_for_every_step_is_refused(runner):
+    result = runner.step(StepPlan(step_id=0, new_requests=[
+        NewRequestData("c", [1, 2, 3], PARAMS["a"])], scheduled=[
+        ScheduledRequest("c", 0, 3, [7])]))
+    assert result.error == ""
+    result = runner.step(StepPlan(step_id=1, scheduled=[
+        ScheduledRequest("c", 3, 1, num_steps=3)]))  # positions 3..5 need a second block
+    assert "blocks cannot hold 6 tokens" in result.error
+    result = runner.step(StepPlan(step_id=2, scheduled=[
+        ScheduledRequest("c", 3, 2, num_steps=2, draft_token_ids=[5])]))
+    assert "several steps are for a plain decode" in result.error
+    runner.step(StepPlan(step_id=3, finished_request_ids=["c"]))

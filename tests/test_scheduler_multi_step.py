@@ -1,0 +1,120 @@
+"""Multi-step decoding in the scheduler, against a fake executor that keeps real KV contents
+(tests/test_scheduler_speculation.py): the same tokens as one step at a time in a fraction of
+the plans, never past max_tokens or a stop token, only while nothing waits and the batch is
+small, and random traces with preemption, forks and aborts read only true KV."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmbus.bus.messages import FinishReason, SamplingParams
+from llmbus.services.scheduler.multi_step import MAX_BATCH
+from tests.test_scheduler_speculation import BLOCK, EOS, FakeExecutor, cycle, drive, make, run
+
+
+def outputs(decode_steps: int, prompts: list[list[int]], params: SamplingParams, model):
+    s = make(k=0, decode_steps=decode_steps)
+    for i, prompt in enumerate(prompts):
+        s.add_request(f"r{i}", "api", prompt, params)
+    executor = FakeExecutor(model)
+    plans, updates = drive(s, executor.run)
+    tokens = {f"r{i}": [t for u in updates if u.request_id == f"r{i}" for t in u.new_token_ids]
+              for i in range(len(prompts))}
+    reasons = {u.request_id: u.finish_reason for u in updates if u.finish_reason}
+    return plans, tokens, reasons
+
+
+def test_several_tokens_a_plan_give_the_tokens_of_one_at_a_time():
+    def model(_, tokens):
+        return (tokens[-1] * 5 + len(tokens)) % 11 + 3
+
+    params = SamplingParams(max_tokens=10, ignore_eos=True)  # not a multiple of the steps
+    single_plans, single, _ = outputs(1, [[7, 8, 9], [4, 4]], params, model)
+    multi_plans, multi, reasons = outputs(4, [[7, 8, 9], [4, 4]], params, model)
+    assert multi == single and all(len(t) == 10 for t in multi.values())
+    assert set(reasons.values()) == {FinishReason.LENGTH}
+    assert len(multi_plans) * 2 < len(single_plans)
+    steps = [i.num_steps for p in multi_plans for i in p.scheduled]
+    assert max(steps) == 4 and sum(steps) >= 18  # all but each request's prefill step
+    # no token is computed twice: each once, but the last one sampled
+    computed = sum(i.num_tokens + i.num_steps - 1 for p in multi_plans for i in p.scheduled)
+    assert computed == (3 + 10 - 1) + (2 + 10 - 1)
+
+
+def test_a_stop_token_inside_the_steps_ends_the_request_there():
+    params = SamplingParams(max_tokens=40)
+    _, tokens, reasons = outputs(4, [[9, 8, 7]], params, cycle([5, 6, EOS, 1, 2]))
+    _, single, _ = outputs(1, [[9, 8, 7]], params, cycle([5, 6, EOS, 1, 2]))
+    assert tokens == single and tokens["r0"][-1] == EOS and len(tokens["r0"]) < 5
+    assert reasons["r0"] == FinishReason.STOP
+
+
+def test_one_step_at_a_time_while_requests_wait_or_the_batch_is_big():
+    s = make(k=0, decode_steps=4, max_num_seqs=MAX_BATCH + 1)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    for i in range(MAX_BATCH + 2):  # one more than can run: it waits
+        s.add_request(f"r{i}", "api", [3, 4, 5], params)
+    executor = FakeExecutor(cycle([5, 6, 7]))
+    in_flight: deque = deque()
+    for _ in range(6):
+        plan = s.schedule()
+        assert all(i.num_steps == 1 for i in plan.scheduled), plan
+        s.update(plan, executor.run(plan))
+    assert s.waiting  # all this time
+    run(s, executor, in_flight=in_flight)  # the rest finishes, with several steps at the end
+
+
+operations = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 20), st.integers(1, 3), st.integers(0, 12)),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("result")),
+), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(operations, st.booleans(), st.integers(10, 24), st.integers(2, 5))
+def test_random_traces_with_several_steps_read_only_true_kv(ops, prefix_caching, num_blocks,
+                                                          decode_steps):
+    """Arrivals, aborts, preemption, forks and steps planned ahead, with multi-step decoding:
+    every step attends to true tokens only, counts match owners, and everything finishes."""
+    s = make(k=0, num_blocks=num_blocks, prefix_caching=prefix_caching,
+             max_num_batched_tokens=16, max_num_seqs=6, max_model_len=48,
+             decode_steps=decode_steps)
+
+    def model(request_id, tokens):
+        return EOS if (len(tokens) + len(request_id)) % 13 == 0 else len(tokens) % 9 + 3
+
+    executor = FakeExecutor(model)
+    in_flight: deque = deque()
+    ids = []
+    for op in ops:
+        if op[0] == "add":
+            _, num_prompt, n, max_tokens = op
+            request_id = f"r{len(ids)}"
+            try:
+                s.add_request(request_id, "api", list(range(3, 3 + num_prompt)),
+                              SamplingParams(max_tokens=max_tokens), n=n)
+                ids.append(request_id)
+            except ValueError:
+                pass  # refused up front: it could never fit
+        elif op[0] == "abort" and ids:
+            s.abort_request(ids[op[1] % len(ids)])
+        elif op[0] == "step" and len(in_flight) < 2:
+            plan = s.schedule()
+            if plan.scheduled or not in_flight:
+                in_flight.append(plan)
+            else:
+                s.unschedule_empty(plan)
+        elif op[0] == "result" and in_flight:
+            plan = in_flight.popleft()
+            s.update(plan, executor.run(plan))
+        s.check_invariants()
+    run(s, executor, max_steps=3000, in_flight=in_flight)
+    assert s.requests == {} and s.families == {}
+    if s.kv.tree is not None:  # what stays cached holds the tokens it is keyed by
+        for node in s.kv.tree.nodes_by_block.values():
+            assert [executor.kv.get((node.block_id, i)) for i in range(BLOCK)] == list(node.key)

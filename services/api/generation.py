@@ -159,8 +159,13 @@ class Generation:
                 self.first_token_at = now
                 if self.span is not None:
                     self.span.add_event("first_token")
+            # One latency per token: a delta of n tokens (drafts, several decode steps) spreads
+            # its gap over them; tokens that came with the first share its arrival.
+            n = delta.num_new_tokens
             if choice.last_delta_at is not None:
-                self._itls.append(now - choice.last_delta_at)
+                self._itls.extend([(now - choice.last_delta_at) / n] * n)
+            elif n > 1:
+                self._itls.extend([0.0] * (n - 1))
             choice.last_delta_at = now
         self.queue_seconds = max(self.queue_seconds, delta.queue_seconds)
         choice.text.append(delta.text)

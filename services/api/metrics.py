@@ -55,7 +55,8 @@ class ApiMetrics:
         self.ttft = histogram("llmbus:time_to_first_token_seconds",
                               "Time from request arrival to its first token.", _LATENCY)
         self.itl = histogram("llmbus:inter_token_latency_seconds",
-                             "Time between consecutive text deltas of a choice.", _LATENCY)
+                             "Time between consecutive output tokens of a choice (a delta "
+                             "of n tokens: its gap over n).", _LATENCY)
         self.e2e = histogram("llmbus:e2e_request_latency_seconds",
                              "Time from request arrival to its last token.", _LATENCY)
         self.queue = histogram("llmbus:request_queue_time_seconds",

@@ -212,6 +212,7 @@ async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, device: str,
                 "llmbus.step_id": plan.step_id, "llmbus.batch_size": len(plan.scheduled),
                 "llmbus.num_tokens": sum(s.num_tokens for s in plan.scheduled)}) as span:
             result = await loop.run_in_executor(compute, runner.step, plan)
+            span.set_attribute("llmbus.num_sampled", len(result.sampled_token_ids))
             if result.error:
                 span.set_status(Status(StatusCode.ERROR, result.error))
         result.idle_seconds = idle

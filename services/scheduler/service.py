@@ -51,7 +51,7 @@ from llmbus.services.scheduler.scheduler import Scheduler
 from llmbus.services.scheduler.spans import record_request_spans
 
 log = structlog.get_logger()
-DEFAULT_DECODE_STEPS = 1
+DEFAULT_DECODE_STEPS = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -37,7 +37,8 @@ ENGINE = "engine0"
 
 
 class FakeExecutor:
-    """Samples token 7 for every sampling row; `alive = False` stops heartbeats and answers."""
+    """Samples token 7 for every sampling row (each of its steps); `alive = False` stops
+    heartbeats and answers."""
 
     def __init__(self) -> None:
         self.alive = True
@@ -71,8 +72,9 @@ class FakeExecutor:
         self.steps.append(plan)
         if not self.alive:
             return  # a dead process answers nothing
+        counts = [s.num_steps for s in plan.scheduled if s.sample]  # multi-step: several each
         await msg.respond(encode(StepResult(
-            step_id=plan.step_id, sampled_token_ids=[7] * sum(s.sample for s in plan.scheduled),
+            step_id=plan.step_id, sampled_token_ids=[7] * sum(counts), num_sampled=counts,
             forward_seconds=0.001)))
 
     async def on_grammar(self, msg) -> None:

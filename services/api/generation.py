@@ -1,3 +1,5 @@
+# Over 300 lines: one class whose collecting and streaming (plain or with tool calls) share
+# its choices' state; the wire formats live in openai_responses.py and tool_calls.py.
 """One HTTP generation request in flight: its prompts x n completions, merged into choices.
 
 A completion request may carry several prompts; each becomes its own pipeline request (with

@@ -29,7 +29,10 @@ from llmbus.bench.peers import (
 )
 from llmbus.services.cpu_features import cpu_label, cpu_summary, has_native_bfloat16
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]  # the checkout (bench/ is at its top)
+# Results go into the checkout's bench/results, or, run from an installed package, here.
+RESULTS_DIR = (REPO / "bench" / "results" if (REPO / "pyproject.toml").is_file()
+               else Path.cwd() / "llmbus-bench-results")
 PEERS = ("llmbus", "llmbus-inprocess", "llmbus-exact", "llama-cpp", "vllm-cpu",
          "vllm-cpu-other-dtype", "hf")
 # llama-server's -c: every server gets a KV cache of this many tokens
@@ -66,7 +69,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--question-len", type=int, default=32)
     parser.add_argument("--prefix-max-tokens", type=int, default=64)
-    parser.add_argument("--results-dir", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--results-dir", default=str(RESULTS_DIR))
     parser.add_argument("--port", type=int, default=18080, help="port every server listens on")
 
 

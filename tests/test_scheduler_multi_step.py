@@ -12,7 +12,16 @@ from hypothesis import strategies as st
 
 from llmbus.bus.messages import FinishReason, SamplingParams
 from llmbus.services.scheduler.multi_step import MAX_BATCH
-from tests.test_scheduler_speculation import BLOCK, EOS, FakeExecutor, cycle, drive, make, run
+from tests.test_scheduler_speculation import (
+    EOS,
+    FakeExecutor,
+    cycle,
+    drive,
+    make,
+    operations,
+    replay_trace,
+    run,
+)
 
 
 def outputs(decode_steps: int, prompts: list[list[int]], params: SamplingParams, model):
@@ -67,14 +76,6 @@ def test_one_step_at_a_time_while_requests_wait_or_the_batch_is_big():
     run(s, executor, in_flight=in_flight)  # the rest finishes, with several steps at the end
 
 
-operations = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 20), st.integers(1, 3), st.integers(0, 12)),
-    st.tuples(st.just("abort"), st.integers(0, 30)),
-    st.tuples(st.just("step")),
-    st.tuples(st.just("result")),
-), max_size=60)
-
-
 @settings(max_examples=150, deadline=None)
 @given(operations, st.booleans(), st.integers(10, 24), st.integers(2, 5))
 def test_random_traces_with_several_steps_read_only_true_kv(ops, prefix_caching, num_blocks,
@@ -88,33 +89,4 @@ def test_random_traces_with_several_steps_read_only_true_kv(ops, prefix_caching,
     def model(request_id, tokens):
         return EOS if (len(tokens) + len(request_id)) % 13 == 0 else len(tokens) % 9 + 3
 
-    executor = FakeExecutor(model)
-    in_flight: deque = deque()
-    ids = []
-    for op in ops:
-        if op[0] == "add":
-            _, num_prompt, n, max_tokens = op
-            request_id = f"r{len(ids)}"
-            try:
-                s.add_request(request_id, "api", list(range(3, 3 + num_prompt)),
-                              SamplingParams(max_tokens=max_tokens), n=n)
-                ids.append(request_id)
-            except ValueError:
-                pass  # refused up front: it could never fit
-        elif op[0] == "abort" and ids:
-            s.abort_request(ids[op[1] % len(ids)])
-        elif op[0] == "step" and len(in_flight) < 2:
-            plan = s.schedule()
-            if plan.scheduled or not in_flight:
-                in_flight.append(plan)
-            else:
-                s.unschedule_empty(plan)
-        elif op[0] == "result" and in_flight:
-            plan = in_flight.popleft()
-            s.update(plan, executor.run(plan))
-        s.check_invariants()
-    run(s, executor, max_steps=3000, in_flight=in_flight)
-    assert s.requests == {} and s.families == {}
-    if s.kv.tree is not None:  # what stays cached holds the tokens it is keyed by
-        for node in s.kv.tree.nodes_by_block.values():
-            assert [executor.kv.get((node.block_id, i)) for i in range(BLOCK)] == list(node.key)
+    replay_trace(s, FakeExecutor(model), ops)

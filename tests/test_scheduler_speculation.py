@@ -231,7 +231,13 @@ def test_random_traces_with_drafts_read_only_true_kv(ops, prefix_caching, num_bl
         return EOS if (len(tokens) + len(request_id)) % 13 == 0 else (
             value if len(tokens) % 7 else value + 1)
 
-    executor = FakeExecutor(model)
+    replay_trace(s, FakeExecutor(model), ops)
+
+
+def replay_trace(s: Scheduler, executor: FakeExecutor, ops) -> None:
+    """Apply `operations` (arrivals, aborts, plans up to 2 ahead, results) with the invariants
+    checked after each, then finish everything: nothing may be left, and what stays cached
+    must hold the tokens it is keyed by."""
     in_flight: deque = deque()
     ids = []
     for op in ops:
@@ -259,6 +265,6 @@ def test_random_traces_with_drafts_read_only_true_kv(ops, prefix_caching, num_bl
         s.check_invariants()
     run(s, executor, max_steps=3000, in_flight=in_flight)
     assert s.requests == {} and s.families == {}
-    if s.kv.tree is not None:  # what stays cached holds the tokens it is keyed by
+    if s.kv.tree is not None:
         for node in s.kv.tree.nodes_by_block.values():
             assert [executor.kv.get((node.block_id, i)) for i in range(BLOCK)] == list(node.key)

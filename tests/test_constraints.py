@@ -85,6 +85,15 @@ def test_a_constraint_that_does_not_compile_is_refused_by_the_executor_too():
         tiny_grammars().prepare(StructuredOutput(kind="regex", spec="a(b", param="guided_regex"))
 
 
+def test_a_vocabulary_that_cannot_be_read_refuses_constraints_clearly():
+    def unreadable() -> Vocabulary:
+        raise ValueError("tokenizer model 'bert' is not supported")
+
+    grammars = Grammars(unreadable, VOCAB_SIZE)
+    with pytest.raises(ConstraintError, match="not available for this model's vocabulary"):
+        grammars.prepare(StructuredOutput(kind="json_object", param="response_format"))
+
+
 def test_bit_31_of_a_word_is_a_token_like_any_other():
     mask = torch.tensor([[-(1 << 31), 1]], dtype=torch.int32)  # bits 31 and 32 set
     assert allowed(mask, 64)[0].nonzero()[:, 0].tolist() == [31, 32]

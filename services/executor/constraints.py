@@ -108,7 +108,11 @@ class Grammars:
             if found is not None:
                 self._cache.move_to_end(key)
                 return found
-            tokenizer = self._tokenizer_locked()
+            try:
+                tokenizer = self._tokenizer_locked()
+            except Exception as exc:  # a vocabulary this library cannot take
+                raise ConstraintError("constrained decoding is not available for this model's "
+                                      f"vocabulary: {exc}", structured.param) from exc
         check(structured)  # the grammar's own errors, worded for the client
         matcher = llguidance.LLMatcher(tokenizer, grammar_of(structured), log_level=0)
         if matcher.is_error():

@@ -61,7 +61,8 @@ def tools_system_prompt(functions: list[dict]) -> str:
 
 
 def _as_call(item: Any, names: set[str]) -> Call | None:
-    if not isinstance(item, dict) or item.get("name") not in names:
+    name = item.get("name") if isinstance(item, dict) else None
+    if not isinstance(name, str) or name not in names:
         return None
     arguments = item.get("arguments", item.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
@@ -76,15 +77,17 @@ def _as_call(item: Any, names: set[str]) -> Call | None:
 
 def parse_calls(text: str, names: set[str]) -> list[Call] | None:
     """The calls in `text` (every one naming a known function), or None when `text` is not
-    calls: a JSON array of calls, one call object, or `<tool_call>` blocks of either."""
-    blocks = _TOOL_CALL_BLOCK.findall(text) if "<tool_call>" in text else [text.strip()]
+    calls: a JSON array of calls, one call object, or `<tool_call>` blocks of either, from its
+    start (text that opens with prose is an answer, streamed or not)."""
+    start = text.lstrip()
+    blocks = _TOOL_CALL_BLOCK.findall(start) if start.startswith("<tool_call>") else [start]
     calls: list[Call] = []
     for block in blocks:
         try:
             value = json.loads(block)
         except ValueError:
             return None
-        for item in value if isinstance(value, list) else [value]:
+        for item in value if isinstance(value, list) and value else [value]:
             call = _as_call(item, names)
             if call is None:
                 return None

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llmbus.bus.messages import StructuredOutput
+from llmbus.services.api.generation import _opens_calls
 from llmbus.services.executor.constraints import Grammars, Vocabulary, allowed, apply_masks
 from llmbus.services.structured_output import ConstraintError, check
 from llmbus.services.tool_calls import calls_schema, parse_calls, template_messages
@@ -154,6 +155,15 @@ def test_calls_are_read_in_every_format_and_only_for_known_functions():
     assert parse_calls("It is sunny.", names) is None
     assert parse_calls('[{"name": "rm_rf", "arguments": {}}]', names) is None
     assert parse_calls('[{"name": "get_time", "arguments": [1]}]', names) is None
+    assert parse_calls('[{"name": ["get_time"], "arguments": {}}]', names) is None  # no 500
+    assert parse_calls("Sure. <tool_call>" + hermes.removeprefix("<tool_call>"), names) is None
+
+
+@pytest.mark.parametrize(("start", "opens"), [
+    ("[", True), ('{"name"', True), ("<tool_call>", True), ("<tool", None), ("<", None),
+    ("<think>", False), ("<a href", False), ("Hello", False)])
+def test_streaming_holds_text_only_while_it_may_open_calls(start, opens):
+    assert _opens_calls(start) is opens
 
 
 def test_the_calls_schema_is_a_grammar_that_compiles():

@@ -211,6 +211,9 @@ async def test_max_tokens_mid_structure_ends_with_length(stack):
     ({"tool_choice": "required"}, "tool_choice", "needs `tools`"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "name"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "only one of"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}},
+     "tool_choice", "tool_choice"),
+    ({"guided_regex": "[a-z]+", "min_tokens": 3}, "min_tokens", "min_tokens"),
 ])
 async def test_bad_constraints_get_a_400_naming_the_parameter(stack, body, param, says):
     async with httpx.AsyncClient(timeout=60, headers=AUTH) as http:

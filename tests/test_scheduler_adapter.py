@@ -13,6 +13,7 @@ from llmbus.bus import subjects
 from llmbus.bus.codec import decode, encode
 from llmbus.bus.liveness import HEARTBEAT_INTERVAL
 from llmbus.bus.messages import (
+    AbortRequest,
     Admission,
     ErrorCode,
     ExecutorInfo,
@@ -195,3 +196,20 @@ async def test_a_constraint_the_executor_cannot_compile_is_refused_at_admission(
     assert admission.error_param == "guided_grammar" and "no such grammar" in (
         admission.error_message)
     assert not any(n.request_id == "c2" for p in executor.steps for n in p.new_requests)
+
+
+@pytest.mark.asyncio
+async def test_a_request_aborted_while_its_grammar_compiles_never_runs(engine):
+    runtime, executor, _, _ = engine
+    executor.compiled.clear()
+    submitting = asyncio.create_task(_submit(runtime, "c3", max_tokens=3, structured=(
+        StructuredOutput(kind="regex", spec="[a-z]+", param="guided_regex"))))
+    await _until(lambda: executor.grammars, "the executor was asked to compile")
+    await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id="c3"))
+    await runtime.nc.flush()
+    await asyncio.sleep(0.2)  # the abort reaches the scheduler (no event to wait on: a no-op)
+    executor.compiled.set()
+    admission = await submitting
+    assert admission.error_code == ErrorCode.INVALID_REQUEST and "aborted" in (
+        admission.error_message)
+    assert not any(n.request_id == "c3" for p in executor.steps for n in p.new_requests)

@@ -76,6 +76,19 @@ def test_one_step_at_a_time_while_requests_wait_or_the_batch_is_big():
     run(s, executor, in_flight=in_flight)  # the rest finishes, with several steps at the end
 
 
+def test_further_steps_never_preempt_another_request():
+    """Two usable blocks of 4: both prompts fit one each. One step at a time, b ends before a
+    needs its second block; a's 4 steps would want it at once, and take it from b."""
+    s = make(k=0, decode_steps=4, num_blocks=3, prefix_caching=False)
+    s.add_request("a", "api", [3, 4, 5], SamplingParams(max_tokens=5, ignore_eos=True))
+    s.add_request("b", "api", [6, 7, 8], SamplingParams(max_tokens=2, ignore_eos=True))
+    # one step at a time (planning ahead would want a's block before b's end is known)
+    plans, updates = drive(s, FakeExecutor(cycle([5, 6, 7])).run, depth=1)
+    assert s.num_preemptions == 0
+    assert sum(len(u.new_token_ids) for u in updates) == 7
+    assert any(i.num_steps > 1 for p in plans for i in p.scheduled)  # once b's block is free
+
+
 @settings(max_examples=150, deadline=None)
 @given(operations, st.booleans(), st.integers(10, 24), st.integers(2, 5))
 def test_random_traces_with_several_steps_read_only_true_kv(ops, prefix_caching, num_blocks,

@@ -53,8 +53,9 @@ class ScheduledRequest(Message):
     keeps the drafts the model agrees with and samples one more token after them.
 
     Multi-step decoding: a decode with `num_steps` s > 1 runs s forwards in this step, each
-    feeding the token the one before sampled, and samples s tokens (its blocks hold them all):
-    one plan and one result carry s tokens of a small batch, not one.
+    feeding the token the one before sampled, and samples exactly s tokens (its blocks hold
+    them all; a plan planned ahead already counts on them): one plan and one result carry s
+    tokens of a small batch, not one.
     """
 
     request_id: str

@@ -85,7 +85,8 @@ async def chat_completions(request: Request, state: State) -> Response:
     params = sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens,
                              default_max_tokens=0, num_logprobs=chat_logprobs(req),
                              limits=state.settings.limits)
-    params.structured, tools = output_constraint(req, chat=True)
+    # Compiling a big schema to check it takes a while: not on the event loop.
+    params.structured, tools = await asyncio.to_thread(output_constraint, req, chat=True)
     generation = await Generation.start(
         engine, chat=True, model=model, params=params, n=req.n,
         sources=[{"messages": messages, "tools_json": tools.tools_json if tools else ""}],
@@ -101,7 +102,7 @@ async def completions(request: Request, state: State) -> Response:
     prompts = completion_prompts(req, state.settings.limits)
     params = sampling_params(req, max_tokens=req.max_tokens, default_max_tokens=16,
                              num_logprobs=req.logprobs, limits=state.settings.limits)
-    params.structured, _ = output_constraint(req, chat=False)
+    params.structured, _ = await asyncio.to_thread(output_constraint, req, chat=False)
     echo_texts = None
     if req.echo:
         echo_texts = [p if isinstance(p, str) else await engine.decode(p) for p in prompts]

@@ -125,8 +125,8 @@ def tool_use(tools: Any, tool_choice: Any, parallel: bool | None,
     if choice == "none":
         return None, None
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get(
-            "type") == "function" else None
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         chosen = [f for f in functions if f["name"] == name]
         if not chosen:
             raise bad_request(f"`tool_choice` names the function {name!r}, which is not in "
@@ -157,4 +157,7 @@ def output_constraint(req: Any, *, chat: bool) -> tuple[StructuredOutput | None,
     if len(constraints) > 1:
         raise bad_request("only one of " + ", ".join(f"`{c.param}`" for c in constraints)
                           + " may constrain the output", param=constraints[1].param)
+    if constraints and req.min_tokens:  # the grammar may allow only the end it would ban
+        raise bad_request(f"`min_tokens` cannot be combined with `{constraints[0].param}`",
+                          param="min_tokens")
     return (constraints[0] if constraints else None), tools

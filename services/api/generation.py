@@ -50,6 +50,7 @@ class Choice:
     last_delta_at: float | None = None
     # Streaming with tools: text held back while it may be calls (None: not decided yet).
     held: list[str] = field(default_factory=list)
+    held_logprobs: list[TextLogprob] = field(default_factory=list)
     holding: bool | None = None
 
 
@@ -257,30 +258,30 @@ class Generation:
 
     def _tool_chunks(self, index: int, choice: Choice, delta: TextDelta,
                      reason: str | None) -> list[str]:
-        """Stream a choice that may call functions: text that starts like calls (`[`, `{` or
+        """Stream a choice that may call functions: text that opens like calls (`[`, `{` or
         `<tool_call>`) is held to the end, then sent as tool-call deltas if it parses as calls
         (one delta per call, whole, which the OpenAI SDK accumulates as it would pieces);
-        other text streams as content."""
-        if choice.holding is None:
-            choice.held.append(delta.text)
-            start = "".join(choice.held).lstrip()
-            if start:
-                choice.holding = start[0] in "[{<"
-            if choice.holding is False and not reason:
-                text, choice.held = "".join(choice.held), []
-                return [self._chunk(index, text, None, delta.logprobs, choice)] if text else []
-        elif choice.holding:
-            choice.held.append(delta.text)
-        elif delta.text or delta.logprobs or reason:
-            return [self._chunk(index, delta.text, reason, delta.logprobs, choice)]
-        if not reason:
+        other text streams as content, with its logprobs."""
+        if choice.holding is False:
+            if delta.text or delta.logprobs or reason:
+                return [self._chunk(index, delta.text, reason, delta.logprobs, choice)]
             return []
-        text, choice.held = "".join(choice.held), []
-        calls = self._calls(choice, "".join(choice.text))
+        choice.held.append(delta.text)
+        choice.held_logprobs.extend(delta.logprobs)
+        if choice.holding is None:
+            start = "".join(choice.held).lstrip()
+            choice.holding = _opens_calls(start) if start else None
+        if not reason and choice.holding is not False:
+            return []
+        text, logprobs = "".join(choice.held), choice.held_logprobs
+        choice.held, choice.held_logprobs = [], []
+        calls = self._calls(choice, "".join(choice.text)) if reason else None
         if calls:
             return [self._chunk(index, {"tool_calls": fmt.tool_calls(calls, stream=True)},
-                                "tool_calls", None)]
-        return [self._chunk(index, text, reason, None, choice)]
+                                "tool_calls", logprobs)]
+        if text or logprobs or reason:
+            return [self._chunk(index, text, reason, logprobs, choice)]
+        return []
 
     def _chunk(self, index: int, content: Any, reason: str | None,
                logprobs: list[TextLogprob] | None, choice: Choice | None = None) -> str:
@@ -300,6 +301,15 @@ class Generation:
             choice.text_offset += len(content) if isinstance(content, str) else 0
         return _json({"id": self.id, "object": fmt.completion_object(self.chat, stream=True),
                       "created": self.created, "model": self.model, "choices": [body]})
+
+
+def _opens_calls(start: str) -> bool | None:
+    """Whether text (stripped, not empty) opens like function calls; None while it may yet."""
+    if start[0] in "[{":
+        return True
+    if start.startswith("<tool_call>"):
+        return True
+    return None if "<tool_call>".startswith(start) else False
 
 
 def _json(data: Any) -> str:

@@ -72,8 +72,8 @@ class Grammars:
     """Compiles constraints for one vocabulary, caches them, and hands out matchers."""
 
     def __init__(self, vocabulary: Callable[[], Vocabulary], vocab_size: int) -> None:
-        """`vocabulary` is called once, on the first constraint (reading a GGUF's vocabulary
-        takes a moment; a server that never sees a constraint never pays it)."""
+        """`vocabulary` is called once, by `warm` (the executor calls it in the background at
+        start-up) or else on the first constraint."""
         self._vocabulary = vocabulary
         self.vocab_size = vocab_size
         self._tokenizer: llguidance.LLTokenizer | None = None

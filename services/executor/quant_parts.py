@@ -75,7 +75,7 @@ class QuantPart:
             return cls("q4", n, k, tiled, _tile_scales(native.scales),
                        _tile_scales(native.minimums))
         c = codes.reshape(groups, COLUMNS, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
-        if consume:  # column group g's slab of codes is the same bytes before and after
+        if consume and native.codes.is_contiguous():  # group g's slab: the same bytes after
             tiled = codes.reshape(groups, blocks, 8, COLUMNS, 4)
             for first in range(0, groups, _GROUPS_AT_ONCE):
                 tiled[first:first + _GROUPS_AT_ONCE] = c[first:first + _GROUPS_AT_ONCE]

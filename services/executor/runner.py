@@ -221,9 +221,9 @@ class ModelRunner:
             generator.manual_seed(new.params.seed)
         sampling = RequestSampling.from_params(new.params, self.config.eos_token_ids,
                                                self.config.vocab_size)
-        slot = self.token_counts.add(new.prompt_token_ids) if sampling.has_penalties else None
-        matcher = (self.grammars.matcher(new.params.structured)
+        matcher = (self.grammars.matcher(new.params.structured)  # may raise: before the slot
                    if new.params.structured is not None else None)
+        slot = self.token_counts.add(new.prompt_token_ids) if sampling.has_penalties else None
         self.requests[new.request_id] = _RequestState(
             list(new.prompt_token_ids), len(new.prompt_token_ids), new.params, sampling,
             generator, slot, matcher=matcher)

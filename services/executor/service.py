@@ -187,6 +187,9 @@ async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, device: str,
             await loop.run_in_executor(compiler, runner.grammars.prepare, request.structured)
         except ConstraintError as exc:
             return GrammarReply(error=str(exc))
+        except Exception as exc:  # a reply, not a scheduler waiting for a time-out
+            log.exception("compiling a constraint failed")
+            return GrammarReply(error=f"the constraint could not be compiled: {exc}")
         return GrammarReply()
 
     last_reply = time.perf_counter()

@@ -31,9 +31,12 @@ async def compile_constraint(runtime: ServiceRuntime, engine_id: str,
         return Admission(error_code=ErrorCode.OVERLOADED,
                          error_message="this engine's executor is not reachable; retry shortly")
     except (TimeoutError, nats.errors.TimeoutError):
-        return Admission(error_code=ErrorCode.INVALID_REQUEST, error_param=structured.param,
-                         error_message=f"the constraint did not compile within {timeout:g} s; "
-                                       "simplify the schema or grammar")
+        # Busy compiling others, or a grammar this slow: either way, not the client's fault
+        # for sure, so a retryable refusal (503) rather than a 400.
+        return Admission(error_code=ErrorCode.OVERLOADED,
+                         error_message=f"the constraint did not compile within {timeout:g} s "
+                                       "(the engine may be compiling others; a schema that "
+                                       "slow to compile is too complex)")
     if reply.error:
         return Admission(error_code=ErrorCode.INVALID_REQUEST, error_message=reply.error,
                          error_param=structured.param)

@@ -8,7 +8,9 @@ each the token the one before sampled, and the bus carries one message of each k
 tokens. Only while nothing waits and the batch is small: a request that arrives meanwhile waits
 for those steps (s forwards of a small batch, a few tens of ms), and a big batch's per-token
 bus cost is already shared by its many tokens. Tokens past a stop come back and are dropped,
-as after drafts (at most s - 1 forwards of the batch are wasted, once, at the end).
+as after drafts: at the end of a request, up to s - 1 forwards of its step, and the s of a
+step already planned ahead. The further steps never preempt anyone: without the blocks for
+them, a request takes one step.
 """
 
 from __future__ import annotations

@@ -232,6 +232,8 @@ class Scheduler:
                 continue
             num_new += len(drafts)
             num_steps = decode_steps(request, self.config, budget) if multi_step else 1
+            if num_steps > 1 and not self._reserve_blocks(request, num_new + num_steps - 1):
+                num_steps = 1  # the further steps are not worth preempting anyone for
             while not self._reserve_blocks(request, num_new + num_steps - 1):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -114,6 +114,7 @@ class SchedulerService:
         self.draining = False  # SIGTERM: finish what is held, take nothing new
         self._next_expiry_check = 0.0
         self._compiling: set[asyncio.Task] = set()  # constrained submits, see on_submit_message
+        self._compiling_ids: dict[str, bool] = {}  # request id -> aborted meanwhile
 
     async def start(self) -> None:
         self.info = await self._wait_for_executor()
@@ -207,10 +208,20 @@ class SchedulerService:
                              error_message="the server is busy (its queue is full); retry "
                                            "shortly")
         if submit.params.structured is not None:
-            refused = await compile_constraint(self.runtime, self.engine_id,
-                                               submit.params.structured)
+            self._compiling_ids[submit.request_id] = False
+            try:
+                refused = await compile_constraint(self.runtime, self.engine_id,
+                                                   submit.params.structured)
+            finally:
+                aborted = self._compiling_ids.pop(submit.request_id)
             if refused is not None:
                 return refused
+            if aborted:  # its client went away while it compiled: not to be tried elsewhere
+                return Admission(error_code=ErrorCode.INVALID_REQUEST,
+                                 error_message="aborted while its constraint compiled")
+            if self.draining:  # began shutting down meanwhile: another engine may take it
+                return Admission(error_code=ErrorCode.OVERLOADED,
+                                 error_message="this engine is shutting down; retry shortly")
         try:
             # The engine's own clock: a tokenizer on another host may be skewed, and the queue
             # timeout must not fire (or never fire) because of it.
@@ -227,6 +238,8 @@ class SchedulerService:
 
     async def on_abort(self, abort: AbortRequest, _: Msg) -> None:
         assert self.scheduler is not None
+        if abort.request_id in self._compiling_ids and abort.index is None:
+            self._compiling_ids[abort.request_id] = True  # refused once it has compiled
         if self.scheduler.abort_request(abort.request_id, abort.index):
             log.info("aborted", request_id=abort.request_id, index=abort.index)
             self.loop.wakeup.set()

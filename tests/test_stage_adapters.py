@@ -113,10 +113,14 @@ async def test_the_detokenizer_streams_text_and_aborts_at_a_stop_string(bus):
     ids = tok.encode("hello, world")
     async with ServiceRuntime("detokenizer", url, handle_signals=False) as runtime:
         await detokenizer_service.subscribe(runtime, Detokenization(tok))
-        for piece in (ids[:2], ids[2:]):  # the stop string arrives in the second step
+        for step, piece in enumerate((ids[:2], ids[2:])):  # the stop string spans both steps
             await client.publish(subjects.DETOKENIZER_TOKENS, encode(TokenBatch(
                 engine_id="e0", items=[RequestTokens(request_id="r", reply_subject="api.x",
                                                      new_token_ids=piece, stop=[", w"])])))
+            await client.flush()
+            async with asyncio.timeout(TIMEOUT):  # one step after the other, as an engine
+                while runtime.num_handled <= step:
+                    await asyncio.sleep(0.01)
         try:
             async with asyncio.timeout(TIMEOUT):
                 while not (aborts and any(d.finish_reason for b in deltas for d in b.items)):

@@ -170,13 +170,21 @@ async def test_an_executor_that_dies_mid_request_ends_it_with_an_error(engine):
     assert last.finish_reason == FinishReason.ERROR and "executor" in last.error
 
 
+async def _submit_while_compiling(runtime: ServiceRuntime, executor: FakeExecutor,
+                                  request_id: str, regex: str) -> asyncio.Task:
+    """Submit a constrained request whose grammar the executor holds until `compiled` is
+    set; returns the submit's task once the executor was asked."""
+    executor.compiled.clear()
+    task = asyncio.create_task(_submit(runtime, request_id, max_tokens=3, structured=(
+        StructuredOutput(kind="regex", spec=regex, param="guided_regex"))))
+    await _until(lambda: executor.grammars, "the executor was asked to compile")
+    return task
+
+
 @pytest.mark.asyncio
 async def test_a_constrained_request_waits_for_its_grammar_and_the_others_do_not(engine):
     runtime, executor, tokens, _ = engine
-    executor.compiled.clear()
-    constrained = asyncio.create_task(_submit(runtime, "c1", max_tokens=3, structured=(
-        StructuredOutput(kind="regex", spec="[0-9]+", param="guided_regex"))))
-    await _until(lambda: executor.grammars, "the executor was asked to compile")
+    constrained = await _submit_while_compiling(runtime, executor, "c1", "[0-9]+")
     admission = await _submit(runtime, "plain", max_tokens=3)  # not stuck behind c1
     assert admission.error_code == 0 and not constrained.done()
     await _until(lambda: any(i.finish_reason for i in _items(tokens, "plain")), "plain ran")
@@ -200,14 +208,10 @@ async def test_a_constraint_the_executor_cannot_compile_is_refused_at_admission(
 
 @pytest.mark.asyncio
 async def test_a_request_aborted_while_its_grammar_compiles_never_runs(engine):
-    runtime, executor, _, _ = engine
-    executor.compiled.clear()
-    submitting = asyncio.create_task(_submit(runtime, "c3", max_tokens=3, structured=(
-        StructuredOutput(kind="regex", spec="[a-z]+", param="guided_regex"))))
-    await _until(lambda: executor.grammars, "the executor was asked to compile")
+    runtime, executor, _, service = engine
+    submitting = await _submit_while_compiling(runtime, executor, "c3", "[a-z]+")
     await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id="c3"))
-    await runtime.nc.flush()
-    await asyncio.sleep(0.2)  # the abort reaches the scheduler (no event to wait on: a no-op)
+    await _until(lambda: service._compiling_ids.get("c3"), "the scheduler took the abort")
     executor.compiled.set()
     admission = await submitting
     assert admission.error_code == ErrorCode.INVALID_REQUEST and "aborted" in (

@@ -22,6 +22,7 @@ class FakeExecutor:
         self.plans: list[StepPlan] = []
         self.answered = 0
         self.unanswered_at_send: list[int] = []  # per plan: others still in flight
+        self.behind_multi_step: list[int] = []  # plans sent while a multi-step one was out
         self.error_at_step, self.hang = error_at_step, hang
         self.gates: dict[int, asyncio.Event] = {}
 
@@ -30,6 +31,8 @@ class FakeExecutor:
 
     async def __call__(self, plan: StepPlan) -> StepResult:
         self.unanswered_at_send.append(len(self.plans) - self.answered)
+        if any(s.num_steps > 1 for p in self.plans[self.answered:] for s in p.scheduled):
+            self.behind_multi_step.append(plan.step_id)
         self.plans.append(plan)
         if self.hang:
             await asyncio.Event().wait()
@@ -38,7 +41,9 @@ class FakeExecutor:
         if plan.step_id == self.error_at_step:
             return StepResult(step_id=plan.step_id, error="the fake executor failed")
         return StepResult(step_id=plan.step_id, forward_seconds=0.001,
-                          sampled_token_ids=[7] * sum(s.sample for s in plan.scheduled))
+                          sampled_token_ids=[7] * sum(s.sample * s.num_steps
+                                                      for s in plan.scheduled),
+                          num_sampled=[s.num_steps for s in plan.scheduled if s.sample])
 
 
 class Published:
@@ -54,10 +59,10 @@ class Published:
         return {u.request_id: u.finish_reason for u in self.updates if u.finish_reason}
 
 
-def _engine(executor: FakeExecutor, depth: int = 2, silent=lambda: False,
+def _engine(executor: FakeExecutor, depth: int = 2, silent=lambda: False, decode_steps: int = 1,
             ) -> tuple[EngineLoop, Published]:
     scheduler = Scheduler(SchedulerConfig(num_blocks=33, block_size=4, max_model_len=64,
-                                          eos_token_ids=(2,)))
+                                          eos_token_ids=(2,), decode_steps=decode_steps))
     published = Published()
     loop = EngineLoop(scheduler, execute=executor, publish=published, expired=lambda now: [],
                       executor_silent=silent, depth=depth)
@@ -103,6 +108,24 @@ async def test_depth_bounds_the_steps_in_flight(depth):
         assert published.finished() == {"a": FinishReason.LENGTH}
         assert [t for u in published.updates for t in u.new_token_ids] == [7] * 4
         assert loop.busy_seconds > 0
+    finally:
+        task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_nothing_is_planned_behind_a_multi_step_plan():
+    """Single steps pipeline; a plan of several forwards goes out alone, so a request that
+    arrives meanwhile waits for one such plan, not two."""
+    executor = FakeExecutor()
+    loop, published = _engine(executor, depth=2, decode_steps=4)
+    task = asyncio.create_task(loop.run())
+    try:
+        _add(loop, "a", max_tokens=20)
+        await _open_gates(executor, lambda: "a" in published.finished())
+        multi = [p.step_id for p in executor.plans if any(s.num_steps > 1 for s in p.scheduled)]
+        assert len(multi) >= 3, executor.plans
+        assert executor.behind_multi_step == []
+        assert [t for u in published.updates for t in u.new_token_ids] == [7] * 20
     finally:
         task.cancel()
 

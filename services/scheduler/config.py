@@ -12,7 +12,8 @@ class SchedulerConfig:
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    # Chunked prefill's step size; why 256: docs/benchmarks.md, "Step budget".
+    max_num_batched_tokens: int = 256
     enable_prefix_caching: bool = True
     # Speculative decoding (ngram_proposer.py): up to this many draft tokens per step, from
     # earlier matches of the last spec_ngram_max..spec_ngram_min tokens; 0 = off.

@@ -7,6 +7,9 @@ one at a time, in order. The rules:
 - plan while there is work and fewer than `depth` steps are in flight; a step with nothing
   scheduled goes out only when none is in flight (its bookkeeping — forgotten and preempted
   requests — otherwise rides the next plan);
+- plan nothing behind a multi-step plan (multi_step.py): it runs several forwards, which hide
+  the round trip on their own, and a request that arrives meanwhile then waits for one such
+  plan, not two;
 - when a step fails (the executor answered an error, timed out, or fell silent), cancel the
   other steps in flight and end every request with an explicit error: never hang;
 - when idle, publish what ended and sleep until woken (a submit, an abort) or a second passes
@@ -85,7 +88,8 @@ class EngineLoop:
         """Plan and send steps up to the pipeline depth; returns `continuing` for the next."""
         scheduler = self.scheduler
         while ((scheduler.has_work or (scheduler.has_bookkeeping and not in_flight))
-               and len(in_flight) < self.depth):
+               and len(in_flight) < self.depth
+               and not any(_multi_step(p) for p, _, _ in in_flight)):
             plan = scheduler.schedule(self.clock())
             if not plan.scheduled and in_flight:
                 scheduler.unschedule_empty(plan)
@@ -115,3 +119,8 @@ class EngineLoop:
             if self.executor_silent():
                 task.cancel()
                 raise RuntimeError("the executor stopped responding")
+
+
+def _multi_step(plan: StepPlan) -> bool:
+    """A plan of several forwards: nothing is planned behind it until it answers."""
+    return any(item.num_steps > 1 for item in plan.scheduled)

@@ -125,6 +125,7 @@ async def test_nothing_is_planned_behind_a_multi_step_plan():
         multi = [p.step_id for p in executor.plans if any(s.num_steps > 1 for s in p.scheduled)]
         assert len(multi) >= 3, executor.plans
         assert executor.behind_multi_step == []
+        assert max(executor.unanswered_at_send) == 1  # the prefill had a step planned behind it
         assert [t for u in published.updates for t in u.new_token_ids] == [7] * 20
     finally:
         task.cancel()

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from collections import deque
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmbus.bus.messages import FinishReason, SamplingParams
-from llmbus.services.scheduler.multi_step import MAX_BATCH
+from llmbus.bus.messages import FinishReason, SamplingParams, ScheduledRequest, StepPlan
+from llmbus.services.scheduler.config import SchedulerConfig
+from llmbus.services.scheduler.multi_step import MAX_BATCH, DecodePace
 from tests.test_scheduler_speculation import (
     EOS,
     FakeExecutor,
@@ -103,3 +105,51 @@ def test_random_traces_with_several_steps_read_only_true_kv(ops, prefix_caching,
         return EOS if (len(tokens) + len(request_id)) % 13 == 0 else len(tokens) % 9 + 3
 
     replay_trace(s, FakeExecutor(model), ops)
+
+
+def paced_plans(forward_seconds: float, plan_seconds: float = 0.08) -> list[list[int]]:
+    """Each plan's decode steps for one long request, the fake executor taking
+    `forward_seconds` per forward."""
+    s = make(k=0, decode_steps=8, decode_plan_seconds=plan_seconds)
+    s.add_request("r", "api", [3, 4, 5], SamplingParams(max_tokens=60, ignore_eos=True))
+    executor = FakeExecutor(cycle([5, 6, 7]))
+
+    def timed(plan):
+        result = executor.run(plan)
+        result.forward_seconds = forward_seconds * max(i.num_steps for i in plan.scheduled)
+        return result
+
+    plans, updates = drive(s, timed)
+    assert sum(len(u.new_token_ids) for u in updates) == 60
+    return [[i.num_steps for i in p.scheduled] for p in plans]
+
+
+def test_a_plan_takes_fewer_steps_when_forwards_are_slow():
+    """Up to --decode-steps while a plan's forwards fit the plan time (80 ms): 8 steps of a
+    6 ms forward, 2 of a 30 ms one, 1 of a 100 ms one. The first decode plans go out before
+    any forward was timed."""
+    fast, medium, slow = paced_plans(0.006), paced_plans(0.03), paced_plans(0.1)
+    assert max(max(p) for p in fast[3:]) == 8
+    assert max(max(p) for p in medium[3:]) == 2
+    assert max(max(p) for p in slow[3:]) == 1
+    assert len(slow) > 3 * len(fast)
+
+
+def test_the_pace_learns_from_small_decode_steps_only():
+    pace = DecodePace()
+    config = SchedulerConfig(num_blocks=8, block_size=4, max_model_len=64, decode_steps=8,
+                             decode_plan_seconds=0.08)
+    assert pace.max_steps(config) == 8  # nothing timed yet
+    prefill = StepPlan(step_id=0, scheduled=[ScheduledRequest("a", 0, 30)])
+    pace.observe(prefill, 1.0)
+    assert pace.forward_seconds is None
+    big = StepPlan(step_id=1, scheduled=[ScheduledRequest(f"r{i}", 30, 1)
+                                         for i in range(MAX_BATCH + 1)])
+    pace.observe(big, 1.0)
+    assert pace.forward_seconds is None
+    pace.observe(StepPlan(step_id=2, scheduled=[ScheduledRequest("a", 30, 1, num_steps=4)]),
+                 0.16)
+    assert pace.forward_seconds == pytest.approx(0.04) and pace.max_steps(config) == 2
+    for step in range(3, 30):  # forwards got faster: the average follows
+        pace.observe(StepPlan(step_id=step, scheduled=[ScheduledRequest("a", 31, 1)]), 0.005)
+    assert pace.max_steps(config) == 8

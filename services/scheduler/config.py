@@ -20,14 +20,19 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     spec_ngram_min: int = 2
     spec_ngram_max: int = 4
-    # Multi-step decoding (multi_step.py): tokens a small batch's decodes take per step.
+    # Multi-step decoding (multi_step.py): tokens a small batch's decodes take per step, at
+    # most, and about how long such a step may take (fewer steps when forwards are slow).
     decode_steps: int = 1
+    decode_plan_seconds: float = 0.08
 
     def __post_init__(self) -> None:
         check_speculation(self.num_speculative_tokens, self.spec_ngram_min,
                           self.spec_ngram_max)
         if self.decode_steps < 1:
             raise ValueError(f"--decode-steps must be 1 or more, got {self.decode_steps}")
+        if not self.decode_plan_seconds > 0:
+            raise ValueError("--decode-plan-ms must be positive, got "
+                             f"{self.decode_plan_seconds * 1000:g}")
 
 
 def check_speculation(num_tokens: int, ngram_min: int, ngram_max: int) -> None:

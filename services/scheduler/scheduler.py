@@ -41,7 +41,11 @@ from llmbus.bus.messages import (
 from llmbus.services.scheduler.admission import AdmissionError, params_for, resolve_max_tokens
 from llmbus.services.scheduler.config import SchedulerConfig
 from llmbus.services.scheduler.kv_manager import KVManager
-from llmbus.services.scheduler.multi_step import decode_steps, multi_step_decode
+from llmbus.services.scheduler.multi_step import (
+    DecodePace,
+    decode_steps,
+    multi_step_decode,
+)
 from llmbus.services.scheduler.outputs import end_updates, stop_reason, token_update
 from llmbus.services.scheduler.request import Request, RequestStatus
 from llmbus.services.scheduler.speculation import drafts_for, verified, waits_for_drafts
@@ -66,6 +70,7 @@ class Scheduler:
         self.num_prefix_hit_tokens = 0
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted
         self.num_accepted_tokens = 0
+        self.decode_pace = DecodePace()  # how many steps a multi-step plan may take
         self._ended_updates: list[RequestTokens] = []  # aborts, sent with the next update
         self._forget_ids: list[str] = []  # the executor drops these before the next step
         self._preempted_ids: list[str] = []
@@ -222,6 +227,7 @@ class Scheduler:
         Appends to `scheduled`; returns the token budget left."""
         index, speculating = 0, self.config.num_speculative_tokens > 0
         multi_step = multi_step_decode(self.config, len(self.running), len(self.waiting))
+        most_steps = self.decode_pace.max_steps(self.config)
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._num_new_tokens(request, budget)
@@ -231,7 +237,8 @@ class Scheduler:
                 index += 1
                 continue
             num_new += len(drafts)
-            num_steps = decode_steps(request, self.config, budget) if multi_step else 1
+            num_steps = (decode_steps(request, self.config, budget, most_steps)
+                         if multi_step else 1)
             if num_steps > 1 and not self._reserve_blocks(request, num_new + num_steps - 1):
                 num_steps = 1  # the further steps are not worth preempting anyone for
             while not self._reserve_blocks(request, num_new + num_steps - 1):
@@ -402,6 +409,7 @@ class Scheduler:
                now: float = 0.0) -> list[RequestTokens]:
         """Fill in a step's sampled tokens; returns the token updates for the detokenizer."""
         updates = self.take_ended_updates()
+        self.decode_pace.observe(plan, result.forward_seconds)
         sampled = iter(result.sampled_token_ids)
         logprobs = iter(result.logprobs or [None] * len(result.sampled_token_ids))
         counts = iter(result.num_sampled) if result.num_sampled else None

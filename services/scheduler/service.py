@@ -95,10 +95,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding: shortest suffix looked up (default: 2)")
     parser.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
                         help="multi-step decoding: while nothing waits and at most "
-                             f"{MULTI_STEP_MAX_BATCH} requests run, each step decodes this many "
-                             "tokens of each (one plan and one result on the bus per that many "
-                             "tokens; a request that arrives meanwhile waits for them); 1 = off "
+                             f"{MULTI_STEP_MAX_BATCH} requests run, each step decodes up to this "
+                             "many tokens of each (one plan and one result on the bus per that "
+                             "many tokens; a request that arrives meanwhile waits for them); "
+                             "1 = off "
                              f"(default: {DEFAULT_DECODE_STEPS})")
+    parser.add_argument("--decode-plan-ms", type=float,
+                        default=SchedulerConfig.decode_plan_seconds * 1000,
+                        help="multi-step decoding: about how long one plan of several steps "
+                             "may take; fewer steps than --decode-steps when the model's "
+                             "forwards are slow, so that text still arrives this often and a "
+                             "new request waits at most about this long "
+                             f"(default: {SchedulerConfig.decode_plan_seconds * 1000:g})")
     parser.add_argument("--step-timeout", type=float, default=60.0,
                         help="seconds to wait for the executor's answer to one step before "
                              "failing its requests (default: 60)")
@@ -130,6 +138,7 @@ class SchedulerService:
             enable_prefix_caching=not self.args.no_prefix_caching,
             num_speculative_tokens=self.args.num_speculative_tokens,
             decode_steps=self.args.decode_steps,
+            decode_plan_seconds=self.args.decode_plan_ms / 1000,
             spec_ngram_min=self.args.spec_ngram_min, spec_ngram_max=self.args.spec_ngram_max))
         step_subject = subjects.executor_step(self.engine_id)
 

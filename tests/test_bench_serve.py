@@ -97,6 +97,7 @@ def test_exact_text_trims_when_words_merge():
         assert len(tokenizer.encode(text)) == n
 
 
+@pytest.mark.model
 def test_random_dataset_is_seeded_and_distinct(gguf_tokenizer):
     first = random_dataset(gguf_tokenizer, num_requests=6, input_len=64, seed=3)
     assert first == random_dataset(gguf_tokenizer, num_requests=6, input_len=64, seed=3)
@@ -104,6 +105,7 @@ def test_random_dataset_is_seeded_and_distinct(gguf_tokenizer):
     assert len({r.prompt for r in first}) == 6
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("input_len", [1, 7, 256, 1000])
 def test_random_prompts_have_exact_token_lengths(gguf_tokenizer, input_len):
     for request in random_dataset(gguf_tokenizer, num_requests=4, input_len=input_len):
@@ -111,6 +113,7 @@ def test_random_prompts_have_exact_token_lengths(gguf_tokenizer, input_len):
         assert len(gguf_tokenizer.encode(request.prompt)) == input_len
 
 
+@pytest.mark.model
 def test_shared_prefix_prompts(gguf_tokenizer):
     requests = shared_prefix_dataset(gguf_tokenizer, num_requests=5, prefix_len=300, input_len=20)
     assert len({r.system for r in requests}) == 1

@@ -174,6 +174,7 @@ def _with_pre(tokens: list[str], merges: list[str], pre: str) -> GGUFTokenizer:
                          bos_token_id=None, eos_token_id=None, pre=pre)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("pre,hf_class", [("gpt2", "GPT2Tokenizer"),
                                           ("qwen2", "Qwen2Tokenizer")])
 def test_pre_tokenizers_match_transformers(vocab_files, pre, hf_class):
@@ -187,6 +188,7 @@ def test_pre_tokenizers_match_transformers(vocab_files, pre, hf_class):
         assert ours.encode(text) == hf.encode(text, add_special_tokens=False), text
 
 
+@pytest.mark.model
 def test_llama3_split_follows_its_published_pattern(vocab_files):
     """transformers has no Python Llama 3 tokenizer: its words are checked against the
     `regex` module running the pattern of Llama 3's tokenizer.json, and they differ from

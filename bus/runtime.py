@@ -8,7 +8,9 @@ Every service has the same skeleton:
     # leaving the block drains the subscriptions (in-flight handlers finish) and closes
 
 A service that waits on something else (the api's HTTP server) calls `mark_ready()` instead of
-`serve()`.
+`serve()`. nats-py calls one subscription's handler for one message at a time; a handler that
+waits on another service (admission) takes `concurrency=N` so that one slow answer does not
+hold the messages behind it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import signal
 import ssl
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import msgspec
@@ -38,6 +40,8 @@ T = TypeVar("T", bound=msgspec.Struct)
 R = TypeVar("R", bound=msgspec.Struct)
 
 log = structlog.get_logger()
+
+DRAIN_TIMEOUT = 5.0  # seconds close() gives in-flight handlers before it cancels them
 
 
 def new_instance_id() -> str:
@@ -71,6 +75,9 @@ class ServiceRuntime:
         self.ready = False
         self.stop_event = asyncio.Event()
         self._subscriptions: list[Any] = []
+        self._handler_tasks: set[asyncio.Task] = set()  # handlers of concurrency > 1
+        self._cancelling = False  # close() gave up waiting for them
+        self.drain_timeout = DRAIN_TIMEOUT
         self._heartbeat_task: asyncio.Task | None = None
         self.num_handled = 0  # the service counts its work here; heartbeats report it
 
@@ -116,12 +123,17 @@ class ServiceRuntime:
 
     async def on_message(self, subject: str, message_type: type[T],
                          handler: Callable[[T, Msg], Awaitable[None]],
-                         queue: str = "") -> None:
+                         queue: str = "", concurrency: int = 1) -> None:
         """Call `handler(decoded, raw)` for each message; the trace context is made current.
         Returns once the server has the subscription, so that what other connections send
-        from then on reaches it."""
+        from then on reaches it.
 
-        async def callback(msg: Msg) -> None:
+        `concurrency=1` handles one message after the other (for subscriptions whose order
+        matters). More runs each handler as a task of its own, at most `concurrency` at once:
+        when all are busy the next message waits in the subscription's queue (back-pressure).
+        """
+
+        async def handle(msg: Msg) -> None:
             token = otel_context.attach(extract_context(msg.headers))
             try:
                 await handler(decode(msg.data, message_type), msg)
@@ -130,20 +142,43 @@ class ServiceRuntime:
             finally:
                 otel_context.detach(token)
 
+        callback = handle if concurrency == 1 else self._in_tasks(handle, concurrency)
         assert self.nc is not None
         self._subscriptions.append(await self.nc.subscribe(subject, queue=queue, cb=callback))
         await self.nc.flush()
 
+    def _in_tasks(self, handle: Callable[[Msg], Coroutine[Any, Any, None]],
+                  concurrency: int) -> Callable[[Msg], Awaitable[None]]:
+        """A callback that starts `handle(msg)` as a task once one of `concurrency` slots is
+        free; close() waits for the tasks (or cancels them)."""
+        slots = asyncio.Semaphore(concurrency)
+
+        def done(task: asyncio.Task) -> None:
+            self._handler_tasks.discard(task)
+            slots.release()
+
+        async def callback(msg: Msg) -> None:
+            await slots.acquire()
+            if self._cancelling:  # dropped, as a closed connection would
+                slots.release()
+                return
+            task = asyncio.create_task(handle(msg))  # a copy of the context: its own trace
+            self._handler_tasks.add(task)
+            task.add_done_callback(done)
+
+        return callback
+
     async def on_request(self, subject: str, message_type: type[T],
                          handler: Callable[[T, Msg], Awaitable[msgspec.Struct]],
-                         queue: str = "") -> None:
+                         queue: str = "", concurrency: int = 1) -> None:
         """Like on_message, but the handler's return value is sent back as the reply."""
 
         async def reply(request: T, msg: Msg) -> None:
             response = await handler(request, msg)
             await msg.respond(encode(response))
 
-        await self.on_message(subject, message_type, reply, queue=queue)
+        await self.on_message(subject, message_type, reply, queue=queue,
+                              concurrency=concurrency)
 
     async def publish(self, subject: str, message: msgspec.Struct) -> None:
         assert self.nc is not None
@@ -207,12 +242,30 @@ class ServiceRuntime:
             loop.add_signal_handler(sig, self.stop_event.set)
 
     async def close(self) -> None:
-        """Drain subscriptions (in-flight handlers finish), then close the connection."""
+        """Stop taking messages, let in-flight handlers finish (their requests and replies
+        still travel) for up to `drain_timeout`, cancel the rest, then drain and close."""
         self.ready = False
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
-        if self.nc is not None and not self.nc.is_closed:
+        if self.nc is None or self.nc.is_closed:
+            return
+        if self.nc.is_connected:  # else no reply could leave: nothing to wait for
             try:
-                await asyncio.wait_for(self.nc.drain(), timeout=5.0)
-            except Exception:  # a dead server must not turn shutdown into a hang
-                await self.nc.close()
+                await asyncio.wait_for(self._drain_handlers(), timeout=self.drain_timeout)
+            except TimeoutError:  # handlers too slow: what is left is cancelled
+                pass
+        self._cancelling = True
+        for task in self._handler_tasks:
+            task.cancel()
+        await asyncio.gather(*self._handler_tasks, return_exceptions=True)
+        try:
+            await asyncio.wait_for(self.nc.drain(), timeout=self.drain_timeout)
+        except Exception:  # a dead server must not turn shutdown into a hang
+            await self.nc.close()
+
+    async def _drain_handlers(self) -> None:
+        # The subscriptions first (inline handlers finish), so that no task starts after.
+        await asyncio.gather(*(subscription.drain() for subscription in self._subscriptions),
+                             return_exceptions=True)
+        while self._handler_tasks:
+            await asyncio.wait(set(self._handler_tasks))

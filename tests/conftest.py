@@ -1,5 +1,6 @@
 """Shared fixtures: the session's real `llmbus up` stack (tests/stack.py starts it), an OTLP
-receiver for its traces, HF transformers as the greedy reference. And every test's kind.
+receiver for its traces, a nats-server per adapter test (`bus`), HF transformers as the greedy
+reference. And every test's kind.
 
 Kinds, one per test, given by its file (TEST_KINDS): `unit` (pure code: no nats-server, no
 model), `adapter` (a real nats-server, no model) and `e2e` (the default model and/or a whole
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import nats
 import pytest
 
+from llmbus.services.launcher import Stack
 from llmbus.services.model_files import default_model_path
 from tests.otlp_receiver import OtlpReceiver
 from tests.stack import API_KEY, RunningStack, start_stack, stop_stack
@@ -39,6 +42,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Runni
                           env=env)
     yield running
     stop_stack(running)
+
+
+@pytest.fixture
+async def bus():
+    """A nats-server of its own on a free port (adapter tests), and a client of it."""
+    stack = Stack()
+    url = stack.start_nats(auth=False)
+    client = await nats.connect(url)
+    try:
+        yield url, client
+    finally:
+        await client.close()
+        stack.stop()
 
 
 @pytest.fixture(scope="session")

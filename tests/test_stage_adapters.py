@@ -30,25 +30,12 @@ from llmbus.bus.messages import (
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.detokenizer import service as detokenizer_service
 from llmbus.services.detokenizer.detokenization import Detokenization
-from llmbus.services.launcher import Stack
 from llmbus.services.tokenizer.router import Router
 from llmbus.services.tokenizer.service import TokenizerService
 from llmbus.services.tokenizer.tokenization import Tokenization
 from tests.gguf_fixtures import tiny_tokenizer
 
 TIMEOUT = 10.0
-
-
-@pytest.fixture
-async def bus():
-    stack = Stack()
-    url = stack.start_nats(auth=False)
-    client = await nats.connect(url)
-    try:
-        yield url, client
-    finally:
-        await client.close()
-        stack.stop()
 
 
 @pytest.mark.asyncio

@@ -19,7 +19,6 @@ import structlog
 from nats.aio.msg import Msg
 
 from llmbus.bus import subjects
-from llmbus.bus.codec import encode
 from llmbus.bus.liveness import Liveness
 from llmbus.bus.messages import (
     AbortRequest,
@@ -52,6 +51,10 @@ from llmbus.services.scheduler.spans import record_request_spans
 
 log = structlog.get_logger()
 DEFAULT_DECODE_STEPS = 8
+# Submits handled at once: a plain one answers at once, a constrained one waits for its grammar
+# (up to COMPILE_TIMEOUT), so plain submits must not queue behind it; bounded so that a burst
+# of constrained ones waits in the subscription's queue instead of piling up tasks.
+MAX_SUBMITS_IN_FLIGHT = 64
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,7 +128,6 @@ class SchedulerService:
         self.executor = Liveness()
         self.draining = False  # SIGTERM: finish what is held, take nothing new
         self._next_expiry_check = 0.0
-        self._compiling: set[asyncio.Task] = set()  # constrained submits, see on_submit_message
         self._compiling_ids: dict[str, bool] = {}  # request id -> aborted meanwhile
 
     async def start(self) -> None:
@@ -150,10 +152,10 @@ class SchedulerService:
                                expired=self._expired, executor_silent=self.executor_silent,
                                depth=self.args.pipeline_depth)
         runtime, group = self.runtime, subjects.queue_group("scheduler")
-        await runtime.on_message(subjects.engine_submit(self.engine_id), SubmitRequest,
-                                 self.on_submit_message)
-        await runtime.on_message(subjects.ENGINE_SUBMIT, SubmitRequest, self.on_submit_message,
-                                 queue=group)
+        await runtime.on_request(subjects.engine_submit(self.engine_id), SubmitRequest,
+                                 self.on_submit, concurrency=MAX_SUBMITS_IN_FLIGHT)
+        await runtime.on_request(subjects.ENGINE_SUBMIT, SubmitRequest, self.on_submit,
+                                 queue=group, concurrency=MAX_SUBMITS_IN_FLIGHT)
         await runtime.on_message(subjects.SCHEDULER_ABORT, AbortRequest, self.on_abort)
         await runtime.on_message(subjects.engine_withdraw(self.engine_id), AbortRequest,
                                  self.on_withdraw)
@@ -192,23 +194,10 @@ class SchedulerService:
                 await asyncio.sleep(0.2)
         raise asyncio.CancelledError
 
-    async def on_submit_message(self, submit: SubmitRequest, msg: Msg) -> None:
-        """Answer a submit; a constrained one in a task of its own (its constraint compiles
-        first), so that the submits behind it do not wait."""
-        async def answer() -> None:
-            try:
-                await msg.respond(encode(await self.on_submit(submit, msg)))
-            except Exception:
-                log.exception("submit failed", request_id=submit.request_id)
-
-        if submit.params.structured is None:
-            await answer()
-            return
-        task = asyncio.create_task(answer())
-        self._compiling.add(task)
-        task.add_done_callback(self._compiling.discard)
-
     async def on_submit(self, submit: SubmitRequest, _: Msg) -> Admission:
+        """Admit a request, or say why not. Submits are handled concurrently: a plain one has
+        no await before add_request (so plain ones queue in arrival order); a constrained one
+        awaits its compile, and an abort that comes meanwhile is kept in _compiling_ids."""
         scheduler = self.scheduler
         assert scheduler is not None
         if self.draining:

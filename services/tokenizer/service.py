@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 ADMISSION_TIMEOUT = 3.0  # seconds an engine has to answer a submit before the next is tried
+# Admissions handled at once by one copy: each mostly waits on an engine's answer (up to
+# ADMISSION_TIMEOUT per engine tried), so one slow engine must not hold the requests for the
+# others; bounded so that a burst waits in the subscription's queue instead of piling up tasks.
+MAX_ADMISSIONS_IN_FLIGHT = 64
 
 
 async def submit_to_an_engine(runtime: ServiceRuntime, router: Router, submit: SubmitRequest,
@@ -99,7 +103,7 @@ class TokenizerService:
                                  self.on_engine_heartbeat)
         await runtime.on_message(subjects.ENGINE_CACHE_EVENTS, CacheEvent, self.on_cache_event)
         await runtime.on_request(subjects.TOKENIZER_GENERATE, GenerateRequest, self.on_generate,
-                                 queue=group)
+                                 queue=group, concurrency=MAX_ADMISSIONS_IN_FLIGHT)
         await runtime.on_request(subjects.TOKENIZER_ENCODE, EncodeRequest, self.on_encode,
                                  queue=group)
         await runtime.on_request(subjects.TOKENIZER_DECODE, DecodeRequest, self.on_decode,

@@ -116,12 +116,27 @@ float block_amax(const float* v) {
     return amax;
 }
 
-float block_sum(const float* v) {
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int i = 0; i < GROUP; ++i) sum += v[i];
-    return sum;
+// Float sums in one fixed order on every build: 16 running lanes (lane i takes inputs i,
+// i + 16, ...), then a fixed tree. An `omp simd` reduction would sum in the order of the
+// vector width the build has (8 lanes with AVX2, 16 with AVX-512), and a last-bit difference
+// in a block's sum or a row's norm flips int8 roundings downstream: each build would then give
+// its own logits (seen: perplexity +0.44% against exact for the AVX2 build, +0.71% for the
+// AVX-512 one, on the same machine). With the order fixed, every x86-64-v3 or newer build
+// gives the same bits (tests/test_int_step.py checks it); the plain-loop build has no FMA.
+constexpr int LANES = 16;
+
+float fixed_order_sum(const float* v, int64_t n, const float* w = nullptr) {
+    float lanes[LANES] = {};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; ++j) lanes[j] += w ? v[i + j] * w[i + j] : v[i + j];
+    for (int j = 0; i + j < n; ++j) lanes[j] += w ? v[i + j] * w[i + j] : v[i + j];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+    return lanes[0];
 }
+
+float block_sum(const float* v) { return fixed_order_sum(v, GROUP); }
 
 // One block of 32 inputs to int8 codes; returns its scale.
 float quantize_int8(const float* v, int8_t* q) {
@@ -432,9 +447,7 @@ void linear(const IntLinear& l, const float* x, int64_t T, float* y, bool accumu
 void rms_norm(const float* x, const float* weight, int64_t T, int64_t D, float eps, float* out) {
     for (int64_t t = 0; t < T; ++t) {
         const float* v = x + t * D;
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < D; ++i) ss += v[i] * v[i];
+        const float ss = fixed_order_sum(v, D, v);
         const float scale = 1.f / std::sqrt(ss / float(D) + eps);
 #pragma omp simd
         for (int64_t i = 0; i < D; ++i) out[t * D + i] = v[i] * scale * weight[i];

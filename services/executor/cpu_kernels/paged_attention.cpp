@@ -240,33 +240,22 @@ inline float softmax_step(float* s, int64_t n, float& m, float& l) {
     return shrink;
 }
 
-// acc [Dh] <- acc * shrink + p[0:n] @ V, V's rows at vrow[0:n]. Even and odd keys go to two
-// sets of sums, so that a sum's next multiply-add need not wait for its last.
+// acc [Dh] <- acc * shrink + p[0:n] @ V, V's rows at vrow[0:n]. One sum per 8 lanes, keys in
+// order: the head's Dh / 8 sums are independent chains already (8 for Dh = 64), and pv2 must
+// add in the same order, so that a row's output does not depend on whether the build pairs
+// rows (AVX-512) or not (AVX2): every x86-64-v3+ build gives the same bits.
 template <int CH>
 inline void pv(const float* p, int64_t n, const float* const* vrow, int64_t chunks, float shrink,
                float* acc) {
     constexpr int NCH = CH ? CH : MAX_HEAD_DIM / 8;
-    v8 a[NCH], b[NCH];
-    for (int64_t ch = 0; ch < chunks; ++ch) {
-        a[ch] = load8(acc + ch * 8) * shrink;
-        b[ch] = v8{};
+    v8 a[NCH];
+    for (int64_t ch = 0; ch < chunks; ++ch) a[ch] = load8(acc + ch * 8) * shrink;
+    for (int64_t j = 0; j < n; ++j) {
+        const float x = p[j];
+        const float* v = vrow[j];
+        for (int64_t ch = 0; ch < chunks; ++ch) a[ch] += x * load8(v + ch * 8);
     }
-    int64_t j = 0;
-    for (; j + 1 < n; j += 2) {
-        const float p0 = p[j], p1 = p[j + 1];
-        const float* v0 = vrow[j];
-        const float* v1 = vrow[j + 1];
-        for (int64_t ch = 0; ch < chunks; ++ch) {
-            a[ch] += p0 * load8(v0 + ch * 8);
-            b[ch] += p1 * load8(v1 + ch * 8);
-        }
-    }
-    if (j < n)
-        for (int64_t ch = 0; ch < chunks; ++ch) a[ch] += p[j] * load8(vrow[j] + ch * 8);
-    for (int64_t ch = 0; ch < chunks; ++ch) {
-        const v8 total = a[ch] + b[ch];
-        __builtin_memcpy(acc + ch * 8, &total, sizeof total);
-    }
+    for (int64_t ch = 0; ch < chunks; ++ch) __builtin_memcpy(acc + ch * 8, &a[ch], sizeof(v8));
 }
 
 // pv for two rows over the same keys [0, n): each V row is loaded once for both.

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import msgspec
 
-T = TypeVar("T")
+T = TypeVar("T", bound=msgspec.Struct)
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -20,7 +20,7 @@ def encode(message: msgspec.Struct) -> bytes:
 
 
 @cache
-def _decoder(message_type: type) -> msgspec.msgpack.Decoder:
+def _decoder(message_type: type[msgspec.Struct]) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(message_type)
 
 

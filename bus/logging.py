@@ -12,11 +12,12 @@ import logging
 import sys
 
 import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
 
 from llmbus.bus.tracing import trace_id_hex
 
 
-def _add_trace_id(_: object, __: str, event: dict) -> dict:
+def _add_trace_id(_: WrappedLogger, __: str, event: EventDict) -> EventDict:
     if "trace_id" not in event:
         trace_id = trace_id_hex()
         if trace_id is not None:
@@ -28,7 +29,7 @@ def configure_logging(service: str, instance_id: str, *, fmt: str = "console",
                       level: str = "info") -> structlog.stdlib.BoundLogger:
     renderer = (structlog.processors.JSONRenderer() if fmt == "json"
                 else structlog.dev.ConsoleRenderer(colors=False))
-    shared = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

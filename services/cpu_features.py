@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import platform
 from pathlib import Path
+from typing import TypedDict
 
 # The flags that decide which kernels run fast, in the order a reader compares them.
 NOTABLE_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
@@ -21,7 +22,7 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine(), frozenset()
-    model, flags = platform.machine(), frozenset()
+    model, flags = platform.machine(), frozenset[str]()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key.strip() == "model name" and model == platform.machine():
@@ -50,7 +51,13 @@ def has_amx_bfloat16() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
-def cpu_summary() -> dict[str, object]:
+class CpuSummary(TypedDict):
+    model: str
+    cores: int | None
+    flags: list[str]
+
+
+def cpu_summary() -> CpuSummary:
     """The CPU's model, core count and notable flags, for benchmark reports."""
     import os
 

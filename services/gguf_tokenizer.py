@@ -89,8 +89,8 @@ def _byte_level(tokens: Sequence[str], merges: Sequence[str],
         tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode()): index
         for index, tok in enumerate(tokens)
     }
-    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
-                     fuse_unk=False)
+    pairs = [(left, right) for left, right in (m.split(" ", 1) for m in merges)]
+    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)
     tokenizer = Tokenizer(bpe)
     if pre in NFC_PRE_TOKENIZERS:
         tokenizer.normalizer = normalizers.NFC()
@@ -197,6 +197,8 @@ class GGUFTokenizer:
                 f"{path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
                 f"supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}")
         tokens = get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise UnsupportedTokenizerError(f"{path}: no vocabulary (tokenizer.ggml.tokens)")
         spm = model == "llama"
         return cls(
             tokens=tokens,
@@ -250,8 +252,15 @@ class GGUFTokenizer:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
-        """Raw vocabulary spellings (byte-level alphabet, e.g. 'Ġthe')."""
-        return [self._tokenizer.id_to_token(i) for i in ids]
+        """Raw vocabulary spellings (byte-level alphabet, e.g. 'Ġthe'); KeyError for an id
+        outside the vocabulary."""
+        spellings = []
+        for token_id in ids:
+            spelling = self._tokenizer.id_to_token(token_id)
+            if spelling is None:
+                raise KeyError(f"token id {token_id} is not in the vocabulary")
+            spellings.append(spelling)
+        return spellings
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)

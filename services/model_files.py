@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -53,7 +54,7 @@ def model_name_for(path: Path) -> str:
     return path.stem
 
 
-def sha256_of(path: Path, progress=None) -> str:
+def sha256_of(path: Path, progress: Callable[[int], object] | None = None) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):

@@ -15,15 +15,20 @@ masks the logits (services/executor/constraints.py).
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import llguidance
 
 from llmbus.bus.messages import StructuredOutput
 
+if TYPE_CHECKING:  # declared only in llguidance's stubs
+    from llguidance._lib import JsonCompileOptions
+
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # JSON as models write it when asked, `{"a": 1, "b": [2, 3]}`, with no free whitespace: a
 # small model at temperature 1 can otherwise spend every token on spaces and newlines.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
+                                    "key_separator": ": "}
 
 
 class ConstraintError(ValueError):

@@ -190,7 +190,7 @@ def _same_key(sent: str, expected: str) -> bool:
     return hmac.compare_digest(raw, expected.encode("utf-8"))
 
 
-def _require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+def _require_api_key(connection: ASGIConnection, _handler: BaseRouteHandler) -> None:
     expected = connection.app.state.settings.api_key
     if expected is None:
         return

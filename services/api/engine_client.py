@@ -10,7 +10,9 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TypeVar
 
+import msgspec
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
@@ -43,6 +45,8 @@ from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.api.errors import OpenAIError
 
 log = structlog.get_logger()
+
+R = TypeVar("R", bound=msgspec.Struct)
 
 
 @dataclass
@@ -243,7 +247,8 @@ class EngineClient:
             raise OpenAIError(400, result.error_message, param="tokens")
         return result.text
 
-    async def _tokenizer_call(self, subject: str, request, reply_type):
+    async def _tokenizer_call(self, subject: str, request: msgspec.Struct,
+                              reply_type: type[R]) -> R:
         try:
             return await self.runtime.request(subject, request, reply_type, timeout=10.0)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
+from litestar.types import ExceptionHandlersMap
 
 log = structlog.get_logger()
 
@@ -54,7 +55,7 @@ def internal_error_handler(request: Request, exc: Exception) -> Response:
     return Response(error_body(500, "internal server error"), status_code=500)
 
 
-EXCEPTION_HANDLERS = {
+EXCEPTION_HANDLERS: ExceptionHandlersMap = {
     OpenAIError: openai_error_handler,
     HTTPException: http_exception_handler,
     Exception: internal_error_handler,

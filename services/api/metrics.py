@@ -12,7 +12,7 @@ registry of their own; the copy a scrape reaches gathers every copy's exposition
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -23,6 +23,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from llmbus.bus.messages import ApiMetricsSnapshot, EngineStats
 
@@ -34,7 +35,7 @@ _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 R = ("model_name", "replica")
 
 
-class _Families:
+class _Families(Collector):
     """A collector that serves metric families made elsewhere (gathered, or built per scrape)."""
 
     def __init__(self, families: Iterable[Metric]) -> None:
@@ -49,7 +50,7 @@ class ApiMetrics:
         self.labels = (model_name, replica)
         reg = self.registry = CollectorRegistry(auto_describe=False)
 
-        def histogram(name: str, documentation: str, buckets) -> Histogram:
+        def histogram(name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(name, documentation, R, buckets=buckets, registry=reg)
 
         self.ttft = histogram("llmbus:time_to_first_token_seconds",

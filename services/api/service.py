@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from types import FrameType
 
 import structlog
 import uvicorn
@@ -51,11 +52,11 @@ class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT, /health turns 503 first, then uvicorn stops accepting and waits
     for open requests (up to --shutdown-timeout)."""
 
-    def __init__(self, app, config: uvicorn.Config) -> None:
+    def __init__(self, app: Litestar, config: uvicorn.Config) -> None:
         super().__init__(config)
         self.app = app
 
-    def handle_exit(self, sig, frame) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.app.state.draining = True
         super().handle_exit(sig, frame)
 

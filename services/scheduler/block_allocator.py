@@ -7,6 +7,7 @@ Block 0 is never handed out, so padded block tables can point at it harmlessly.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 
 class BlockAllocator:
@@ -38,7 +39,7 @@ class BlockAllocator:
         assert self.ref_counts[block_id] > 0, f"incref of free block {block_id}"
         self.ref_counts[block_id] += 1
 
-    def free(self, block_ids: list[int]) -> None:
+    def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference to each block; blocks reaching zero return to the free list."""
         for block_id in block_ids:
             count = self.ref_counts[block_id]

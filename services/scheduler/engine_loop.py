@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import structlog
 
@@ -38,7 +39,7 @@ SILENCE_CHECK_SECONDS = 0.5  # how often a step's wait asks whether the executor
 
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, *,
-                 execute: Callable[[StepPlan], Awaitable[StepResult]],
+                 execute: Callable[[StepPlan], Coroutine[Any, Any, StepResult]],
                  publish: Callable[[list[RequestTokens], bool], Awaitable[None]],
                  expired: Callable[[float], list[RequestTokens]],
                  executor_silent: Callable[[], bool] = lambda: False,

@@ -14,6 +14,7 @@ trace context:
 from __future__ import annotations
 
 from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 
 from llmbus.bus.tracing import context_from_traceparent
 from llmbus.services.scheduler.request import Request
@@ -29,8 +30,9 @@ def record_request_spans(request: Request, now: float) -> None:
     if not request.traceparent:
         return
     parent = context_from_traceparent(request.traceparent)
-    attributes = {"llmbus.request_id": request.public_id, "llmbus.choice_index": request.index,
-                  "llmbus.num_preemptions": request.num_preemptions}
+    attributes: dict[str, AttributeValue] = {
+        "llmbus.request_id": request.public_id, "llmbus.choice_index": request.index,
+        "llmbus.num_preemptions": request.num_preemptions}
     end = request.finish_time or now
     scheduled = request.first_scheduled_time
     queue_end = scheduled if scheduled is not None else end

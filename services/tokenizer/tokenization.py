@@ -29,7 +29,7 @@ class Tokenization:
     def prompt_token_ids(self, request: GenerateRequest | EncodeRequest) -> list[int]:
         """Raises ValueError with a client-facing message on bad input."""
         tok = self.tokenizer
-        if getattr(request, "prompt_token_ids", None) is not None:
+        if isinstance(request, GenerateRequest) and request.prompt_token_ids is not None:
             self.check_token_ids(request.prompt_token_ids)
             return list(request.prompt_token_ids)
         if request.messages:

@@ -41,7 +41,7 @@ def generate(runner, prompts: list[list[int]], new_tokens: int,
     computed = [0] * len(prompts)
     outputs: list[list[int]] = [[] for _ in prompts]
     params = SamplingParams(temperature=0, min_tokens=new_tokens)  # EOS suppressed, like HF
-    new = [NewRequestData(request_id=r, prompt_token_ids=p, params=params)
+    new = [NewRequestData(sequence_id=r, prompt_token_ids=p, params=params)
            for r, p in zip(ids, prompts, strict=True)]
     timings = []
     for step_id in range(new_tokens):
@@ -50,7 +50,7 @@ def generate(runner, prompts: list[list[int]], new_tokens: int,
             end = len(prompt) + len(outputs[i])
             blocks = [free.pop() for _ in range(-(-end // BLOCK_SIZE) - len(tables[i]))]
             tables[i] += blocks
-            scheduled.append(ScheduledRequest(request_id=ids[i], start=computed[i],
+            scheduled.append(ScheduledRequest(sequence_id=ids[i], start=computed[i],
                                               num_tokens=end - computed[i], new_block_ids=blocks))
             computed[i] = end
         started = time.perf_counter()
@@ -60,7 +60,7 @@ def generate(runner, prompts: list[list[int]], new_tokens: int,
         new = []
         for i, token_id in enumerate(result.sampled_token_ids):
             outputs[i].append(token_id)
-    runner.step(StepPlan(step_id=new_tokens, finished_request_ids=ids))
+    runner.step(StepPlan(step_id=new_tokens, finished_sequence_ids=ids))
     return timings[0], sum(timings[1:]), outputs
 
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 
-def run_request(runner, request_id: str, prompt: list[int], max_tokens: int,
+def run_request(runner, sequence_id: str, prompt: list[int], max_tokens: int,
                 step_id: int) -> tuple[float, list[float], int]:
     """(prefill seconds, seconds between consecutive tokens, next step id)."""
     from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
@@ -29,8 +29,8 @@ def run_request(runner, request_id: str, prompt: list[int], max_tokens: int,
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     result = runner.step(StepPlan(
-        step_id=step_id, new_requests=[NewRequestData(request_id, list(prompt), params)],
-        scheduled=[ScheduledRequest(request_id, 0, len(prompt), blocks)]))
+        step_id=step_id, new_requests=[NewRequestData(sequence_id, list(prompt), params)],
+        scheduled=[ScheduledRequest(sequence_id, 0, len(prompt), blocks)]))
     if result.error:
         raise RuntimeError(result.error)
     prefill = time.perf_counter() - start
@@ -38,13 +38,13 @@ def run_request(runner, request_id: str, prompt: list[int], max_tokens: int,
     for i in range(max_tokens - 1):
         step_id += 1
         result = runner.step(StepPlan(step_id=step_id, scheduled=[
-            ScheduledRequest(request_id, len(prompt) + i, 1)]))
+            ScheduledRequest(sequence_id, len(prompt) + i, 1)]))
         if result.error:
             raise RuntimeError(result.error)
         now = time.perf_counter()
         gaps.append(now - last)
         last = now
-    runner.step(StepPlan(step_id=step_id + 1, finished_request_ids=[request_id]))
+    runner.step(StepPlan(step_id=step_id + 1, finished_sequence_ids=[sequence_id]))
     return prefill, gaps, step_id + 2
 
 

@@ -68,11 +68,11 @@ def profile(runner, batch: int, context: int, num_steps: int) -> dict[str, float
     start = time.perf_counter()
     for i in range(num_steps):
         result = runner.step(StepPlan(step_id=1 + i, scheduled=[
-            ScheduledRequest(request_id, context + i, 1) for request_id in ids]))
+            ScheduledRequest(sequence_id, context + i, 1) for sequence_id in ids]))
         if result.error:
             raise RuntimeError(result.error)
     total = time.perf_counter() - start
-    runner.step(StepPlan(step_id=num_steps + 1, finished_request_ids=ids))
+    runner.step(StepPlan(step_id=num_steps + 1, finished_sequence_ids=ids))
     dense_total = sum(t.total for t in [g.run for g in graphs] + timers)
     for graph in graphs:
         graph.run = graph.run.fn

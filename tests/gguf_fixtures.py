@@ -185,7 +185,7 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
 def generate(runner, prompts: list[list[int]], *, max_tokens: int,
              params: list[SamplingParams] | None = None, chunk_size: int | None = None,
              shuffle_blocks: int | None = None, stop_token_ids: tuple[int, ...] = (),
-             request_ids: list[str] | None = None) -> list[list[int]]:
+             sequence_ids: list[str] | None = None) -> list[list[int]]:
     """Drive `runner.step` like a scheduler would, until every request has its tokens.
 
     Requests advance together; prefill goes in chunks of `chunk_size` tokens (all at once when
@@ -197,13 +197,13 @@ def generate(runner, prompts: list[list[int]], *, max_tokens: int,
     if shuffle_blocks is not None:
         random.Random(shuffle_blocks).shuffle(free)
     params = params or [GREEDY] * len(prompts)
-    request_ids = request_ids or [f"req-{i}" for i in range(len(prompts))]
+    sequence_ids = sequence_ids or [f"req-{i}" for i in range(len(prompts))]
     tokens = [list(p) for p in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
     num_computed = [0] * len(prompts)
     tables: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
-    new = [NewRequestData(request_id=request_ids[i], prompt_token_ids=list(prompts[i]),
+    new = [NewRequestData(sequence_id=sequence_ids[i], prompt_token_ids=list(prompts[i]),
                           params=params[i]) for i in active]
     finished: list[str] = []
     step_id = 0
@@ -216,11 +216,11 @@ def generate(runner, prompts: list[list[int]], *, max_tokens: int,
             new_blocks = [free.pop() for _ in range(-(-end // block_size) - len(tables[i]))]
             tables[i] += new_blocks
             scheduled.append(ScheduledRequest(
-                request_id=request_ids[i], start=num_computed[i], num_tokens=num_tokens,
+                sequence_id=sequence_ids[i], start=num_computed[i], num_tokens=num_tokens,
                 new_block_ids=new_blocks, sample=end == len(tokens[i])))
             num_computed[i] = end
         plan = StepPlan(step_id=step_id, new_requests=new, scheduled=scheduled,
-                        finished_request_ids=finished)
+                        finished_sequence_ids=finished)
         result = runner.step(plan)
         assert result.error == "", result.error
         step_id, new, finished = step_id + 1, [], []
@@ -233,9 +233,9 @@ def generate(runner, prompts: list[list[int]], *, max_tokens: int,
             outputs[i].append(token_id)
             if len(outputs[i]) >= max_tokens or token_id in stop_token_ids:
                 active.remove(i)
-                finished.append(request_ids[i])
+                finished.append(sequence_ids[i])
                 free += tables[i]
-    runner.step(StepPlan(step_id=step_id, finished_request_ids=finished))
+    runner.step(StepPlan(step_id=step_id, finished_sequence_ids=finished))
     return outputs
 
 

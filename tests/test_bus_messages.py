@@ -60,15 +60,15 @@ EXAMPLES = [
     m.StructuredOutput(kind="choice", spec='["a"]', param="guided_choice"),
     m.GrammarRequest(structured=m.StructuredOutput(kind="json_object")),
     m.GrammarReply(error="e"),
-    m.NewRequestData(request_id="r1", prompt_token_ids=[1, 2], params=PARAMS,
+    m.NewRequestData(sequence_id="r1", prompt_token_ids=[1, 2], params=PARAMS,
                      traceparent="00-t-s-01"),
-    m.ScheduledRequest(request_id="r1", start=0, num_tokens=2, new_block_ids=[5],
+    m.ScheduledRequest(sequence_id="r1", start=0, num_tokens=2, new_block_ids=[5],
                        sample=False, draft_token_ids=[9], num_steps=3),
     m.BlockCopy(src=1, dst=2),
-    m.StepPlan(step_id=3, new_requests=[m.NewRequestData(request_id="r1",
+    m.StepPlan(step_id=3, new_requests=[m.NewRequestData(sequence_id="r1",
                                                          prompt_token_ids=[1], params=PARAMS)],
-               scheduled=[m.ScheduledRequest(request_id="r1", start=0, num_tokens=1)],
-               finished_request_ids=["r0"], preempted_request_ids=["r9"],
+               scheduled=[m.ScheduledRequest(sequence_id="r1", start=0, num_tokens=1)],
+               finished_sequence_ids=["r0"], preempted_sequence_ids=["r9"],
                copy_blocks=[m.BlockCopy(src=1, dst=2)]),
     m.StepResult(step_id=3, sampled_token_ids=[42], forward_seconds=0.01, batch_size=1,
                  num_tokens=2, error="e", idle_seconds=0.5, logprobs=[LOGPROBS, None],
@@ -199,7 +199,7 @@ def test_enums_arrive_as_enums():
 
 def test_field_order_is_the_wire_format():
     # Array-like: positional, in declaration order. Changing this breaks running peers.
-    assert msgspec.msgpack.decode(encode(m.ScheduledRequest(request_id="r1", start=4,
+    assert msgspec.msgpack.decode(encode(m.ScheduledRequest(sequence_id="r1", start=4,
                                                             num_tokens=1))) == [
         "r1", 4, 1, [], True, [], 1]
     assert encode(m.AbortRequest(request_id="r1")).hex() == "92a27231c0"

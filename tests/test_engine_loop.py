@@ -148,11 +148,11 @@ async def test_no_empty_step_is_sent_while_one_is_in_flight():
         assert len(executor.plans) == 2  # nothing to plan until step 1 answers
         await _open_gates(executor, lambda: "a" in published.finished())
         _add(loop, "b", max_tokens=50)
-        await _open_gates(executor, lambda: any(p.scheduled and p.scheduled[0].request_id == "b"
+        await _open_gates(executor, lambda: any(p.scheduled and p.scheduled[0].sequence_id == "b"
                                                 for p in executor.plans))
         loop.scheduler.abort_request("b")
         loop.wakeup.set()
-        await _open_gates(executor, lambda: any("b" in p.finished_request_ids
+        await _open_gates(executor, lambda: any("b" in p.finished_sequence_ids
                                                 for p in executor.plans))
         for plan, others in zip(executor.plans, executor.unanswered_at_send, strict=True):
             assert plan.scheduled or others == 0, (plan, others)

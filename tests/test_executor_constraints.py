@@ -65,25 +65,25 @@ def test_logprobs_are_the_raw_model_distribution(runner):
     results = []
     for i, params in enumerate((plain, masked)):
         plan = StepPlan(step_id=0, new_requests=[NewRequestData(
-            request_id=f"lp{i}", prompt_token_ids=[1, 40], params=params)],
-            scheduled=[ScheduledRequest(request_id=f"lp{i}", start=0, num_tokens=2,
+            sequence_id=f"lp{i}", prompt_token_ids=[1, 40], params=params)],
+            scheduled=[ScheduledRequest(sequence_id=f"lp{i}", start=0, num_tokens=2,
                                         new_block_ids=[1 + i])])
         results.append(runner.step(plan))
-        runner.step(StepPlan(step_id=1, finished_request_ids=[f"lp{i}"]))
+        runner.step(StepPlan(step_id=1, finished_sequence_ids=[f"lp{i}"]))
     assert results[1].sampled_token_ids == [ord("z")]
     assert results[0].logprobs[0].top_token_ids == results[1].logprobs[0].top_token_ids
     assert results[0].logprobs[0].top_logprobs == results[1].logprobs[0].top_logprobs
 
 
-def _decode_with_preemption(runner, request_id: str, prompt: list[int], preempt_at: int | None,
+def _decode_with_preemption(runner, sequence_id: str, prompt: list[int], preempt_at: int | None,
                             max_tokens: int = 12) -> list[int]:
     """Greedy decode one constrained request; after `preempt_at` tokens its blocks are taken
     back and it is recomputed from its tokens, as the scheduler does under memory pressure."""
     params = SamplingParams(temperature=0.0, structured=LETTERS)
     tokens, out, blocks = list(prompt), [], [1, 2, 3, 4, 5, 6]
     plan = StepPlan(step_id=0, new_requests=[NewRequestData(
-        request_id=request_id, prompt_token_ids=prompt, params=params)], scheduled=[
-        ScheduledRequest(request_id=request_id, start=0, num_tokens=len(prompt),
+        sequence_id=sequence_id, prompt_token_ids=prompt, params=params)], scheduled=[
+        ScheduledRequest(sequence_id=sequence_id, start=0, num_tokens=len(prompt),
                          new_block_ids=blocks)])
     while True:
         result = runner.step(plan)
@@ -92,15 +92,15 @@ def _decode_with_preemption(runner, request_id: str, prompt: list[int], preempt_
         out.append(token)
         tokens.append(token)
         if token == EOS or len(out) >= max_tokens:
-            runner.step(StepPlan(step_id=99, finished_request_ids=[request_id]))
+            runner.step(StepPlan(step_id=99, finished_sequence_ids=[sequence_id]))
             return out
         if len(out) == preempt_at:  # recompute everything into other blocks
-            plan = StepPlan(step_id=len(out), preempted_request_ids=[request_id], scheduled=[
-                ScheduledRequest(request_id=request_id, start=0, num_tokens=len(tokens),
+            plan = StepPlan(step_id=len(out), preempted_sequence_ids=[sequence_id], scheduled=[
+                ScheduledRequest(sequence_id=sequence_id, start=0, num_tokens=len(tokens),
                                  new_block_ids=[10, 11, 12, 13, 14, 15])])
         else:
             plan = StepPlan(step_id=len(out), scheduled=[ScheduledRequest(
-                request_id=request_id, start=len(tokens) - 1, num_tokens=1)])
+                sequence_id=sequence_id, start=len(tokens) - 1, num_tokens=1)])
 
 
 def test_preemption_and_recompute_keep_the_matcher_in_step(runner):

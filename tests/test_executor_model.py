@@ -179,16 +179,16 @@ def test_top_k_1_equals_greedy(runner):
 def test_preempted_request_recomputes_and_continues(runner):
     prompt = _prompts([10])[0]
     expected = generate(runner, [prompt], max_tokens=6)[0]
-    new = NewRequestData(request_id="p", prompt_token_ids=prompt, params=GREEDY)
+    new = NewRequestData(sequence_id="p", prompt_token_ids=prompt, params=GREEDY)
     first = runner.step(StepPlan(step_id=0, new_requests=[new], scheduled=[ScheduledRequest(
-        request_id="p", start=0, num_tokens=10, new_block_ids=[1, 2, 3])]))
+        sequence_id="p", start=0, num_tokens=10, new_block_ids=[1, 2, 3])]))
     second = runner.step(StepPlan(step_id=1, scheduled=[ScheduledRequest(
-        request_id="p", start=10, num_tokens=1)]))
+        sequence_id="p", start=10, num_tokens=1)]))
     # Blocks taken back; recompute all 12 known tokens into other blocks, then sample.
-    third = runner.step(StepPlan(step_id=2, preempted_request_ids=["p"]))
+    third = runner.step(StepPlan(step_id=2, preempted_sequence_ids=["p"]))
     fourth = runner.step(StepPlan(step_id=3, scheduled=[ScheduledRequest(
-        request_id="p", start=0, num_tokens=12, new_block_ids=[9, 5, 7])]))
-    runner.step(StepPlan(step_id=4, finished_request_ids=["p"]))
+        sequence_id="p", start=0, num_tokens=12, new_block_ids=[9, 5, 7])]))
+    runner.step(StepPlan(step_id=4, finished_sequence_ids=["p"]))
     assert not (first.error or second.error or third.error or fourth.error)
     tokens = first.sampled_token_ids + second.sampled_token_ids + fourth.sampled_token_ids
     assert tokens == expected[:3]
@@ -197,13 +197,13 @@ def test_preempted_request_recomputes_and_continues(runner):
 
 def test_step_errors_are_reported_not_raised(runner):
     result = runner.step(StepPlan(step_id=5, scheduled=[ScheduledRequest(
-        request_id="nobody", start=0, num_tokens=1)]))
+        sequence_id="nobody", start=0, num_tokens=1)]))
     assert result.step_id == 5 and "nobody" in result.error
-    new = NewRequestData(request_id="short", prompt_token_ids=[5] * 9, params=GREEDY)
+    new = NewRequestData(sequence_id="short", prompt_token_ids=[5] * 9, params=GREEDY)
     result = runner.step(StepPlan(step_id=6, new_requests=[new], scheduled=[ScheduledRequest(
-        request_id="short", start=0, num_tokens=9, new_block_ids=[1])]))
+        sequence_id="short", start=0, num_tokens=9, new_block_ids=[1])]))
     assert "blocks cannot hold" in result.error
-    runner.step(StepPlan(step_id=7, finished_request_ids=["short"]))
+    runner.step(StepPlan(step_id=7, finished_sequence_ids=["short"]))
     assert generate(runner, _prompts([3]), max_tokens=2)[0]  # still serves
 
 
@@ -245,14 +245,14 @@ def test_small_steps_run_on_fewer_threads(tiny, monkeypatch):
                              num_threads=2, small_step_threads=1)
         small = runner_module.SMALL_STEP_TOKENS
         plan = StepPlan(step_id=0, new_requests=[
-            NewRequestData(request_id="a", prompt_token_ids=list(range(3, 3 + small + 1)),
+            NewRequestData(sequence_id="a", prompt_token_ids=list(range(3, 3 + small + 1)),
                            params=GREEDY)],
-            scheduled=[ScheduledRequest(request_id="a", start=0, num_tokens=small + 1,
+            scheduled=[ScheduledRequest(sequence_id="a", start=0, num_tokens=small + 1,
                                         new_block_ids=[1, 2, 3])])
         assert runner.step(plan).error == ""
         assert torch.get_num_threads() == 2  # a big step: every thread
         decode = StepPlan(step_id=1, scheduled=[
-            ScheduledRequest(request_id="a", start=small + 1, num_tokens=1)])
+            ScheduledRequest(sequence_id="a", start=small + 1, num_tokens=1)])
         assert runner.step(decode).error == ""
         assert torch.get_num_threads() == 1  # a single decode: one core left to the stack
     finally:

@@ -24,7 +24,7 @@ def runner(tmp_path_factory):
 
 def test_several_steps_a_plan_sample_what_one_step_plans_do(runner):
     expected = generate(runner, list(PROMPTS.values()), max_tokens=9,
-                        params=list(PARAMS.values()), request_ids=["x", "y"])
+                        params=list(PARAMS.values()), sequence_ids=["x", "y"])
     first = runner.step(StepPlan(step_id=0, new_requests=[
         NewRequestData(r, PROMPTS[r], PARAMS[r]) for r in "ab"], scheduled=[
         ScheduledRequest("a", 0, 4, [1, 2, 3]), ScheduledRequest("b", 0, 2, [4, 5, 6])]))
@@ -41,7 +41,7 @@ def test_several_steps_a_plan_sample_what_one_step_plans_do(runner):
         for r in "ab":
             out[r] += [next(tokens) for _ in range(steps[r])]
     assert out["a"] == expected[0] and out["b"] == expected[1]
-    runner.step(StepPlan(step_id=3, finished_request_ids=["a", "b"]))
+    runner.step(StepPlan(step_id=3, finished_sequence_ids=["a", "b"]))
 
 
 def test_a_plan_without_blocks_for_every_step_is_refused(runner):
@@ -55,4 +55,4 @@ def test_a_plan_without_blocks_for_every_step_is_refused(runner):
     result = runner.step(StepPlan(step_id=2, scheduled=[
         ScheduledRequest("c", 3, 2, num_steps=2, draft_token_ids=[5])]))
     assert "several steps are for a plain decode" in result.error
-    runner.step(StepPlan(step_id=3, finished_request_ids=["c"]))
+    runner.step(StepPlan(step_id=3, finished_sequence_ids=["c"]))

@@ -25,7 +25,7 @@ def runner(tmp_path_factory):
 
 
 def test_greedy_drafts_give_the_tokens_of_plain_decoding(runner):
-    expected = generate(runner, [PROMPT], max_tokens=12, request_ids=["plain"])[0]
+    expected = generate(runner, [PROMPT], max_tokens=12, sequence_ids=["plain"])[0]
     n = len(PROMPT)
     blocks = list(range(40, 45))  # 20 positions
     step = runner.step(StepPlan(step_id=100, new_requests=[NewRequestData("spec", PROMPT, GREEDY)],
@@ -47,7 +47,7 @@ def test_greedy_drafts_give_the_tokens_of_plain_decoding(runner):
 def test_a_step_mixes_requests_with_and_without_drafts_and_their_logprobs(runner):
     params = SamplingParams(temperature=0.0, logprobs=2)
     expected = generate(runner, [PROMPT, PROMPT[::-1]], max_tokens=4,
-                        params=[params, params], request_ids=["p0", "p1"])
+                        params=[params, params], sequence_ids=["p0", "p1"])
     n = len(PROMPT)
     plan = StepPlan(step_id=200, new_requests=[NewRequestData("a", PROMPT, params),
                                                NewRequestData("b", PROMPT[::-1], params)],
@@ -78,7 +78,7 @@ def test_drafts_see_penalties_and_bans_as_of_their_position(runner, params):
     accepted; a change at one position is caught there."""
     name = params.min_tokens and "bans" or "pen"
     expected = generate(runner, [PROMPT], max_tokens=10, params=[params],
-                        request_ids=[f"plain-{name}"])[0]
+                        sequence_ids=[f"plain-{name}"])[0]
     n = len(PROMPT)
     runner.step(StepPlan(step_id=400, new_requests=[NewRequestData(name, PROMPT, params)],
                          scheduled=[ScheduledRequest(name, 0, n, [62, 63, 56, 57, 58])]))

@@ -298,13 +298,13 @@ def _drive(runner, prompts, params, num_steps) -> list[StepResult]:
 
     Each request gets enough blocks up front; results are checked for errors.
     """
-    request_ids = [f"s{i}" for i in range(len(prompts))]
+    sequence_ids = [f"s{i}" for i in range(len(prompts))]
     next_block, results, tokens = 1, [], [list(p) for p in prompts]
     new, scheduled = [], []
-    for request_id, prompt, p in zip(request_ids, prompts, params, strict=True):
+    for sequence_id, prompt, p in zip(sequence_ids, prompts, params, strict=True):
         num_blocks = -(-(len(prompt) + num_steps) // BLOCK_SIZE)
-        new.append(NewRequestData(request_id=request_id, prompt_token_ids=prompt, params=p))
-        scheduled.append(ScheduledRequest(request_id=request_id, start=0,
+        new.append(NewRequestData(sequence_id=sequence_id, prompt_token_ids=prompt, params=p))
+        scheduled.append(ScheduledRequest(sequence_id=sequence_id, start=0,
                                           num_tokens=len(prompt),
                                           new_block_ids=list(range(next_block,
                                                                    next_block + num_blocks))))
@@ -315,9 +315,9 @@ def _drive(runner, prompts, params, num_steps) -> list[StepResult]:
         results.append(result)
         for seq, token_id in zip(tokens, result.sampled_token_ids, strict=True):
             seq.append(token_id)
-        new, scheduled = [], [ScheduledRequest(request_id=r, start=len(seq) - 1, num_tokens=1)
-                              for r, seq in zip(request_ids, tokens, strict=True)]
-    runner.step(StepPlan(step_id=num_steps, finished_request_ids=request_ids))
+        new, scheduled = [], [ScheduledRequest(sequence_id=r, start=len(seq) - 1, num_tokens=1)
+                              for r, seq in zip(sequence_ids, tokens, strict=True)]
+    runner.step(StepPlan(step_id=num_steps, finished_sequence_ids=sequence_ids))
     assert runner.requests == {}
     return results
 

@@ -55,7 +55,7 @@ def test_prefill_then_decode_exact_blocks_and_deltas():
     plan, updates = run_step(s)
     [item] = plan.scheduled
     assert (item.start, item.num_tokens, item.new_block_ids, item.sample) == (0, 6, [1, 2], True)
-    assert [r.request_id for r in plan.new_requests] == ["a"]
+    assert [r.sequence_id for r in plan.new_requests] == ["a"]
     assert updates[0].new_token_ids == [7]
     # Token 7 sits at position 6: block 2 still has room, so no new block is sent.
     plan, _ = run_step(s)
@@ -67,7 +67,7 @@ def test_prefill_then_decode_exact_blocks_and_deltas():
     assert plan.scheduled[0].new_block_ids == [3]
     assert updates[0].finish_reason == FinishReason.LENGTH
     assert s.kv.allocator.num_free == s.kv.allocator.num_usable
-    assert s.schedule().finished_request_ids == ["a"]
+    assert s.schedule().finished_sequence_ids == ["a"]
 
 
 def test_long_prompt_is_prefilled_in_chunks_behind_running_decodes():
@@ -77,14 +77,14 @@ def test_long_prompt_is_prefilled_in_chunks_behind_running_decodes():
     add(s, "long", num_prompt=20)
     plan, updates = run_step(s)
     # The decode goes first (1 token); the long prompt takes the rest of the budget (7).
-    assert [(i.request_id, i.start, i.num_tokens, i.sample) for i in plan.scheduled] == [
+    assert [(i.sequence_id, i.start, i.num_tokens, i.sample) for i in plan.scheduled] == [
         ("short", 3, 1, True), ("long", 0, 7, False)]
     assert [u.request_id for u in updates] == ["short"]
     plan, _ = run_step(s)
-    assert [(i.request_id, i.start, i.num_tokens) for i in plan.scheduled] == [
+    assert [(i.sequence_id, i.start, i.num_tokens) for i in plan.scheduled] == [
         ("short", 4, 1), ("long", 7, 7)]
     plan, updates = run_step(s)
-    assert [(i.request_id, i.start, i.num_tokens, i.sample) for i in plan.scheduled] == [
+    assert [(i.sequence_id, i.start, i.num_tokens, i.sample) for i in plan.scheduled] == [
         ("short", 5, 1, True), ("long", 14, 6, True)]
     assert {u.request_id for u in updates} == {"short", "long"}
 
@@ -97,16 +97,16 @@ def test_newest_request_is_preempted_and_recomputed():
     assert [i.new_block_ids for i in plan.scheduled] == [[1, 2], [3, 4]]
     # Each decode now needs a third block and none is free: the newest request gives way.
     plan, _ = run_step(s)
-    assert [(i.request_id, i.new_block_ids) for i in plan.scheduled] == [("old", [3])]
-    assert plan.preempted_request_ids == ["new"]  # the executor drops its block table first
+    assert [(i.sequence_id, i.new_block_ids) for i in plan.scheduled] == [("old", [3])]
+    assert plan.preempted_sequence_ids == ["new"]  # the executor drops its block table first
     assert s.num_preemptions == 1
-    assert [r.request_id for r in s.waiting] == ["new"]
+    assert [r.sequence_id for r in s.waiting] == ["new"]
     while "old" in s.requests:
         plan, _ = run_step(s)
     plan, _ = run_step(s)
     [item] = plan.scheduled
     # Recomputed from the start: 8 prompt tokens + the 1 token sampled before preemption.
-    assert (item.request_id, item.start, item.num_tokens) == ("new", 0, 9)
+    assert (item.sequence_id, item.start, item.num_tokens) == ("new", 0, 9)
     assert item.new_block_ids == [1, 2, 3]  # "old" freed [1, 2, 3, 4] in table order
     assert plan.new_requests == []  # the executor still has its tokens
 
@@ -122,7 +122,7 @@ def test_abort_frees_blocks_wherever_the_request_is():
     updates = s.take_ended_updates()
     assert [(u.request_id, u.finish_reason) for u in updates] == [
         ("running", FinishReason.ABORT), ("queued", FinishReason.ABORT)]
-    assert s.schedule().finished_request_ids == ["running"]
+    assert s.schedule().finished_sequence_ids == ["running"]
 
 
 def test_a_withdrawn_request_leaves_silently_or_is_refused_when_it_comes():
@@ -139,7 +139,7 @@ def test_a_withdrawn_request_leaves_silently_or_is_refused_when_it_comes():
     assert s.kv.allocator.num_free == s.kv.allocator.num_usable
     s.check_invariants()
     assert s.take_ended_updates() == [] and s.take_finished() == [] and s.num_finished == 0
-    assert "running#prompt" in s.schedule().finished_request_ids  # the executor forgets it
+    assert "running#prompt" in s.schedule().finished_sequence_ids  # the executor forgets it
     s.withdraw("late")
     with pytest.raises(AdmissionError, match="withdrawn"):
         add(s, "late", num_prompt=5)

@@ -188,7 +188,7 @@ async def test_a_constrained_request_waits_for_its_grammar_and_the_others_do_not
     admission = await _submit(runtime, "plain", max_tokens=3)  # not stuck behind c1
     assert admission.error_code == 0 and not constrained.done()
     await _until(lambda: any(i.finish_reason for i in _items(tokens, "plain")), "plain ran")
-    assert not any(n.request_id == "c1" for p in executor.steps for n in p.new_requests)
+    assert not any(n.sequence_id == "c1" for p in executor.steps for n in p.new_requests)
     executor.compiled.set()
     assert (await constrained).error_code == 0
     await _until(lambda: any(i.finish_reason for i in _items(tokens, "c1")), "c1 ran")
@@ -203,7 +203,7 @@ async def test_a_constraint_the_executor_cannot_compile_is_refused_at_admission(
     assert admission.error_code == ErrorCode.INVALID_REQUEST
     assert admission.error_param == "guided_grammar" and "no such grammar" in (
         admission.error_message)
-    assert not any(n.request_id == "c2" for p in executor.steps for n in p.new_requests)
+    assert not any(n.sequence_id == "c2" for p in executor.steps for n in p.new_requests)
 
 
 @pytest.mark.asyncio
@@ -216,4 +216,4 @@ async def test_a_request_aborted_while_its_grammar_compiles_never_runs(engine):
     admission = await submitting
     assert admission.error_code == ErrorCode.INVALID_REQUEST and "aborted" in (
         admission.error_message)
-    assert not any(n.request_id == "c3" for p in executor.steps for n in p.new_requests)
+    assert not any(n.sequence_id == "c3" for p in executor.steps for n in p.new_requests)

@@ -101,8 +101,8 @@ def test_random_traces_with_several_steps_read_only_true_kv(ops, prefix_caching,
              max_num_batched_tokens=16, max_num_seqs=6, max_model_len=48,
              decode_steps=decode_steps)
 
-    def model(request_id, tokens):
-        return EOS if (len(tokens) + len(request_id)) % 13 == 0 else len(tokens) % 9 + 3
+    def model(sequence_id, tokens):
+        return EOS if (len(tokens) + len(sequence_id)) % 13 == 0 else len(tokens) % 9 + 3
 
     replay_trace(s, FakeExecutor(model), ops)
 

@@ -93,12 +93,12 @@ def test_fork_shares_the_prompt_and_copies_the_partial_block():
     add(s, "p", num_prompt=6, max_tokens=2, n=3)
     plan, updates = run_step(s)
     [item] = plan.scheduled  # the prompt but its last token, once, without sampling
-    assert (item.request_id, item.start, item.num_tokens, item.sample) == ("p#prompt", 0, 5,
+    assert (item.sequence_id, item.start, item.num_tokens, item.sample) == ("p#prompt", 0, 5,
                                                                           False)
     assert item.new_block_ids == [1, 2] and updates == []
     plan, updates = run_step(s)
-    assert plan.finished_request_ids == ["p#prompt"]
-    assert [r.request_id for r in plan.new_requests] == ["p#0", "p#1", "p#2"]
+    assert plan.finished_sequence_ids == ["p#prompt"]
+    assert [r.sequence_id for r in plan.new_requests] == ["p#0", "p#1", "p#2"]
     # Position 5 lies in shared block 2: the first two copy it, the last writes in place.
     assert plan.copy_blocks == [BlockCopy(src=2, dst=3), BlockCopy(src=2, dst=4)]
     assert [(i.start, i.num_tokens, i.new_block_ids, i.sample) for i in plan.scheduled] == [
@@ -145,7 +145,7 @@ def test_planning_ahead_counts_pending_tokens_and_drops_late_ones():
     [update] = s.update(plan2, StepResult(step_id=1, sampled_token_ids=[EOS]))
     assert update.finish_reason == FinishReason.STOP
     assert s.update(plan3, StepResult(step_id=2, sampled_token_ids=[9])) == []
-    assert s.schedule().finished_request_ids == ["a"]
+    assert s.schedule().finished_sequence_ids == ["a"]
     assert s.kv.allocator.num_free == s.kv.allocator.num_usable
 
 

@@ -35,7 +35,7 @@ def make(k: int = 4, num_blocks: int = 32, prefix_caching: bool = True, n_min: i
 
 class FakeExecutor:
     """Holds each request's tokens and block table as the executor does, and the KV cache as
-    (block, offset) -> token id. `next_token(request_id, tokens)` is the model: what follows."""
+    (block, offset) -> token id. `next_token(sequence_id, tokens)` is the model: what follows."""
 
     def __init__(self, next_token) -> None:
         self.next_token = next_token
@@ -47,49 +47,49 @@ class FakeExecutor:
         self._bookkeeping(plan)
         sampled, counts = [], []
         for item in plan.scheduled:
-            tokens, table = self.tokens[item.request_id], self.tables[item.request_id]
+            tokens, table = self.tokens[item.sequence_id], self.tables[item.sequence_id]
             table.extend(item.new_block_ids)
             known_end = item.start + item.num_tokens - len(item.draft_token_ids)
             end = item.start + item.num_tokens + item.num_steps - 1  # multi-step: one a step
             assert known_end <= len(tokens) and len(table) * BLOCK >= end
             for position in range(item.start):  # what this query attends to
                 slot = (table[position // BLOCK], position % BLOCK)
-                assert self.kv.get(slot) == tokens[position], (item.request_id, position)
+                assert self.kv.get(slot) == tokens[position], (item.sequence_id, position)
             query = tokens[item.start:known_end] + item.draft_token_ids
             for i, token in enumerate(query):
                 position = item.start + i
                 self.kv[table[position // BLOCK], position % BLOCK] = token
             if item.sample:
                 assert known_end == len(tokens)
-                new = self._verify(item.request_id, tokens, item.draft_token_ids)
+                new = self._verify(item.sequence_id, tokens, item.draft_token_ids)
                 tokens.extend(new)
                 for _ in range(item.num_steps - 1):  # each further step feeds the last token
                     position = len(tokens) - 1
                     self.kv[table[position // BLOCK], position % BLOCK] = tokens[-1]
-                    new.append(self.next_token(item.request_id, tokens))
+                    new.append(self.next_token(item.sequence_id, tokens))
                     tokens.append(new[-1])
                 sampled += new
                 counts.append(len(new))
         return StepResult(step_id=plan.step_id, sampled_token_ids=sampled, num_sampled=counts)
 
-    def _verify(self, request_id: str, tokens: list[int], drafts: list[int]) -> list[int]:
+    def _verify(self, sequence_id: str, tokens: list[int], drafts: list[int]) -> list[int]:
         """The drafts the model agrees with (it would say the same), then its next token."""
         new = []
         for draft in drafts:
-            if self.next_token(request_id, tokens + new) != draft:
+            if self.next_token(sequence_id, tokens + new) != draft:
                 break
             new.append(draft)
-        return new + [self.next_token(request_id, tokens + new)]
+        return new + [self.next_token(sequence_id, tokens + new)]
 
     def _bookkeeping(self, plan: StepPlan) -> None:
-        for request_id in plan.finished_request_ids:
-            self.tokens.pop(request_id, None)
-            self.tables.pop(request_id, None)
-        for request_id in plan.preempted_request_ids:
-            self.tables[request_id] = []
+        for sequence_id in plan.finished_sequence_ids:
+            self.tokens.pop(sequence_id, None)
+            self.tables.pop(sequence_id, None)
+        for sequence_id in plan.preempted_sequence_ids:
+            self.tables[sequence_id] = []
         for new in plan.new_requests:
-            self.tokens[new.request_id] = list(new.prompt_token_ids)
-            self.tables[new.request_id] = []
+            self.tokens[new.sequence_id] = list(new.prompt_token_ids)
+            self.tables[new.sequence_id] = []
         for copy in plan.copy_blocks:
             for offset in range(BLOCK):
                 if (copy.src, offset) in self.kv:
@@ -226,9 +226,9 @@ def test_random_traces_with_drafts_read_only_true_kv(ops, prefix_caching, num_bl
     s = make(k=k, num_blocks=num_blocks, prefix_caching=prefix_caching, n_min=1,
              max_num_batched_tokens=16, max_num_seqs=6, max_model_len=48)
 
-    def model(request_id, tokens):  # repeats with a period, but slips now and then
+    def model(sequence_id, tokens):  # repeats with a period, but slips now and then
         value = tokens[-period] if len(tokens) > period else 5
-        return EOS if (len(tokens) + len(request_id)) % 13 == 0 else (
+        return EOS if (len(tokens) + len(sequence_id)) % 13 == 0 else (
             value if len(tokens) % 7 else value + 1)
 
     replay_trace(s, FakeExecutor(model), ops)

@@ -10,9 +10,9 @@ Three id spaces, each named so:
   api's id of one prompt (the public `cmpl-...`/`chatcmpl-...` id, or that id plus `-p` for
   prompt p of a batched /v1/completions); a request's n completions share it and are told
   apart by `index`.
-- `request_id` in NewRequestData and ScheduledRequest (the executor's): one sequence of the
-  engine, the prompt's id with `#i` for completion i of n (or `#prompt` for a prompt that n
-  completions will fork from).
+- `sequence_id` in NewRequestData, ScheduledRequest and StepPlan (between the scheduler and
+  its executor): one sequence of the engine, the prompt's `request_id` itself when n = 1, with
+  `#i` for completion i of n (or `#prompt` for a prompt that n completions will fork from).
 - `engine_id`: an engine's `--engine-id` name (its scheduler and executor share it);
   `instance_id`: one process of a stage, new on every start.
 """

@@ -32,9 +32,9 @@ class GrammarReply(Message):
 
 
 class NewRequestData(Message):
-    """Sent once, in the first step that schedules a request."""
+    """Sent once, in the first step that schedules a sequence."""
 
-    request_id: str
+    sequence_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     traceparent: str = ""  # W3C trace context of the request: executor step spans link to it
@@ -58,7 +58,7 @@ class ScheduledRequest(Message):
     tokens of a small batch, not one.
     """
 
-    request_id: str
+    sequence_id: str
     start: int
     num_tokens: int
     new_block_ids: list[int] = []
@@ -78,11 +78,11 @@ class StepPlan(Message):
     step_id: int
     new_requests: list[NewRequestData] = []
     scheduled: list[ScheduledRequest] = []
-    # Requests the executor forgets (finished or aborted) before running this step.
-    finished_request_ids: list[str] = []
-    # Requests whose blocks were taken back: the executor clears their block tables and keeps
+    # Sequences the executor forgets (finished or aborted) before running this step.
+    finished_sequence_ids: list[str] = []
+    # Sequences whose blocks were taken back: the executor clears their block tables and keeps
     # their tokens, so a later ScheduledRequest recomputes them from start 0.
-    preempted_request_ids: list[str] = []
+    preempted_sequence_ids: list[str] = []
     copy_blocks: list[BlockCopy] = []
 
 

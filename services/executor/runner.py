@@ -115,7 +115,7 @@ class ModelRunner:
                                  (num_blocks - 1) * block_size)
         self.model.set_max_positions(self.max_model_len)
         self.kv_cache = KVCache(config, num_blocks, block_size, kv_dtype, self.device)
-        self.requests: dict[str, _RequestState] = {}
+        self.requests: dict[str, _RequestState] = {}  # by sequence_id
         self.token_counts = TokenCounts(self.device)
         self.shared_generator = torch.Generator(device=self.device)
         self.shared_generator.seed()
@@ -208,13 +208,13 @@ class ModelRunner:
             forward_seconds=time.perf_counter() - started, batch_size=len(plan.scheduled),
             num_tokens=num_tokens, logprobs=logprobs, num_sampled=num_sampled)
 
-    def _forget(self, request_id: str) -> None:
-        state = self.requests.pop(request_id, None)
+    def _forget(self, sequence_id: str) -> None:
+        state = self.requests.pop(sequence_id, None)
         if state is not None and state.penalty_slot is not None:
             self.token_counts.release(state.penalty_slot)
 
     def _register(self, new: NewRequestData) -> None:
-        self._forget(new.request_id)
+        self._forget(new.sequence_id)
         generator = None
         if new.params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -224,18 +224,18 @@ class ModelRunner:
         matcher = (self.grammars.matcher(new.params.structured)  # may raise: before the slot
                    if new.params.structured is not None else None)
         slot = self.token_counts.add(new.prompt_token_ids) if sampling.has_penalties else None
-        self.requests[new.request_id] = _RequestState(
+        self.requests[new.sequence_id] = _RequestState(
             list(new.prompt_token_ids), len(new.prompt_token_ids), new.params, sampling,
             generator, slot, matcher=matcher)
 
     def _apply_plan_changes(self, plan: StepPlan) -> None:
         """What the plan changes before its forward: forgotten, preempted and new requests,
         copy-on-write block copies."""
-        for request_id in plan.finished_request_ids:
-            self._forget(request_id)
-        for request_id in plan.preempted_request_ids:
-            if request_id in self.requests:
-                self.requests[request_id].block_table = []
+        for sequence_id in plan.finished_sequence_ids:
+            self._forget(sequence_id)
+        for sequence_id in plan.preempted_sequence_ids:
+            if sequence_id in self.requests:
+                self.requests[sequence_id].block_table = []
         for new in plan.new_requests:
             self._register(new)
         for copy in plan.copy_blocks:  # copy-on-write of blocks shared by forked requests
@@ -246,24 +246,24 @@ class ModelRunner:
         end = sched.start + sched.num_tokens
         known_end = end - len(sched.draft_token_ids)
         if sched.draft_token_ids and (not sched.sample or known_end <= sched.start):
-            raise ValueError(f"request {sched.request_id!r}: drafts must follow a known token "
+            raise ValueError(f"sequence {sched.sequence_id!r}: drafts must follow a known token "
                              "of a step that samples")
         if sched.num_steps > 1 and (sched.draft_token_ids or not sched.sample
                                     or sched.num_tokens != 1):
-            raise ValueError(f"request {sched.request_id!r}: several steps are for a plain "
+            raise ValueError(f"sequence {sched.sequence_id!r}: several steps are for a plain "
                              "decode (one token, sampled, no drafts)")
         end += sched.num_steps - 1  # the positions the further steps write
         if sched.num_tokens < 1 or sched.start < 0 or known_end > len(state.token_ids):
-            raise ValueError(f"request {sched.request_id!r}: tokens [{sched.start}, "
+            raise ValueError(f"sequence {sched.sequence_id!r}: tokens [{sched.start}, "
                              f"{known_end}) outside its {len(state.token_ids)} known tokens")
         if sched.sample and known_end != len(state.token_ids):
-            raise ValueError(f"request {sched.request_id!r}: sampling after token {end} "
+            raise ValueError(f"sequence {sched.sequence_id!r}: sampling after token {end} "
                              f"of {len(state.token_ids)} would skip known tokens")
         if end > self.max_model_len:
-            raise ValueError(f"request {sched.request_id!r}: {end} tokens exceed "
+            raise ValueError(f"sequence {sched.sequence_id!r}: {end} tokens exceed "
                              f"max_model_len {self.max_model_len}")
         if len(state.block_table) * self.block_size < end:
-            raise ValueError(f"request {sched.request_id!r}: {len(state.block_table)} "
+            raise ValueError(f"sequence {sched.sequence_id!r}: {len(state.block_table)} "
                              f"blocks cannot hold {end} tokens")
 
     def _step(self, plan: StepPlan) -> tuple[list[int], list[TokenLogprobs | None], list[int]]:
@@ -271,9 +271,9 @@ class ModelRunner:
         if not plan.scheduled:
             return [], [], []
         for sched in plan.scheduled:
-            state = self.requests.get(sched.request_id)
+            state = self.requests.get(sched.sequence_id)
             if state is None:
-                raise KeyError(f"unknown request {sched.request_id!r}")
+                raise KeyError(f"unknown sequence {sched.sequence_id!r}")
             state.block_table.extend(sched.new_block_ids)
             self._check_scheduled(sched, state)
         sampled, logprobs, counts = self._forward(plan.scheduled)
@@ -290,21 +290,21 @@ class ModelRunner:
         more steps, one forward per step, each feeding its own last token. Returns every
         sampler's tokens in plan order, with their counts."""
         samplers = [s for s in scheduled if s.sample]
-        tokens = {s.request_id: [t] for s, t in zip(samplers, first, strict=True)}
+        tokens = {s.sequence_id: [t] for s, t in zip(samplers, first, strict=True)}
         with_logprobs = bool(first_logprobs)
-        logprobs = {s.request_id: [lp] for s, lp in zip(
+        logprobs = {s.sequence_id: [lp] for s, lp in zip(
             samplers, first_logprobs or [None] * len(samplers), strict=True)}
         for step in range(1, max(s.num_steps for s in samplers)):
-            batch = [ScheduledRequest(request_id=s.request_id, num_tokens=1,
-                                      start=len(self.requests[s.request_id].token_ids) - 1)
+            batch = [ScheduledRequest(sequence_id=s.sequence_id, num_tokens=1,
+                                      start=len(self.requests[s.sequence_id].token_ids) - 1)
                      for s in samplers if s.num_steps > step]
             sampled, step_logprobs, _ = self._forward(batch)
             with_logprobs = with_logprobs or bool(step_logprobs)
             for s, token, lp in zip(batch, sampled, step_logprobs or [None] * len(batch),
                                     strict=True):
-                tokens[s.request_id].append(token)
-                logprobs[s.request_id].append(lp)
-        order = [s.request_id for s in samplers]
+                tokens[s.sequence_id].append(token)
+                logprobs[s.sequence_id].append(lp)
+        order = [s.sequence_id for s in samplers]
         return ([t for r in order for t in tokens[r]],
                 [lp for r in order for lp in logprobs[r]] if with_logprobs else [],
                 [len(tokens[r]) for r in order])
@@ -316,7 +316,7 @@ class ModelRunner:
         query_lens, context_lens, block_tables = [], [], []
         sampling_rows: list[int] = []  # index of each sampling sequence in the batch
         for index, sched in enumerate(scheduled):
-            state = self.requests[sched.request_id]
+            state = self.requests[sched.sequence_id]
             end = sched.start + sched.num_tokens
             input_ids.extend(state.token_ids[sched.start:end - len(sched.draft_token_ids)])
             input_ids.extend(sched.draft_token_ids)
@@ -333,7 +333,7 @@ class ModelRunner:
         logits = self.model.forward(ids, meta.positions, meta, self.kv_cache, logits_indices)
         if not sampling_rows:
             return [], [], []
-        states = [self.requests[s.request_id] for s in samplers]
+        states = [self.requests[s.sequence_id] for s in samplers]
         if not any(s.draft_token_ids for s in samplers):
             return *self._sample(logits, states), []
         return self._sample_with_drafts(logits, samplers, states)

@@ -107,11 +107,12 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _record_residency(request_id: str, started_ns: int, traceparent: str) -> None:
-    """The request's time in this executor, as a span of its own trace (steps link to it)."""
+def _record_residency(sequence_id: str, started_ns: int, traceparent: str) -> None:
+    """The sequence's time in this executor, as a span of its request's trace (steps link to
+    it)."""
     _tracer.start_span("executor.request", context=context_from_traceparent(traceparent),
                        start_time=started_ns,
-                       attributes={"llmbus.request_id": request_id}).end()
+                       attributes={"llmbus.sequence_id": sequence_id}).end()
 
 
 def resolve_backend(args: argparse.Namespace, cuda_available: bool) -> tuple[str, str]:
@@ -193,24 +194,24 @@ async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, device: str,
         return GrammarReply()
 
     last_reply = time.perf_counter()
-    links: dict[str, Link] = {}  # request id -> link to its trace, for step spans
-    residents: dict[str, tuple[int, str]] = {}  # request id -> (registered at, traceparent)
+    links: dict[str, Link] = {}  # sequence id -> link to its trace, for step spans
+    residents: dict[str, tuple[int, str]] = {}  # sequence id -> (registered at, traceparent)
 
     async def on_step(plan: StepPlan, _: Msg) -> StepResult:
         nonlocal last_reply
         idle = time.perf_counter() - last_reply
         runtime.num_handled += 1
-        for request_id in plan.finished_request_ids:
-            links.pop(request_id, None)
-            if request_id in residents:
-                _record_residency(request_id, *residents.pop(request_id))
+        for sequence_id in plan.finished_sequence_ids:
+            links.pop(sequence_id, None)
+            if sequence_id in residents:
+                _record_residency(sequence_id, *residents.pop(sequence_id))
         for new in plan.new_requests:
             link = link_to(new.traceparent)
             if link is not None:
-                links[new.request_id] = link
-                residents[new.request_id] = (time.time_ns(), new.traceparent)
+                links[new.sequence_id] = link
+                residents[new.sequence_id] = (time.time_ns(), new.traceparent)
         # One span per step, serving many requests: linked to each request's trace.
-        step_links = [links[s.request_id] for s in plan.scheduled if s.request_id in links]
+        step_links = [links[s.sequence_id] for s in plan.scheduled if s.sequence_id in links]
         with _tracer.start_as_current_span("executor.step", links=step_links, attributes={
                 "llmbus.step_id": plan.step_id, "llmbus.batch_size": len(plan.scheduled),
                 "llmbus.num_tokens": sum(s.num_tokens for s in plan.scheduled)}) as span:

@@ -35,7 +35,7 @@ def token_update(request: Request, step_id: int, error: str = "",
     queued = ((request.first_scheduled_time or request.arrival_time) - request.arrival_time
               if first else 0.0)
     return RequestTokens(
-        request_id=request.public_id, reply_subject=request.reply_subject,
+        request_id=request.request_id, reply_subject=request.reply_subject,
         new_token_ids=new_token_ids, finish_reason=request.finish_reason,
         num_prompt_tokens=request.num_prompt_tokens, stop=request.params.stop,
         include_stop_str_in_output=request.params.include_stop_str_in_output,

@@ -17,9 +17,9 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    request_id: str  # unique inside the engine; a completion of n > 1 is "<public id>#<index>"
-    public_id: str  # the id the api and detokenizer know
-    index: int  # which of the public request's completions this is
+    sequence_id: str  # unique inside the engine; a completion of n > 1 is "<request_id>#<index>"
+    request_id: str  # the api's id of the prompt, which the detokenizer and aborts use too
+    index: int  # which of the request's completions this is
     reply_subject: str
     prompt_token_ids: list[int]
     params: SamplingParams

@@ -60,8 +60,8 @@ class Scheduler:
         self.kv = KVManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}  # by engine-internal request_id
-        self.families: dict[str, list[str]] = {}  # public id -> internal ids
+        self.requests: dict[str, Request] = {}  # by sequence_id
+        self.families: dict[str, list[str]] = {}  # request_id -> its sequence_ids
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_finished = 0
@@ -93,8 +93,8 @@ class Scheduler:
         max_tokens = resolve_max_tokens(self.config, self.kv.num_usable,
                                         len(prompt_token_ids), params, n)
 
-        def make(internal_id: str, index: int, num_forks: int = 1) -> Request:
-            return Request(internal_id, request_id, index, reply_subject,
+        def make(sequence_id: str, index: int, num_forks: int = 1) -> Request:
+            return Request(sequence_id, request_id, index, reply_subject,
                            list(prompt_token_ids), params_for(params, index),
                            max_tokens=max_tokens, arrival_time=arrival_time,
                            num_forks=num_forks, traceparent=traceparent)
@@ -105,16 +105,16 @@ class Scheduler:
             family = [make(f"{request_id}#{i}", i) for i in range(n)]
         else:
             family = [make(f"{request_id}#prompt", 0, num_forks=n)]
-        self.families[request_id] = [r.request_id for r in family]
+        self.families[request_id] = [r.sequence_id for r in family]
         for request in family:
-            self.requests[request.request_id] = request
+            self.requests[request.sequence_id] = request
             self.waiting.append(request)
 
     def abort_request(self, request_id: str, index: int | None = None) -> bool:
         """End a request (or one of its completions) wherever it is; blocks are freed now."""
         ended = False
-        for internal_id in list(self.families.get(request_id, ())):
-            request = self.requests[internal_id]
+        for sequence_id in list(self.families.get(request_id, ())):
+            request = self.requests[sequence_id]
             if index is not None and request.index != index and not request.is_parent:
                 continue
             self._remove(request)
@@ -133,18 +133,18 @@ class Scheduler:
             while len(self._withdrawn) > MAX_WITHDRAWN_REMEMBERED:
                 del self._withdrawn[next(iter(self._withdrawn))]
             return
-        for internal_id in list(family):
-            request = self.requests[internal_id]
+        for sequence_id in list(family):
+            request = self.requests[sequence_id]
             self._remove(request)
             self._drop(request, FinishReason.ABORT)  # never served: no spans, no counts
 
     def abort_for_reply_subject(self, reply_subject: str) -> int:
         """Abort every request whose api copy (reply subject) is gone; returns how many."""
-        public_ids = {r.public_id for r in self.requests.values()
-                      if r.reply_subject == reply_subject}
-        for public_id in public_ids:
-            self.abort_request(public_id)
-        return len(public_ids)
+        request_ids = {r.request_id for r in self.requests.values()
+                       if r.reply_subject == reply_subject}
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        return len(request_ids)
 
     @property
     def num_queued_tokens(self) -> int:
@@ -209,8 +209,8 @@ class Scheduler:
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, decode steps)
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
         self._schedule_waiting(budget, scheduled)
-        plan = StepPlan(step_id=self.num_steps, finished_request_ids=self._forget_ids,
-                        preempted_request_ids=self._preempted_ids, copy_blocks=self._copies)
+        plan = StepPlan(step_id=self.num_steps, finished_sequence_ids=self._forget_ids,
+                        preempted_sequence_ids=self._preempted_ids, copy_blocks=self._copies)
         self._forget_ids, self._preempted_ids, self._copies = [], [], []
         for request, num_new, num_steps in scheduled:
             if request.first_scheduled_time is None:
@@ -279,8 +279,8 @@ class Scheduler:
     def unschedule_empty(self, plan: StepPlan) -> None:
         """Take back a plan with nothing scheduled: its bookkeeping rides the next plan."""
         assert not plan.scheduled
-        self._forget_ids = plan.finished_request_ids + self._forget_ids
-        self._preempted_ids = plan.preempted_request_ids + self._preempted_ids
+        self._forget_ids = plan.finished_sequence_ids + self._forget_ids
+        self._preempted_ids = plan.preempted_sequence_ids + self._preempted_ids
         self._copies = plan.copy_blocks + self._copies
         self.num_steps -= 1
 
@@ -289,14 +289,14 @@ class Scheduler:
         if not request.known_to_executor:
             request.known_to_executor = True
             plan.new_requests.append(NewRequestData(
-                request.request_id, request.prompt_token_ids, request.params,
+                request.sequence_id, request.prompt_token_ids, request.params,
                 request.traceparent))
         start = request.num_computed_tokens
         end = start + num_new
         drafts = request.draft_token_ids
         sample = not request.is_parent and end - len(drafts) == request.num_tokens
         item = ScheduledRequest(
-            request_id=request.request_id, start=start, num_tokens=num_new,
+            sequence_id=request.sequence_id, start=start, num_tokens=num_new,
             new_block_ids=request.block_table[request.num_blocks_sent:], sample=sample,
             draft_token_ids=list(drafts), num_steps=num_steps)
         request.num_blocks_sent = len(request.block_table)
@@ -365,7 +365,7 @@ class Scheduler:
         children = []
         for i in range(parent.num_forks):
             child = Request(
-                f"{parent.public_id}#{i}", parent.public_id, i, parent.reply_subject,
+                f"{parent.request_id}#{i}", parent.request_id, i, parent.reply_subject,
                 parent.prompt_token_ids, params_for(parent.params, i),
                 max_tokens=parent.max_tokens, arrival_time=parent.arrival_time,
                 num_computed_tokens=parent.num_computed_tokens,
@@ -376,13 +376,13 @@ class Scheduler:
                 prefill_chunks=list(parent.prefill_chunks))
             self.kv.lock(child.block_table)
             children.append(child)
-            self.requests[child.request_id] = child
+            self.requests[child.sequence_id] = child
         self.running[position:position + 1] = children
         self._release_blocks(parent)
-        del self.requests[parent.request_id]
+        del self.requests[parent.sequence_id]
         if parent.known_to_executor:
-            self._forget_ids.append(parent.request_id)
-        self.families[parent.public_id] = [c.request_id for c in children]
+            self._forget_ids.append(parent.sequence_id)
+        self.families[parent.request_id] = [c.sequence_id for c in children]
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and put it back at the front of the queue."""
@@ -393,7 +393,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.known_to_executor:
-            self._preempted_ids.append(request.request_id)
+            self._preempted_ids.append(request.sequence_id)
         self.waiting.appendleft(request)
 
     def _release_blocks(self, request: Request) -> None:
@@ -419,7 +419,7 @@ class Scheduler:
             count = next(counts) if counts is not None else 1
             tokens = ([(next(sampled), next(logprobs))] if count == 1
                       else [(next(sampled), next(logprobs)) for _ in range(count)])
-            request = self.requests.get(item.request_id)
+            request = self.requests.get(item.sequence_id)
             if request is None:
                 continue  # it finished or was aborted after this step was planned
             request.num_pending_tokens -= item.num_steps
@@ -465,13 +465,13 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._release_blocks(request)
-        del self.requests[request.request_id]
-        family = self.families[request.public_id]
-        family.remove(request.request_id)
+        del self.requests[request.sequence_id]
+        family = self.families[request.request_id]
+        family.remove(request.sequence_id)
         if not family:
-            del self.families[request.public_id]
+            del self.families[request.request_id]
         if request.known_to_executor:
-            self._forget_ids.append(request.request_id)
+            self._forget_ids.append(request.sequence_id)
 
     # ------------------------------------------------------------------ checks
 

@@ -31,7 +31,7 @@ def record_request_spans(request: Request, now: float) -> None:
         return
     parent = context_from_traceparent(request.traceparent)
     attributes: dict[str, AttributeValue] = {
-        "llmbus.request_id": request.public_id, "llmbus.choice_index": request.index,
+        "llmbus.request_id": request.request_id, "llmbus.choice_index": request.index,
         "llmbus.num_preemptions": request.num_preemptions}
     end = request.finish_time or now
     scheduled = request.first_scheduled_time

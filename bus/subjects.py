@@ -1,13 +1,18 @@
 """Every NATS subject the pipeline uses, in one place.
 
 Subjects carry a version (`v1`) so that a changed wire format can run beside the old one during
-a rolling upgrade. Subjects with a `{...}` part are addressed to one instance (an engine, an api
-copy); the rest are shared by every copy of a stage through a queue group.
+a rolling upgrade. The version is per subject: one whose messages change layout takes the next
+version in the same place (`llmbus.v2....`), the others keep theirs. Subjects with a `{...}` part
+are addressed to one instance (an engine, an api copy); the rest are shared by every copy of a
+stage through a queue group.
 """
 
 from __future__ import annotations
 
 PREFIX = "llmbus.v1"
+# The detokenizer's token subjects. v2: a completion's constants (reply subject, stop strings,
+# ...) come once per detokenizer copy, in RequestTokens.start, not with every update.
+TOKENS_PREFIX = "llmbus.v2"
 
 # api -> tokenizer (request/reply, queue group "tokenizer"): admit a request.
 TOKENIZER_GENERATE = f"{PREFIX}.tokenizer.generate"
@@ -63,7 +68,7 @@ def executor_grammar(engine_id: str) -> str:
 # decode state, so each completion is sent to one copy's own subject (detokenizer_tokens, see
 # services/scheduler/detokenizer_routing.py); this shared subject, a queue group, is only used
 # before any copy has been heard from.
-DETOKENIZER_TOKENS = f"{PREFIX}.detokenizer.tokens"
+DETOKENIZER_TOKENS = f"{TOKENS_PREFIX}.detokenizer.tokens"
 
 
 def api_deltas(api_id: str) -> str:
@@ -96,9 +101,15 @@ def engine_withdraw(engine_id: str) -> str:
     return f"{PREFIX}.engine.{engine_id}.withdraw"
 
 
+def engine_unknown_completion(engine_id: str) -> str:
+    """detokenizer -> the scheduler whose tokens it cannot decode (publish): it holds nothing of
+    that completion and got no start with them (UnknownCompletion)."""
+    return f"{PREFIX}.engine.{engine_id}.unknown_completion"
+
+
 def detokenizer_tokens(instance_id: str) -> str:
     """scheduler -> the detokenizer copy a request is assigned to (publish)."""
-    return f"{PREFIX}.detokenizer.{instance_id}.tokens"
+    return f"{TOKENS_PREFIX}.detokenizer.{instance_id}.tokens"
 
 
 # The queue group of a stateless stage is simply the stage name.

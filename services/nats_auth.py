@@ -51,7 +51,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
         "subscribe": [S.ENGINE_SUBMIT, S.engine_submit(ANY), S.engine_withdraw(ANY),
                       S.SCHEDULER_ABORT, S.ENGINE_MODEL, S.ENGINE_STATS, S.engine_stats(ANY),
                       S.heartbeat("detokenizer"), S.heartbeat("api"), S.heartbeat("executor"),
-                      S.ping("scheduler"), _inbox("scheduler")],
+                      S.engine_unknown_completion(ANY), S.ping("scheduler"), _inbox("scheduler")],
     },
     "executor": {
         "publish": [S.heartbeat("executor")],
@@ -59,7 +59,8 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
                       S.ping("executor")],
     },
     "detokenizer": {
-        "publish": [S.api_deltas(ANY), S.SCHEDULER_ABORT, S.heartbeat("detokenizer")],
+        "publish": [S.api_deltas(ANY), S.SCHEDULER_ABORT, S.engine_unknown_completion(ANY),
+                    S.heartbeat("detokenizer")],
         "subscribe": [S.DETOKENIZER_TOKENS, S.detokenizer_tokens(ANY), S.ping("detokenizer")],
     },
     "observer": {

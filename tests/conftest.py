@@ -96,6 +96,7 @@ TEST_KINDS = {
     "test_cpu_paged_attention.py": "unit",
     "test_dense_prefill.py": "unit",
     "test_detokenizer.py": "unit",
+    "test_detokenizer_routing.py": "unit",
     "test_engine_loop.py": "unit",
     "test_executor_constraints.py": "unit",
     "test_executor_model.py": "unit",

@@ -16,11 +16,12 @@ PARAMS = m.SamplingParams(
     structured=m.StructuredOutput(kind="regex", spec="[0-9]+", param="guided_regex"))
 LOGPROBS = m.TokenLogprobs(logprob=-0.5, top_token_ids=[42, 7], top_logprobs=[-0.5, -1.5])
 CHAT = m.ChatMessage(role="user", content="hi", tool_calls_json="[]", tool_call_id="c1")
+START = m.CompletionStart(reply_subject="api.x", num_prompt_tokens=2, stop=["x"],
+                          include_stop_str_in_output=True, traceparent="00-t-s-01",
+                          replay_token_ids=[41])
 TOKENS = m.RequestTokens(
-    request_id="r1", reply_subject="api.x", new_token_ids=[42],
-    finish_reason=m.FinishReason.STOP, num_prompt_tokens=2, stop=["x"],
-    include_stop_str_in_output=True, error="e", step_id=3, index=1, logprobs=[LOGPROBS],
-    traceparent="00-t-s-01", queue_seconds=0.25, replay_token_ids=[41])
+    request_id="r1", index=1, new_token_ids=[42], finish_reason=m.FinishReason.STOP,
+    error="e", step_id=3, logprobs=[LOGPROBS], queue_seconds=0.25, start=START)
 TEXT_LOGPROB = m.TextLogprob(token="h", logprob=-0.5, top_tokens=["h", "y"],
                              top_logprobs=[-0.5, -1.5], token_bytes=b"h",
                              top_token_bytes=[b"h", b"y"])
@@ -46,6 +47,7 @@ EXAMPLES = [
     m.SubmitRequest(request_id="r1", reply_subject="api.x", prompt_token_ids=[1, 2],
                     params=PARAMS, arrival_time=1.5, n=2),
     m.AbortRequest(request_id="r1", index=1),
+    m.UnknownCompletion(request_id="r1", index=1, instance_id="d1"),
     m.EngineStatsRequest(),
     m.EngineStats(engine_id="e0", num_steps=1, num_running=2, num_waiting=3, num_free_blocks=4,
                   num_total_blocks=5, max_batch_size=6, num_preemptions=7, num_finished=8,
@@ -73,7 +75,7 @@ EXAMPLES = [
     m.StepResult(step_id=3, sampled_token_ids=[42], forward_seconds=0.01, batch_size=1,
                  num_tokens=2, error="e", idle_seconds=0.5, logprobs=[LOGPROBS, None],
                  num_sampled=[1]),
-    TOKENS,
+    START, TOKENS,
     m.TokenBatch(engine_id="e0", items=[TOKENS]),
     TEXT_LOGPROB, DELTA,
     m.DeltaBatch(items=[DELTA]),
@@ -113,6 +115,7 @@ GOLDEN = {
         "cbbff000000000000093a57265676578a65b302d395d2bac6775696465645f7265676578cb3ff8000000"
         "00000002"),
     "AbortRequest": "92a2723101",
+    "UnknownCompletion": "93a2723101a26431",
     "EngineStatsRequest": "90",
     "EngineStats": (
         "dc0011a265300102030405060708090a0bcb3ff8000000000000cb3fe00000000000000c0d0e"),
@@ -137,12 +140,15 @@ GOLDEN = {
     "StepResult": (
         "9903912acb3f847ae147ae147b0102a165cb3fe00000000000009293cbbfe0000000000000922a0792cb"
         "bfe0000000000000cbbff8000000000000c09101"),
+    # Laid out anew in the tokens subjects' v2 (bus/subjects.py TOKENS_PREFIX): a completion's
+    # constants moved into CompletionStart, sent once per detokenizer copy.
+    "CompletionStart": "96a56170692e780291a178c3a930302d742d732d30319129",
     "RequestTokens": (
-        "9ea27231a56170692e78912a010291a178c3a16503019193cbbfe0000000000000922a0792cbbfe00000"
-        "00000000cbbff8000000000000a930302d742d732d3031cb3fd00000000000009129"),
+        "99a2723101912a01a165039193cbbfe0000000000000922a0792cbbfe0000000000000cbbff800000000"
+        "0000cb3fd000000000000096a56170692e780291a178c3a930302d742d732d30319129"),
     "TokenBatch": (
-        "92a26530919ea27231a56170692e78912a010291a178c3a16503019193cbbfe0000000000000922a0792"
-        "cbbfe0000000000000cbbff8000000000000a930302d742d732d3031cb3fd00000000000009129"),
+        "92a265309199a2723101912a01a165039193cbbfe0000000000000922a0792cbbfe0000000000000cbbf"
+        "f8000000000000cb3fd000000000000096a56170692e780291a178c3a930302d742d732d30319129"),
     "TextLogprob": (
         "96a168cbbfe000000000000092a168a17992cbbfe0000000000000cbbff8000000000000c4016892c401"
         "68c40179"),

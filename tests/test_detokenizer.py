@@ -185,16 +185,17 @@ def test_a_copy_taking_over_keeps_the_text_held_back_for_a_stop_string(tokenizer
     """A detokenizer copy dies while it holds back "Par" (it might start the stop string
     "Paris"); the copy taking the completion over replays the dead copy's tokens, so the
     client still gets "Parade", and every character exactly once."""
-    from llmbus.bus.messages import FinishReason, RequestTokens, TokenBatch
+    from llmbus.bus.messages import CompletionStart, FinishReason, RequestTokens, TokenBatch
     from llmbus.services.detokenizer.detokenization import Detokenization
 
     ids = tokenizer.encode("We went to the Parade today.")
     cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("Par"))
 
     def item(new: list[int], replay: list[int] = (), finish=FinishReason.NONE):
+        start = CompletionStart(reply_subject="api", stop=["Paris"],
+                                replay_token_ids=list(replay))
         return TokenBatch(engine_id="e0", items=[RequestTokens(
-            request_id="r", reply_subject="api", new_token_ids=new, stop=["Paris"],
-            replay_token_ids=list(replay), finish_reason=finish)])
+            request_id="r", new_token_ids=new, finish_reason=finish, start=start)])
 
     def text(deltas: dict) -> str:
         return "".join(d.text for d in deltas.get("api", []))

@@ -1,13 +1,13 @@
-"""Liveness, cache-aware routing, sticky detokenizer routing: the pure parts, alone."""
+"""Liveness and cache-aware routing: the pure parts, alone (the detokenizer routing:
+test_detokenizer_routing.py); and a slow engine told to withdraw, on a real nats-server."""
 
 from __future__ import annotations
 
 from llmbus.bus import subjects
 from llmbus.bus.block_hash import block_hashes
 from llmbus.bus.liveness import Liveness
-from llmbus.bus.messages import CacheEvent, FinishReason, Heartbeat, RequestTokens, SamplingParams
+from llmbus.bus.messages import CacheEvent, Heartbeat, SamplingParams
 from llmbus.services.scheduler.config import SchedulerConfig
-from llmbus.services.scheduler.detokenizer_routing import DetokenizerRouting
 from llmbus.services.scheduler.scheduler import Scheduler
 from llmbus.services.tokenizer.router import BALANCE_SLACK, Router
 
@@ -66,57 +66,6 @@ def test_router_skips_dead_and_excluded_engines():
     assert router.choose([1, 2, 3, 4], now=3.0).instance_id == "e1"  # e0 silent for 3 s
     assert router.choose([1, 2, 3, 4], now=3.0, exclude=frozenset({"e1"})) is None
     assert [h.instance_id for h in router.forget_dead(3.0)] == ["e0"]
-
-
-def update(request_id: str, finish: FinishReason = FinishReason.NONE) -> RequestTokens:
-    return RequestTokens(request_id=request_id, reply_subject="api", new_token_ids=[1],
-                         finish_reason=finish)
-
-
-def test_detokenizer_routing_is_sticky_and_moves_off_dead_copies():
-    routing = DetokenizerRouting(Liveness(dead_after=2.0))
-    assert set(routing.route([update("r")], now=0.0)) == {subjects.DETOKENIZER_TOKENS}
-    for name in ("d0", "d1", "d2"):
-        routing.liveness.seen(beat(name, service="detokenizer"), now=0.0)
-    ids = [f"r{i}" for i in range(30)]
-    first = routing.route([update(i) for i in ids], now=0.1)
-    assert len(first) == 3  # spread over every copy
-    owner = {u.request_id: subject for subject, items in first.items() for u in items}
-    again = routing.route([update(i) for i in ids], now=0.2)
-    assert {u.request_id: subject for subject, items in again.items() for u in items} == owner
-    dead = owner["r0"]
-    for name in ("d0", "d1", "d2"):
-        if subjects.detokenizer_tokens(name) != dead:
-            routing.liveness.seen(beat(name, service="detokenizer"), now=2.5)
-    moved = routing.route([update("r0", FinishReason.STOP)], now=3.0)
-    assert dead not in moved
-    assert ("r0", 0) not in routing.assigned  # finished: forgotten
-
-
-def test_a_moved_completion_carries_the_tokens_its_dead_copy_had():
-    """The copy taking a completion over gets the tokens sent so far, to replay (and only
-    then); a completion that stays put gets none."""
-    routing = DetokenizerRouting(Liveness(dead_after=2.0))
-    for name in ("d0", "d1"):
-        routing.liveness.seen(beat(name, service="detokenizer"), now=0.0)
-    sent = []
-    for step in range(3):
-        item = RequestTokens(request_id="r", reply_subject="api",
-                             new_token_ids=[10 + step, 20 + step])
-        [(owner, [routed])] = routing.route([item], now=0.1 * step).items()
-        assert routed.replay_token_ids == []
-        sent += item.new_token_ids
-    survivor = "d1" if owner == subjects.detokenizer_tokens("d0") else "d0"
-    routing.liveness.seen(beat(survivor, service="detokenizer"), now=2.5)
-    item = RequestTokens(request_id="r", reply_subject="api", new_token_ids=[99])
-    [(subject, [routed])] = routing.route([item], now=3.0).items()
-    assert subject == subjects.detokenizer_tokens(survivor)
-    assert routed.replay_token_ids == sent
-    later = RequestTokens(request_id="r", reply_subject="api", new_token_ids=[100],
-                          finish_reason=FinishReason.LENGTH)
-    [(_, [routed])] = routing.route([later], now=3.1).items()
-    assert routed.replay_token_ids == []  # it stayed on the survivor
-    assert ("r", 0) not in routing.sent  # finished: forgotten
 
 
 async def test_an_engine_too_slow_to_admit_is_told_to_withdraw():

@@ -1,10 +1,14 @@
+# Over 300 lines: every test of the scheduler's adapter shares one engine fixture and its fake
+# executor and detokenizer copies.
 """The scheduler's bus adapter without the model: the real SchedulerService on a real
-nats-server, with a fake executor (answers info and steps, sends heartbeats) and a fake
-detokenizer copy. Admission, tokens on the wire, and an executor that dies mid-request."""
+nats-server, with a fake executor (answers info and steps, sends heartbeats) and fake
+detokenizer copies. Admission, tokens on the wire (a completion's constants once per copy), an
+executor that dies mid-request, a detokenizer copy that cannot decode a completion."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import nats
 import pytest
@@ -27,6 +31,7 @@ from llmbus.bus.messages import (
     StructuredOutput,
     SubmitRequest,
     TokenBatch,
+    UnknownCompletion,
 )
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.cli import build_parser
@@ -39,10 +44,12 @@ ENGINE = "engine0"
 
 class FakeExecutor:
     """Samples token 7 for every sampling row (each of its steps); `alive = False` stops
-    heartbeats and answers."""
+    heartbeats and answers; with `max_answered` set, steps past that many wait."""
 
     def __init__(self) -> None:
         self.alive = True
+        self.max_answered: int | None = None
+        self.num_answered = 0
         self.steps: list[StepPlan] = []
         self.compiled = asyncio.Event()  # grammar requests wait for this
         self.compiled.set()
@@ -73,6 +80,9 @@ class FakeExecutor:
         self.steps.append(plan)
         if not self.alive:
             return  # a dead process answers nothing
+        while self.max_answered is not None and self.num_answered >= self.max_answered:
+            await asyncio.sleep(0.01)
+        self.num_answered += 1
         counts = [s.num_steps for s in plan.scheduled if s.sample]  # multi-step: several each
         await msg.respond(encode(StepResult(
             step_id=plan.step_id, sampled_token_ids=[7] * sum(counts), num_sampled=counts,
@@ -217,3 +227,89 @@ async def test_a_request_aborted_while_its_grammar_compiles_never_runs(engine):
     assert admission.error_code == ErrorCode.INVALID_REQUEST and "aborted" in (
         admission.error_message)
     assert not any(n.sequence_id == "c3" for p in executor.steps for n in p.new_requests)
+
+
+class FakeDetokenizer:
+    """One detokenizer copy as the scheduler sees it: heartbeats as `instance`, and keeps the
+    token batches sent to its own subject."""
+
+    def __init__(self, instance: str) -> None:
+        self.instance = instance
+        self.batches: list[TokenBatch] = []
+
+    async def start(self, runtime: ServiceRuntime, service: SchedulerService) -> None:
+        async def on_tokens(msg) -> None:
+            self.batches.append(decode(msg.data, TokenBatch))
+
+        self.subscription = await runtime.nc.subscribe(
+            subjects.detokenizer_tokens(self.instance), cb=on_tokens)
+        await runtime.nc.flush()
+        self.beating = asyncio.create_task(self.beat(runtime))
+        await _until(lambda: service.detokenizers.liveness.alive(time.monotonic()),
+                     "the scheduler heard the detokenizer copy")
+
+    async def beat(self, runtime: ServiceRuntime) -> None:
+        while True:
+            await runtime.publish(subjects.heartbeat("detokenizer"), Heartbeat(
+                service="detokenizer", instance_id=self.instance))
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+
+    async def stop(self) -> None:
+        self.beating.cancel()
+        await self.subscription.unsubscribe()
+
+
+@pytest.mark.asyncio
+async def test_a_completions_constants_go_to_its_detokenizer_copy_once(engine):
+    """n = 2 completions of 20 tokens, in several batches each: each completion's start (its
+    reply subject and stop strings) comes once, with its first tokens."""
+    runtime, _, _, service = engine
+    detokenizer = FakeDetokenizer("d1")
+    await detokenizer.start(runtime, service)
+    await runtime.request(subjects.engine_submit(ENGINE), SubmitRequest(
+        request_id="n2", reply_subject="api.x", prompt_token_ids=[10, 11, 12], n=2,
+        params=SamplingParams(max_tokens=20, ignore_eos=True, stop=["!"])), Admission,
+        timeout=5)
+    await _until(lambda: sum(bool(i.finish_reason) for i in _items(detokenizer.batches, "n2"))
+                 == 2, "both completions ended")
+    await detokenizer.stop()
+    items = _items(detokenizer.batches, "n2")
+    assert len(items) > 4  # several updates per completion
+    for index in (0, 1):
+        mine = [i for i in items if i.index == index]
+        assert [t for i in mine for t in i.new_token_ids] == [7] * 20
+        assert [i.start is not None for i in mine] == [True] + [False] * (len(mine) - 1)
+        assert (mine[0].start.reply_subject, mine[0].start.stop) == ("api.x", ["!"])
+
+
+@pytest.mark.asyncio
+async def test_a_completion_its_detokenizer_copy_cannot_decode_ends_with_an_error(engine):
+    """The copy reports a completion it never got the start of: the engine ends it with an
+    error, sent with the start; for one that ended meanwhile, the engine sends that error."""
+    runtime, executor, _, service = engine
+    detokenizer = FakeDetokenizer("d1")
+    await detokenizer.start(runtime, service)
+    report = subjects.engine_unknown_completion(ENGINE)
+    executor.max_answered = executor.num_answered + 1  # its prefill, then it waits
+    await _submit(runtime, "long", max_tokens=50)
+    await _until(lambda: _items(detokenizer.batches, "long"), "long's first tokens")
+    await runtime.publish(report, UnknownCompletion(request_id="long", instance_id="d1"))
+    await _until(lambda: "long" not in service.scheduler.families, "long ended there")
+    executor.max_answered = None
+    await _until(lambda: any(i.finish_reason for i in _items(detokenizer.batches, "long")),
+                 "long's end went out")
+    last = _items(detokenizer.batches, "long")[-1]
+    assert (last.finish_reason, last.start.reply_subject) == (FinishReason.ERROR, "api.x")
+    assert "never got this completion's start" in last.error
+    assert last.start.replay_token_ids == []  # its text never reached the client
+    assert sum(len(i.new_token_ids) for i in _items(detokenizer.batches, "long")) < 50
+
+    await _submit(runtime, "short", max_tokens=2)
+    await _until(lambda: any(i.finish_reason for i in _items(detokenizer.batches, "short")),
+                 "short finished")
+    await runtime.publish(report, UnknownCompletion(request_id="short", instance_id="d1"))
+    await _until(lambda: _items(detokenizer.batches, "short")[-1].finish_reason
+                 == FinishReason.ERROR, "short's error")
+    late = _items(detokenizer.batches, "short")[-1]
+    assert late.start.reply_subject == "api.x" and late.new_token_ids == []
+    await detokenizer.stop()

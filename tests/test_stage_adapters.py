@@ -14,6 +14,7 @@ from llmbus.bus.codec import decode, encode
 from llmbus.bus.messages import (
     AbortRequest,
     Admission,
+    CompletionStart,
     DecodeRequest,
     DecodeResult,
     DeltaBatch,
@@ -26,6 +27,7 @@ from llmbus.bus.messages import (
     SamplingParams,
     SubmitRequest,
     TokenBatch,
+    UnknownCompletion,
 )
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.detokenizer import service as detokenizer_service
@@ -100,10 +102,11 @@ async def test_the_detokenizer_streams_text_and_aborts_at_a_stop_string(bus):
     ids = tok.encode("hello, world")
     async with ServiceRuntime("detokenizer", url, handle_signals=False) as runtime:
         await detokenizer_service.subscribe(runtime, Detokenization(tok))
+        start = CompletionStart(reply_subject="api.x", stop=[", w"])
         for step, piece in enumerate((ids[:2], ids[2:])):  # the stop string spans both steps
             await client.publish(subjects.DETOKENIZER_TOKENS, encode(TokenBatch(
-                engine_id="e0", items=[RequestTokens(request_id="r", reply_subject="api.x",
-                                                     new_token_ids=piece, stop=[", w"])])))
+                engine_id="e0", items=[RequestTokens(request_id="r", new_token_ids=piece,
+                                                     start=None if step else start)])))
             await client.flush()
             async with asyncio.timeout(TIMEOUT):  # one step after the other, as an engine
                 while runtime.num_handled <= step:
@@ -118,6 +121,49 @@ async def test_the_detokenizer_streams_text_and_aborts_at_a_stop_string(bus):
     text = "".join(d.text for b in deltas for d in b.items)
     assert text == "hello" and deltas[-1].items[-1].finish_reason == FinishReason.STOP
     assert (aborts[0].request_id, aborts[0].index) == ("r", 0)  # the engine frees its blocks
+
+
+@pytest.mark.asyncio
+async def test_the_detokenizer_reports_a_completion_it_never_got_the_start_of(bus):
+    """Tokens of a completion the copy knows nothing of, without a start: no text, and one
+    report to their engine; the error the engine then ends it with, sent with the start,
+    reaches the api."""
+    url, client = bus
+    deltas: list[DeltaBatch] = []
+    reports: list[UnknownCompletion] = []
+
+    async def on_deltas(msg) -> None:
+        deltas.append(decode(msg.data, DeltaBatch))
+
+    async def on_report(msg) -> None:
+        reports.append(decode(msg.data, UnknownCompletion))
+
+    await client.subscribe("api.x", cb=on_deltas)
+    await client.subscribe(subjects.engine_unknown_completion("e0"), cb=on_report)
+    await client.flush()
+    tok = tiny_tokenizer()
+    async with ServiceRuntime("detokenizer", url, handle_signals=False) as runtime:
+        await detokenizer_service.subscribe(runtime, Detokenization(tok))
+        for _ in range(2):
+            await client.publish(subjects.detokenizer_tokens(runtime.instance_id), encode(
+                TokenBatch(engine_id="e0", items=[RequestTokens(
+                    request_id="r", index=1, new_token_ids=tok.encode("lo"))])))
+        async with asyncio.timeout(TIMEOUT):
+            while runtime.num_handled < 2:
+                await asyncio.sleep(0.01)
+        await client.publish(subjects.detokenizer_tokens(runtime.instance_id), encode(
+            TokenBatch(engine_id="e0", items=[RequestTokens(
+                request_id="r", index=1, finish_reason=FinishReason.ERROR, error="lost",
+                start=CompletionStart(reply_subject="api.x"))])))
+        async with asyncio.timeout(TIMEOUT):
+            while not (deltas and reports):
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # a second report (there must be none) would be in by now
+    assert reports == [UnknownCompletion(request_id="r", index=1,
+                                         instance_id=runtime.instance_id)]
+    [batch] = deltas
+    assert [(d.index, d.text, d.finish_reason, d.error) for d in batch.items] == [
+        (1, "", FinishReason.ERROR, "lost")]
 
 
 @pytest.mark.asyncio

@@ -32,7 +32,7 @@ from llmbus.bus.messages.to_api import (
     TextDelta,
     TextLogprob,
 )
-from llmbus.bus.messages.to_detokenizer import RequestTokens, TokenBatch
+from llmbus.bus.messages.to_detokenizer import CompletionStart, RequestTokens, TokenBatch
 from llmbus.bus.messages.to_every_stage import Heartbeat, Ping, Pong
 from llmbus.bus.messages.to_executor import (
     BlockCopy,
@@ -52,6 +52,7 @@ from llmbus.bus.messages.to_scheduler import (
     ModelInfo,
     ModelInfoRequest,
     SubmitRequest,
+    UnknownCompletion,
 )
 from llmbus.bus.messages.to_tokenizer import (
     Admission,
@@ -65,10 +66,11 @@ from llmbus.bus.messages.to_tokenizer import (
 
 __all__ = [
     "AbortRequest", "Admission", "ApiMetricsRequest", "ApiMetricsSnapshot", "BlockCopy",
-    "CacheEvent", "ChatMessage", "DecodeRequest", "DecodeResult", "DeltaBatch", "EncodeRequest",
-    "EncodeResult", "EngineStats", "EngineStatsRequest", "ErrorCode", "ExecutorInfo",
-    "ExecutorInfoRequest", "FinishReason", "GenerateRequest", "GrammarReply", "GrammarRequest",
-    "Heartbeat", "ModelInfo", "ModelInfoRequest", "NewRequestData", "Ping", "Pong",
-    "RequestTokens", "SamplingParams", "ScheduledRequest", "StepPlan", "StepResult",
+    "CacheEvent", "ChatMessage", "CompletionStart", "DecodeRequest", "DecodeResult", "DeltaBatch",
+    "EncodeRequest", "EncodeResult", "EngineStats", "EngineStatsRequest", "ErrorCode",
+    "ExecutorInfo", "ExecutorInfoRequest", "FinishReason", "GenerateRequest", "GrammarReply",
+    "GrammarRequest", "Heartbeat", "ModelInfo", "ModelInfoRequest", "NewRequestData", "Ping",
+    "Pong", "RequestTokens", "SamplingParams", "ScheduledRequest", "StepPlan", "StepResult",
     "StructuredOutput", "SubmitRequest", "TextDelta", "TextLogprob", "TokenBatch", "TokenLogprobs",
+    "UnknownCompletion",
 ]

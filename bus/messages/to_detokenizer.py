@@ -5,31 +5,43 @@ from __future__ import annotations
 from llmbus.bus.messages.common import FinishReason, Message, TokenLogprobs
 
 
-class RequestTokens(Message):
-    request_id: str
-    reply_subject: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason = FinishReason.NONE
+class CompletionStart(Message):
+    """What a detokenizer copy must know of a completion before it decodes its tokens: its
+    constants, sent once per completion per copy, with the first tokens that copy gets of it
+    (the completion's first tokens, or the first after it moved there). A copy that gets a
+    `start` sets the completion up afresh, whatever it held of it before."""
+
+    reply_subject: str  # the api copy that owns the request
     num_prompt_tokens: int = 0
-    # Sent with the first tokens of a request so the detokenizer can set up its state.
     stop: list[str] = []
     include_stop_str_in_output: bool = False
-    error: str = ""
-    step_id: int = 0
-    index: int = 0  # which of the request's n completions
-    logprobs: list[TokenLogprobs] = []  # parallel to new_token_ids, when asked for
-    # With a request's first update: its trace context (a batch has many requests, so the
-    # message header cannot carry it) and how long it waited before its first step.
+    # The request's trace context (a batch has many requests, so the message header cannot
+    # carry it): the copy's span joins the request's trace.
     traceparent: str = ""
-    queue_seconds: float = 0.0
-    # When a completion moves to another detokenizer copy (its copy died): the tokens the old
-    # copy already had. The new copy decodes them first without sending their text, which
-    # restores what the old one held back for a stop string, then goes on with new_token_ids.
+    # When the completion moves from a copy that died: the tokens the old copy already had.
+    # The new copy decodes them first without sending their text, which restores what the old
+    # one held back for a stop string, then goes on with new_token_ids.
     replay_token_ids: list[int] = []
 
 
+class RequestTokens(Message):
+    """One completion's tokens of one step, and whether and why it ended."""
+
+    request_id: str
+    index: int = 0  # which of the request's n completions
+    new_token_ids: list[int] = []
+    finish_reason: FinishReason = FinishReason.NONE
+    error: str = ""
+    step_id: int = 0
+    logprobs: list[TokenLogprobs] = []  # parallel to new_token_ids, when asked for
+    queue_seconds: float = 0.0  # with a request's first update: its wait for its first step
+    start: CompletionStart | None = None  # see CompletionStart: only when this copy needs it
+
+
 class TokenBatch(Message):
-    """All token updates of one engine step (one message per step, not per token)."""
+    """All token updates of one engine step for one detokenizer copy (one message per step and
+    copy, not per token). A completion the copy cannot decode is reported to this engine
+    (UnknownCompletion)."""
 
     engine_id: str
     items: list[RequestTokens]

@@ -19,6 +19,16 @@ class AbortRequest(Message):
     index: int | None = None  # one of the n completions; None = all of them
 
 
+class UnknownCompletion(Message):
+    """A detokenizer copy got tokens of a completion it holds nothing of, and no `start` with
+    them (the message that had it was lost): it cannot decode them into the right text, so the
+    engine ends the completion with an error, sent to that copy with its start."""
+
+    request_id: str
+    index: int = 0
+    instance_id: str = ""  # the detokenizer copy
+
+
 class EngineStatsRequest(Message):
     pass
 

@@ -5,19 +5,30 @@ adapter, service.py, records a span per ended completion from what `process` ret
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from llmbus.bus.messages import FinishReason, TextDelta, TextLogprob, TokenBatch, TokenLogprobs
+from llmbus.bus.messages import (
+    CompletionStart,
+    FinishReason,
+    RequestTokens,
+    TextDelta,
+    TextLogprob,
+    TokenBatch,
+    TokenLogprobs,
+)
 from llmbus.services.detokenizer.incremental import IncrementalDetokenizer
 from llmbus.services.gguf_tokenizer import GGUFTokenizer, byte_alphabet
 
-# Requests ended by a stop string are remembered until the scheduler confirms their end.
-_MAX_STOPPED_REMEMBERED = 10_000
+# Completions ended by a stop string are remembered until the scheduler confirms their end;
+# unknown ones (their start was lost) until their start comes.
+_MAX_REMEMBERED = 10_000
+
+Key = tuple[str, int]  # (request id, completion index)
 
 
 @dataclass(frozen=True)
 class EndedCompletion:
-    key: tuple[str, int]  # (request id, completion index)
+    key: Key
     started_ns: int
     ended_ns: int
     traceparent: str
@@ -28,11 +39,20 @@ class EndedCompletion:
 @dataclass(frozen=True)
 class Processed:
     """What one TokenBatch gives: deltas by api reply subject, completions a stop string just
-    ended (the scheduler is told, to free their blocks), and every completion that ended."""
+    ended (the scheduler is told, to free their blocks), every completion that ended, and
+    completions this copy cannot decode (it never got their start; the scheduler is told)."""
 
     deltas: dict[str, list[TextDelta]]
-    newly_stopped: list[tuple[str, int]]
+    newly_stopped: list[Key]
     ended: list[EndedCompletion]
+    unknown: list[Key] = field(default_factory=list)
+
+
+@dataclass
+class _Completion:
+    decoder: IncrementalDetokenizer
+    start: CompletionStart  # its constants
+    started_ns: int  # when this copy took it up, for its span
 
 
 class TokenTexts:
@@ -67,67 +87,87 @@ class TokenTexts:
 
 
 class Detokenization:
-    """All in-flight requests' decode states; pure (no bus), driven by TokenBatches."""
+    """All in-flight completions' decode states; pure (no bus), driven by TokenBatches."""
 
     def __init__(self, tokenizer: GGUFTokenizer) -> None:
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)
-        # Keyed by (request id, completion index): n > 1 completions decode separately.
-        self.states: dict[tuple[str, int], IncrementalDetokenizer] = {}
-        # When each completion was first seen, and its trace context: for its span.
-        self.started: dict[tuple[str, int], tuple[int, str]] = {}
-        self.stopped: dict[tuple[str, int], None] = {}  # insertion-ordered set
+        # n > 1 completions decode separately.
+        self.completions: dict[Key, _Completion] = {}
+        self.stopped: dict[Key, None] = {}  # insertion-ordered sets
+        self.reported: dict[Key, None] = {}
 
     def process(self, batch: TokenBatch, now_ns: int = 0) -> Processed:
-        """Deltas grouped by api reply subject, completions a stop string just ended, and
-        every completion that ended (for the adapter's spans; `now_ns` stamps them)."""
+        """Deltas grouped by api reply subject, completions a stop string just ended, every
+        completion that ended (for the adapter's spans; `now_ns` stamps them), and the unknown
+        completions to report.
+
+        An item with a `start` sets its completion up afresh; an item of a completion this copy
+        holds nothing of, without a start, gives no text (it could only be wrong: its start
+        and first tokens were lost): the completion is reported once, and the scheduler ends
+        it with an error, sent with its start."""
         out: dict[str, list[TextDelta]] = defaultdict(list)
-        newly_stopped: list[tuple[str, int]] = []
-        ended: list[EndedCompletion] = []
+        processed = Processed(out, [], [])
         for item in batch.items:
             key = (item.request_id, item.index)
             if key in self.stopped:
                 if item.finish_reason != FinishReason.NONE:
                     del self.stopped[key]
                 continue
-            state = self.states.get(key)
-            if state is None:
-                state = IncrementalDetokenizer(
-                    self.tokenizer.decode, stop=item.stop,
-                    include_stop_str_in_output=item.include_stop_str_in_output)
-                self.states[key] = state
-                self.started[key] = (now_ns, item.traceparent)
-                if item.replay_token_ids:  # taken over from a copy that died: its text went
-                    # out already; decoding its tokens again restores what it held back for a
-                    # stop string (or, had they ended it, keeps the completion stopped)
-                    state.step(item.replay_token_ids)
-            delta = state.step(item.new_token_ids)
-            text, reason = delta.text, FinishReason(item.finish_reason)
-            if delta.stopped:
-                reason = FinishReason.STOP
-                if item.finish_reason == FinishReason.NONE:
-                    newly_stopped.append(key)
-                    self._remember_stopped(key)
-            elif reason != FinishReason.NONE:
-                flushed = state.finish()
-                text += flushed.text
-                if flushed.stopped:
-                    reason = FinishReason.STOP
-            if reason != FinishReason.NONE:
-                del self.states[key]
-                started_ns, traceparent = self.started.pop(key)
-                ended.append(EndedCompletion(key, started_ns, now_ns, traceparent,
-                                             state.num_tokens, reason))
-            out[item.reply_subject].append(TextDelta(
-                request_id=item.request_id, text=text, num_new_tokens=len(item.new_token_ids),
-                finish_reason=reason, num_prompt_tokens=item.num_prompt_tokens,
-                num_output_tokens=state.num_tokens, error=item.error, step_id=item.step_id,
-                index=item.index, logprobs=self.token_texts.logprobs(
-                    item.logprobs, item.new_token_ids) if item.logprobs else [],
-                queue_seconds=item.queue_seconds))
-        return Processed(out, newly_stopped, ended)
+            completion = (self._start(key, item.start, now_ns) if item.start is not None
+                          else self.completions.get(key))
+            if completion is None:
+                if key not in self.reported:
+                    processed.unknown.append(key)
+                    _remember(self.reported, key)
+                continue
+            delta = self._decode(key, completion, item, now_ns, processed)
+            out[completion.start.reply_subject].append(delta)
+        return processed
 
-    def _remember_stopped(self, key: tuple[str, int]) -> None:
-        self.stopped[key] = None
-        while len(self.stopped) > _MAX_STOPPED_REMEMBERED:
-            del self.stopped[next(iter(self.stopped))]
+    def _start(self, key: Key, start: CompletionStart, now_ns: int) -> _Completion:
+        decoder = IncrementalDetokenizer(
+            self.tokenizer.decode, stop=start.stop,
+            include_stop_str_in_output=start.include_stop_str_in_output)
+        if start.replay_token_ids:  # taken over from a copy that died: its text went out
+            # already; decoding its tokens again restores what it held back for a stop string
+            # (or, had they ended it, keeps the completion stopped)
+            decoder.step(start.replay_token_ids)
+        completion = self.completions[key] = _Completion(decoder, start, now_ns)
+        self.reported.pop(key, None)
+        return completion
+
+    def _decode(self, key: Key, completion: _Completion, item: RequestTokens, now_ns: int,
+                processed: Processed) -> TextDelta:
+        """The item's text; ends the completion (in `processed`) when it ended."""
+        decoder = completion.decoder
+        delta = decoder.step(item.new_token_ids)
+        text, reason = delta.text, FinishReason(item.finish_reason)
+        if delta.stopped:
+            reason = FinishReason.STOP
+            if item.finish_reason == FinishReason.NONE:
+                processed.newly_stopped.append(key)
+                _remember(self.stopped, key)
+        elif reason != FinishReason.NONE:
+            flushed = decoder.finish()
+            text += flushed.text
+            if flushed.stopped:
+                reason = FinishReason.STOP
+        if reason != FinishReason.NONE:
+            del self.completions[key]
+            processed.ended.append(EndedCompletion(
+                key, completion.started_ns, now_ns, completion.start.traceparent,
+                decoder.num_tokens, reason))
+        return TextDelta(
+            request_id=item.request_id, text=text, num_new_tokens=len(item.new_token_ids),
+            finish_reason=reason, num_prompt_tokens=completion.start.num_prompt_tokens,
+            num_output_tokens=decoder.num_tokens, error=item.error, step_id=item.step_id,
+            index=item.index, logprobs=self.token_texts.logprobs(
+                item.logprobs, item.new_token_ids) if item.logprobs else [],
+            queue_seconds=item.queue_seconds)
+
+
+def _remember(keys: dict[Key, None], key: Key) -> None:
+    keys[key] = None
+    while len(keys) > _MAX_REMEMBERED:
+        del keys[next(iter(keys))]

@@ -7,7 +7,8 @@ sends each completion's tokens to one copy's own subject (services/scheduler/
 detokenizer_routing.py says how, and what happens when a copy dies).
 
 When a stop string ends a request, the scheduler is told at once (an abort) so its KV blocks
-are freed; tokens of that request still in flight are dropped.
+are freed; tokens of that request still in flight are dropped. Tokens of a completion this copy
+never got the start of are reported to their engine, which ends it with an error.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from llmbus.bus import subjects
-from llmbus.bus.messages import AbortRequest, DeltaBatch, TokenBatch
+from llmbus.bus.messages import AbortRequest, DeltaBatch, TokenBatch, UnknownCompletion
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.bus.tracing import context_from_traceparent
 from llmbus.services.detokenizer.detokenization import Detokenization, EndedCompletion
@@ -60,6 +61,10 @@ async def subscribe(runtime: ServiceRuntime, detokenization: Detokenization) -> 
             await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id, index))
         for reply_subject, deltas in processed.deltas.items():
             await runtime.publish(reply_subject, DeltaBatch(items=deltas))
+        for request_id, index in processed.unknown:  # its engine ends it with an error
+            log.warning("tokens of an unknown completion", request_id=request_id, index=index)
+            await runtime.publish(subjects.engine_unknown_completion(batch.engine_id),
+                                  UnknownCompletion(request_id, index, runtime.instance_id))
 
     # Our own subject: the scheduler sends each completion to one copy (sticky decode state).
     await runtime.on_message(subjects.detokenizer_tokens(runtime.instance_id), TokenBatch,

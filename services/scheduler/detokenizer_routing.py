@@ -4,10 +4,20 @@ The detokenizer keeps per-completion state (the incremental decode window, text 
 for stop strings), so all tokens of one completion must reach the same copy, in order. The
 scheduler, the only sender of tokens, assigns each completion to a live copy by rendezvous
 hashing (stable while the set of copies is stable) and sends it there on the copy's own
-subject; NATS keeps the order of one publisher's messages on one subject. When a copy dies,
-its completions move to another copy, with the tokens the dead copy had (`replay_token_ids`):
-the new copy decodes them silently, which restores the text the old one held back for a stop
-string (its text so far was already delivered), then goes on from the next tokens.
+subject; NATS keeps the order of one publisher's messages on one subject.
+
+A completion's constants (reply subject, stop strings, ...; `CompletionStart`) go to a copy
+once: with the first update that copy gets of it. When a copy dies, its completions move to
+another copy, whose first update carries the start again with the tokens the dead copy had
+(`replay_token_ids`): the new copy decodes them silently, which restores the text the old one
+held back for a stop string (its text so far was already delivered), then goes on from the
+next tokens. Before any copy is heard from, updates go to the shared subject, where any copy
+may take each one: every such update carries the start.
+
+A copy that gets tokens of a completion it knows nothing of, without a start (the message
+with it was lost), reports it (`UnknownCompletion`); `lost` makes the completion's next update
+carry the start again, so that the error the scheduler then ends it with reaches its client,
+and `ended_error` answers for a completion that ended meanwhile.
 """
 
 from __future__ import annotations
@@ -16,9 +26,16 @@ import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import msgspec
+
 from llmbus.bus import subjects
 from llmbus.bus.liveness import Liveness
-from llmbus.bus.messages import FinishReason, RequestTokens
+from llmbus.bus.messages import CompletionStart, FinishReason, RequestTokens
+
+# Ended completions remembered, for a copy that reports one late (oldest dropped).
+MAX_ENDED_REMEMBERED = 10_000
+
+Key = tuple[str, int]  # (request id, completion index)
 
 
 def _weight(key: str, instance_id: str) -> int:
@@ -29,25 +46,41 @@ def _weight(key: str, instance_id: str) -> int:
 @dataclass
 class DetokenizerRouting:
     liveness: Liveness = field(default_factory=Liveness)
-    assigned: dict[tuple[str, int], str] = field(default_factory=dict)
-    sent: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # tokens so far
+    # The copy each running completion went to, which has its start (None: the shared subject).
+    assigned: dict[Key, str | None] = field(default_factory=dict)
+    sent: dict[Key, list[int]] = field(default_factory=dict)  # tokens so far
+    starts: dict[Key, CompletionStart] = field(default_factory=dict)
+    # Ended completions: the copy that had each, and its start (insertion-ordered, bounded).
+    ended: dict[Key, tuple[str | None, CompletionStart]] = field(default_factory=dict)
 
     def route(self, updates: list[RequestTokens], now: float) -> dict[str, list[RequestTokens]]:
-        """Updates grouped by the subject of the detokenizer copy each completion goes to."""
+        """Updates grouped by the subject of the detokenizer copy each completion goes to.
+
+        Sets each update's `start`: the completion's constants where that copy lacks them (a
+        completion's first update carries them from the scheduler), none elsewhere."""
         alive = {h.instance_id for h in self.liveness.alive(now)}
         out: dict[str, list[RequestTokens]] = defaultdict(list)
         for update in updates:
             key = (update.request_id, update.index)
-            instance = self.assigned.get(key)
-            if instance not in alive:
-                if instance is not None:  # its copy died: the next one catches up first
-                    update.replay_token_ids = list(self.sent.get(key, ()))
-                instance = (max(alive, key=lambda i: _weight(f"{key[0]}#{key[1]}", i))
-                            if alive else None)
+            if update.start is not None:
+                self.starts[key] = update.start
+            holder = self.assigned.get(key)
+            instance = holder if holder in alive else (
+                max(alive, key=lambda i: _weight(f"{key[0]}#{key[1]}", i)) if alive else None)
+            start = self.starts.get(key)
+            if instance is not None and instance == holder:
+                update.start = None  # that copy has it
+            elif start is not None:
+                replay = self.sent.get(key)
+                update.start = (msgspec.structs.replace(start, replay_token_ids=list(replay))
+                                if replay else start)
             if update.finish_reason != FinishReason.NONE:
                 self.assigned.pop(key, None)
                 self.sent.pop(key, None)
-            elif instance is not None:
+                self.starts.pop(key, None)
+                if start is not None:
+                    self._remember_ended(key, instance, start)
+            else:
                 self.assigned[key] = instance
                 self.sent.setdefault(key, []).extend(update.new_token_ids)
             # No copy heard from yet (start-up): the shared subject, where copies queue.
@@ -55,3 +88,32 @@ class DetokenizerRouting:
                        else subjects.DETOKENIZER_TOKENS)
             out[subject].append(update)
         return out
+
+    def lost(self, key: Key, instance_id: str) -> bool:
+        """Copy `instance_id` holds nothing of this running completion. True if that is the
+        copy it went to: its next update then carries the start again, with nothing to replay
+        (the caller ends it with an error: text that never reached the client is not made up
+        for). False for a completion that is not running, or went to another copy."""
+        if key not in self.assigned or self.assigned[key] != instance_id:
+            return False
+        del self.assigned[key]
+        self.sent.pop(key, None)
+        return True
+
+    def ended_error(self, key: Key, instance_id: str,
+                    error: str) -> tuple[str, RequestTokens] | None:
+        """For a completion that ended while copy `instance_id`, which it went to, held nothing
+        of it: an update ending it there with `error`, its start included, and the subject to
+        send it on (once). None when it did not end on that copy, or too long ago."""
+        found = self.ended.get(key)
+        if found is None or found[0] != instance_id:
+            return None
+        del self.ended[key]
+        return subjects.detokenizer_tokens(instance_id), RequestTokens(
+            request_id=key[0], index=key[1], finish_reason=FinishReason.ERROR, error=error,
+            start=found[1])
+
+    def _remember_ended(self, key: Key, instance: str | None, start: CompletionStart) -> None:
+        self.ended[key] = (instance, start)
+        while len(self.ended) > MAX_ENDED_REMEMBERED:
+            del self.ended[next(iter(self.ended))]

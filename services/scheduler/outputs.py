@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmbus.bus.messages import FinishReason, RequestTokens
+from llmbus.bus.messages import CompletionStart, FinishReason, RequestTokens
 from llmbus.services.scheduler.request import Request
 
 
@@ -25,9 +25,9 @@ def stop_reason(request: Request, token_id: int, eos_token_ids: Sequence[int]) -
 
 def token_update(request: Request, step_id: int, error: str = "",
                  index: int | None = None) -> RequestTokens:
-    """The tokens not sent yet (marks them sent); with the first update, the request's trace
-    context and queue time; every update carries the stop strings, since a detokenizer copy
-    may take the request over."""
+    """The tokens not sent yet (marks them sent). The first update of a completion also
+    carries its start (the constants a detokenizer copy needs; the routing sends it again when
+    the completion moves to another copy) and the request's queue time."""
     first = request.num_sent_tokens == 0
     new_token_ids = request.output_token_ids[request.num_sent_tokens:]
     new_logprobs = request.output_logprobs[request.num_sent_tokens:]
@@ -35,13 +35,18 @@ def token_update(request: Request, step_id: int, error: str = "",
     queued = ((request.first_scheduled_time or request.arrival_time) - request.arrival_time
               if first else 0.0)
     return RequestTokens(
-        request_id=request.request_id, reply_subject=request.reply_subject,
-        new_token_ids=new_token_ids, finish_reason=request.finish_reason,
-        num_prompt_tokens=request.num_prompt_tokens, stop=request.params.stop,
+        request_id=request.request_id, index=request.index if index is None else index,
+        new_token_ids=new_token_ids, finish_reason=request.finish_reason, error=error,
+        step_id=step_id, logprobs=new_logprobs, queue_seconds=max(queued, 0.0),
+        start=completion_start(request) if first else None)
+
+
+def completion_start(request: Request) -> CompletionStart:
+    return CompletionStart(
+        reply_subject=request.reply_subject, num_prompt_tokens=request.num_prompt_tokens,
+        stop=request.params.stop,
         include_stop_str_in_output=request.params.include_stop_str_in_output,
-        error=error, step_id=step_id,
-        index=request.index if index is None else index, logprobs=new_logprobs,
-        traceparent=request.traceparent if first else "", queue_seconds=max(queued, 0.0))
+        traceparent=request.traceparent)
 
 
 def end_updates(request: Request, step_id: int, error: str = "") -> list[RequestTokens]:

@@ -110,16 +110,19 @@ class Scheduler:
             self.requests[request.sequence_id] = request
             self.waiting.append(request)
 
-    def abort_request(self, request_id: str, index: int | None = None) -> bool:
-        """End a request (or one of its completions) wherever it is; blocks are freed now."""
+    def abort_request(self, request_id: str, index: int | None = None,
+                      error: str = "") -> bool:
+        """End a request (or one of its completions) wherever it is; blocks are freed now.
+        With an `error` it ends as failed (ERROR), not aborted. False: nothing of it is here."""
+        reason = FinishReason.ERROR if error else FinishReason.ABORT
         ended = False
         for sequence_id in list(self.families.get(request_id, ())):
             request = self.requests[sequence_id]
             if index is not None and request.index != index and not request.is_parent:
                 continue
             self._remove(request)
-            self._finish(request, FinishReason.ABORT)
-            self._ended_updates.extend(end_updates(request, self.num_steps))
+            self._finish(request, reason)
+            self._ended_updates.extend(end_updates(request, self.num_steps, error))
             ended = True
         return ended
 

@@ -37,6 +37,7 @@ from llmbus.bus.messages import (
     StepResult,
     SubmitRequest,
     TokenBatch,
+    UnknownCompletion,
 )
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.bus.tracing import current_traceparent
@@ -159,6 +160,8 @@ class SchedulerService:
         await runtime.on_message(subjects.SCHEDULER_ABORT, AbortRequest, self.on_abort)
         await runtime.on_message(subjects.engine_withdraw(self.engine_id), AbortRequest,
                                  self.on_withdraw)
+        await runtime.on_message(subjects.engine_unknown_completion(self.engine_id),
+                                 UnknownCompletion, self.on_unknown_completion)
         await runtime.on_request(subjects.ENGINE_MODEL, ModelInfoRequest, self.on_model_info,
                                  queue=group)
         await runtime.on_request(subjects.engine_stats(self.engine_id), EngineStatsRequest,
@@ -250,6 +253,25 @@ class SchedulerService:
         assert self.scheduler is not None
         self.scheduler.withdraw(withdrawal.request_id)
         log.info("withdrawn: admitted elsewhere", request_id=withdrawal.request_id)
+
+    async def on_unknown_completion(self, report: UnknownCompletion, _: Msg) -> None:
+        """A detokenizer copy cannot decode a completion (it never got its start): end it with
+        an error, which goes to that copy with the start, so its client is told."""
+        assert self.scheduler is not None
+        key = (report.request_id, report.index)
+        error = (f"detokenizer {report.instance_id} never got this completion's start (a "
+                 "message was lost), so it cannot decode its text")
+        log.warning("detokenizer lost a completion", request_id=report.request_id,
+                    index=report.index, instance=report.instance_id)
+        if self.detokenizers.lost(key, report.instance_id):
+            if self.scheduler.abort_request(report.request_id, report.index, error=error):
+                self.loop.wakeup.set()
+            return
+        ended = self.detokenizers.ended_error(key, report.instance_id, error)
+        if ended is not None:  # it ended meanwhile: tell its client there and then
+            subject, update = ended
+            await self.runtime.publish(subject, TokenBatch(engine_id=self.engine_id,
+                                                           items=[update]))
 
     async def on_detokenizer_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
         now = time.monotonic()

@@ -18,16 +18,17 @@ import statistics
 import sys
 import time
 
-from llmbus.services.executor.cpu_kernels.library import configure_openmp  # noqa: E402
+from llmbus.services.executor.kernels.cpu.library import configure_openmp  # noqa: E402
 
 configure_openmp()  # as the executor service does, before torch loads
 
 import torch  # noqa: E402
 
 from llmbus.services.cpu_features import cpu_label  # noqa: E402
-from llmbus.services.executor.cpu_kernels.library import load_library  # noqa: E402
-from llmbus.services.executor.cpu_kernels.paged_attention import PagedAttention  # noqa: E402
-from llmbus.services.executor.model import TorchOps, build_attention_metadata  # noqa: E402
+from llmbus.services.executor.attention.cpu_paged import PagedAttention  # noqa: E402
+from llmbus.services.executor.attention.metadata import build_attention_metadata  # noqa: E402
+from llmbus.services.executor.engines.torch_llama import TorchOps  # noqa: E402
+from llmbus.services.executor.kernels.cpu.library import load_library  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M, llmbus's block size
 

@@ -130,7 +130,7 @@ class Row:
 def run_llmbus(args, device, dtype: str, prompts_by_batch: dict[int, list[list[int]]],
                path: Path) -> list[Row]:
     """`dtype`: a torch backend dtype, or onnxruntime-fast / onnxruntime-exact."""
-    from llmbus.services.executor.model import select_ops
+    from llmbus.services.executor.engines.torch_llama import select_ops
     from llmbus.services.executor.runner import ModelRunner
 
     max_len = args.prompt_len + args.new_tokens
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         ",bfloat16" if has_native_bfloat16() else "")
     dtypes = (args.dtype or ("bfloat16" if device.type == "cuda" else cpu_default)).split(",")
     path = model_path(args.model)
-    from llmbus.services.executor.gguf_loader import load_gguf
+    from llmbus.services.executor.weights.gguf_loader import load_gguf
     from llmbus.services.gguf_tokenizer import GGUFTokenizer
 
     config = load_gguf(path)[0]

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args(argv)
 
-    from llmbus.services.executor.cpu_kernels.library import configure_openmp
+    from llmbus.services.executor.kernels.cpu.library import configure_openmp
 
     configure_openmp()  # as the executor service does, before torch loads
     from llmbus.bench.datasets import random_dataset
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = GGUFTokenizer.from_gguf(path)
     runner = ModelRunner(path, model_name=model_name_for(path), num_threads=args.threads,
                          num_blocks=-(-(args.input_len + args.max_tokens) // 16) + 2,
-                         backend="onnxruntime", precision="exact" if args.exact else "fast")
+                         engine="auto", exact=args.exact)
     dataset = random_dataset(tokenizer, num_requests=args.num_requests + 1,
                              input_len=args.input_len, seed=args.seed)
     prompts = [tokenizer.encode(r.prompt or "") for r in dataset]

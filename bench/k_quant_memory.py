@@ -85,7 +85,7 @@ def measure(path: str, kv_blocks: int) -> dict:
     import resource
 
     from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
-    from llmbus.services.executor.cpu_kernels.library import configure_openmp
+    from llmbus.services.executor.kernels.cpu.library import configure_openmp
 
     configure_openmp()
     import onnxruntime  # noqa: F401  (its memory belongs to the baseline)
@@ -99,7 +99,7 @@ def measure(path: str, kv_blocks: int) -> dict:
 
     baseline = rss()
     runner = ModelRunner(path, model_name="k-quant", num_blocks=kv_blocks,
-                         backend="onnxruntime", precision="fast")
+                         engine="auto")
     prompt = list(range(10, 74))
     result = runner.step(StepPlan(step_id=0, new_requests=[NewRequestData(
         "r", prompt, SamplingParams(temperature=0.0))], scheduled=[ScheduledRequest(
@@ -109,7 +109,7 @@ def measure(path: str, kv_blocks: int) -> dict:
     return {"baseline": baseline, "after": rss(),
             "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "kv_bytes": cache.k.numel() * cache.k.element_size() * 2,
-            "weights": runner.weight_format}
+            "engine": runner.plan.describe()}
 
 
 def main() -> None:

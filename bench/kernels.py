@@ -63,7 +63,7 @@ def report(name: str, shape: str, fused: Callable, unfused: Callable, extra: str
 
 def paged_setup(context_lens: list[int], query_lens: list[int], s: Shapes, dtype):
     """Caches holding every context, shuffled block tables, and the model's metadata."""
-    from llmbus.services.executor.model import build_attention_metadata
+    from llmbus.services.executor.attention.metadata import build_attention_metadata
 
     num_blocks = sum(-(-n // BLOCK_SIZE) for n in context_lens) + 1
     shape = (num_blocks, BLOCK_SIZE, s.num_kv_heads, s.head_dim)
@@ -77,8 +77,8 @@ def paged_setup(context_lens: list[int], query_lens: list[int], s: Shapes, dtype
 
 
 def bench_elementwise(s: Shapes, dtype, num_tokens: int) -> None:
-    from llmbus.services.executor.kernels import rmsnorm, rope_kv, swiglu
-    from llmbus.services.executor.model import TorchOps
+    from llmbus.services.executor.engines.torch_llama import TorchOps
+    from llmbus.services.executor.kernels.triton import rmsnorm, rope_kv, swiglu
 
     x = torch.randn(num_tokens, s.hidden, dtype=dtype, device=DEVICE)
     residual = torch.randn_like(x)
@@ -106,8 +106,10 @@ def bench_elementwise(s: Shapes, dtype, num_tokens: int) -> None:
 
 
 def bench_decode(s: Shapes, dtype, num_seqs: int, context_len: int, peak: float | None) -> None:
-    from llmbus.services.executor.kernels.paged_decode_attention import paged_decode_attention
-    from llmbus.services.executor.model import paged_attention
+    from llmbus.services.executor.attention.torch_paged import paged_attention
+    from llmbus.services.executor.kernels.triton.paged_decode_attention import (
+        paged_decode_attention,
+    )
 
     lens = [context_len] * num_seqs
     q, k_cache, v_cache, meta = paged_setup(lens, [1] * num_seqs, s, dtype)
@@ -126,8 +128,8 @@ def bench_decode(s: Shapes, dtype, num_seqs: int, context_len: int, peak: float 
 
 
 def bench_prefill(s: Shapes, dtype, num_seqs: int, chunk: int, prefix: int) -> None:
-    from llmbus.services.executor.kernels.prefill_attention import prefill_attention
-    from llmbus.services.executor.model import paged_attention
+    from llmbus.services.executor.attention.torch_paged import paged_attention
+    from llmbus.services.executor.kernels.triton.prefill_attention import prefill_attention
 
     q, k_cache, v_cache, meta = paged_setup([prefix + chunk] * num_seqs, [chunk] * num_seqs,
                                             s, dtype)
@@ -142,9 +144,9 @@ def bench_prefill(s: Shapes, dtype, num_seqs: int, chunk: int, prefix: int) -> N
 
 
 def bench_sampling(s: Shapes, num_rows: int) -> None:
-    from llmbus.services.executor.kernels.sampling import sample
-    from llmbus.services.executor.sampler import sample as torch_sample
-    from llmbus.services.executor.sampling_tensors import SamplingTensors
+    from llmbus.services.executor.kernels.triton.sampling import sample
+    from llmbus.services.executor.sampling.sampler import sample as torch_sample
+    from llmbus.services.executor.sampling.sampling_tensors import SamplingTensors
 
     logits = torch.randn(num_rows, s.vocab, device=DEVICE) * 3
     tensors = SamplingTensors(

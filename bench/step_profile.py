@@ -17,7 +17,7 @@ import sys
 import time
 import types
 
-from llmbus.services.executor.cpu_kernels.library import configure_openmp  # noqa: E402
+from llmbus.services.executor.kernels.cpu.library import configure_openmp  # noqa: E402
 
 configure_openmp()  # as the executor service does, before torch loads
 
@@ -39,7 +39,7 @@ class _Timed:
 def profile(runner, batch: int, context: int, num_steps: int) -> dict[str, float]:
     """ms per decode step: total, forward, dense work, attention."""
     from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
-    from llmbus.services.executor import onnx_model
+    from llmbus.services.executor.engines import cpu_llama
 
     model = runner.model
     graphs = list({id(g): g for g in model.graphs + model.single_thread_graphs}.values())
@@ -79,7 +79,7 @@ def profile(runner, batch: int, context: int, num_steps: int) -> dict[str, float
     if kernel is not None:
         model.int_step.lib = kernel
     del model.attend, model.forward  # back to the class's methods
-    assert isinstance(model, onnx_model.OnnxLlamaModel)
+    assert isinstance(model, cpu_llama.CpuLlamaModel)
     per_step = 1000 / num_steps
     return {"step": total * per_step, "forward": forward.total * per_step,
             "dense": dense_total * per_step, "attention": attend.total * per_step}
@@ -102,8 +102,7 @@ def main() -> int:
     contexts = [int(c) for c in args.context.split(",")]
     blocks = max(batches) * (-(-(max(contexts) + args.steps) // 16)) + 2
     runner = ModelRunner(default_model_path(), model_name="profile", num_threads=args.threads,
-                         num_blocks=blocks, backend="onnxruntime",
-                         precision="exact" if args.exact else "fast")
+                         num_blocks=blocks, engine="auto", exact=args.exact)
     print(f"# {cpu_label()}; {args.threads} threads; "
           f"{'exact' if args.exact else 'fast'} mode; ms per decode step")
     print("| batch | context | step | dense work (matmuls, norms, SwiGLU, head) | attention (RoPE, "

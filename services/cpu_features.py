@@ -46,11 +46,6 @@ def has_native_bfloat16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
-def has_amx_bfloat16() -> bool:
-    """bfloat16 matrix tiles (AMX): GEMMs many times faster than any vector unit's."""
-    return "amx_bf16" in cpu_flags()
-
-
 class CpuSummary(TypedDict):
     model: str
     cores: int | None

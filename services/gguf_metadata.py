@@ -9,6 +9,7 @@ metadata section directly instead, in a tenth of that. Little-endian files, GGUF
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from os import PathLike
 from typing import Any, BinaryIO
 
@@ -54,18 +55,43 @@ def _value(f: BinaryIO, kind: int) -> Any:
     raise GGUFFormatError(f"unknown metadata value type {kind}")
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]  # numpy order (outermost first): [rows, columns] for a matrix
+    ggml_type: int  # gguf.GGMLQuantizationType's value
+
+
+def _read_header(f: BinaryIO, path: str | PathLike[str]) -> tuple[dict[str, Any], int]:
+    if f.read(4) != b"GGUF":
+        raise GGUFFormatError(f"{path} is not a GGUF file")
+    version = _read(f, "<I")
+    if version not in (2, 3):
+        raise GGUFFormatError(f"{path}: GGUF version {version} (expected 2 or 3)")
+    num_tensors = _read(f, "<Q")
+    num_keys = _read(f, "<Q")
+    metadata = {}
+    for _ in range(num_keys):
+        key = _string(f)
+        metadata[key] = _value(f, _read(f, "<I"))
+    return metadata, num_tensors
+
+
 def read_metadata(path: str | PathLike[str]) -> dict[str, Any]:
     """Every metadata key of the file with its value (strings, numbers, lists)."""
     with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise GGUFFormatError(f"{path} is not a GGUF file")
-        version = _read(f, "<I")
-        if version not in (2, 3):
-            raise GGUFFormatError(f"{path}: GGUF version {version} (expected 2 or 3)")
-        _read(f, "<Q")  # tensor count
-        num_keys = _read(f, "<Q")
-        metadata = {}
-        for _ in range(num_keys):
-            key = _string(f)
-            metadata[key] = _value(f, _read(f, "<I"))
-        return metadata
+        return _read_header(f, path)[0]
+
+
+def read_tensor_infos(path: str | PathLike[str]) -> dict[str, TensorInfo]:
+    """Every tensor's shape and type, from the header alone (the data is not read): what the
+    executor's plan needs to know whether a kernel takes the file before loading it."""
+    with open(path, "rb") as f:
+        _, num_tensors = _read_header(f, path)
+        infos = {}
+        for _ in range(num_tensors):
+            name = _string(f)
+            dims = [_read(f, "<Q") for _ in range(_read(f, "<I"))]
+            ggml_type = _read(f, "<I")
+            _read(f, "<Q")  # offset of the data
+            infos[name] = TensorInfo(tuple(reversed(dims)), ggml_type)
+        return infos

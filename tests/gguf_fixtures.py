@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
-from llmbus.services.executor.gguf_loader import unpermute_qk
+from llmbus.services.executor.weights.gguf_loader import unpermute_qk
 from llmbus.services.gguf_tokenizer import GGUFTokenizer, byte_alphabet
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -10,7 +10,7 @@ import torch
 
 from llmbus.bus.messages import StructuredOutput
 from llmbus.services.api.generation import _opens_calls
-from llmbus.services.executor.constraints import Grammars, Vocabulary, allowed, apply_masks
+from llmbus.services.executor.sampling.constraints import Grammars, Vocabulary, allowed, apply_masks
 from llmbus.services.structured_output import ConstraintError, check
 from llmbus.services.tool_calls import calls_schema, parse_calls, template_messages
 

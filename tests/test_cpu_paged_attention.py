@@ -1,4 +1,4 @@
-"""The C++ paged attention (cpu_kernels/paged_attention.cpp) against its torch reference
+"""The C++ paged attention (kernels/cpu/paged_attention.cpp) against its torch reference
 (`TorchOps.rope_write_kv` then `TorchOps.attention`), for every ISA build this CPU can run:
 an AVX-512 machine also checks the AVX2 build that AVX2-only machines get."""
 
@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmbus.services.executor.cpu_kernels import paged_attention
-from llmbus.services.executor.cpu_kernels.library import load_library
-from llmbus.services.executor.cpu_kernels.paged_attention import PagedAttention
-from llmbus.services.executor.model import TorchOps, build_attention_metadata
+from llmbus.services.executor.attention import cpu_paged as paged_attention
+from llmbus.services.executor.attention.cpu_paged import PagedAttention
+from llmbus.services.executor.attention.metadata import build_attention_metadata
+from llmbus.services.executor.engines.torch_llama import TorchOps
+from llmbus.services.executor.kernels.cpu.library import load_library
 from tests.cpu_isas import ISAS
 
 # (atol, rtol) against the float32 reference; float16 caches round K and V

@@ -39,8 +39,7 @@ def test_a_generated_family_is_served(tmp_path, family):
                      arch="qwen2" if family == "qwen2" else "llama",
                      rope_freqs=_llama3_factors() if family == "llama3" else None)
     prompt = GGUFTokenizer.from_gguf(path).encode(PROMPT, add_special_tokens=True)
-    runner = ModelRunner(path, model_name="tiny", num_blocks=64, backend="onnxruntime",
-                         precision="fast")
+    runner = ModelRunner(path, model_name="tiny", num_blocks=64, engine="auto")
     want = generate(runner, [prompt], max_tokens=MAX_TOKENS,
                     params=[SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                            ignore_eos=True)])[0]

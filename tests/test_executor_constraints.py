@@ -15,8 +15,8 @@ from llmbus.bus.messages import (
     StepPlan,
     StructuredOutput,
 )
-from llmbus.services.executor.constraints import Grammars, Vocabulary
 from llmbus.services.executor.runner import ModelRunner
+from llmbus.services.executor.sampling.constraints import Grammars, Vocabulary
 from tests.gguf_fixtures import GREEDY, TinySpec, generate, write_tiny_llama
 
 SPEC = TinySpec()

@@ -35,7 +35,7 @@ def hf(hf_reference):
 @pytest.fixture(scope="module", params=["torch", "onnxruntime"])
 def runner(request):
     return ModelRunner(default_model_path(), model_name="default", num_blocks=64,
-                       max_model_len=512, backend=request.param, precision="exact")
+                       max_model_len=512, engine=request.param, exact=True)
 
 
 def _chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -61,18 +61,17 @@ def test_greedy_tokens_match_transformers(hf, runner):
 
 
 def test_torch_bfloat16_fast_path_answers_like_transformers(hf):
-    """bfloat16 with the GGUF's Q4_1 blocks through torch's int4 kernel is not bit-exact, but
-    on these prompts it starts its answers with HF float32's first tokens and still answers
-    the factual question right."""
+    """The torch engine in bfloat16 (dense weights) is not bit-exact, but on these prompts it
+    starts its answers with HF float32's first tokens and still answers the factual question
+    right."""
     if not has_native_bfloat16():
         pytest.skip("this CPU has no native bfloat16 (AVX-512-BF16 or AMX); torch would "
                     "emulate it")
     tokenizer, model = hf
     fast = ModelRunner(default_model_path(), model_name="default", num_blocks=64,
-                       max_model_len=512, dtype=torch.bfloat16, weights="native")
+                       max_model_len=512, dtype=torch.bfloat16)
     prompts = [_chat_ids(tokenizer, p) for p in PROMPTS]
     eos_ids = tuple(fast.info().eos_token_ids)
-    # decode steps (3 rows) take the int4 kernel, prefill steps (3 x 13 rows) dense GEMMs
     ours = generate(fast, prompts, max_tokens=MAX_TOKENS, chunk_size=13,
                     stop_token_ids=eos_ids)
     for prompt, tokens in zip(prompts, ours, strict=True):
@@ -96,7 +95,7 @@ def test_onnxruntime_fast_mode_departs_from_transformers_only_at_near_ties(hf):
     the perplexity test's job: tests/test_fast_mode_quality.py.)"""
     tokenizer, model = hf
     fast = ModelRunner(default_model_path(), model_name="default", num_blocks=64,
-                       max_model_len=512, backend="onnxruntime", precision="fast")
+                       max_model_len=512, engine="auto")
     prompts = [_chat_ids(tokenizer, p) for p in PROMPTS]
     ours = generate(fast, prompts, max_tokens=4, chunk_size=13)
     for prompt, tokens in zip(prompts, ours, strict=True):

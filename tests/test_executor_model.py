@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
-from llmbus.services.executor.gguf_loader import UnsupportedModelError, load_gguf
+from llmbus.services.executor.attention.metadata import build_attention_metadata
+from llmbus.services.executor.engines.torch_llama import LlamaModel
 from llmbus.services.executor.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
-from llmbus.services.executor.model import LlamaModel, build_attention_metadata
 from llmbus.services.executor.runner import ModelRunner
-from llmbus.services.executor.sampler import sample
-from llmbus.services.executor.sampling_tensors import SamplingTensors
+from llmbus.services.executor.sampling.sampler import sample
+from llmbus.services.executor.sampling.sampling_tensors import SamplingTensors
+from llmbus.services.executor.weights.gguf_loader import UnsupportedModelError, load_gguf
 from tests.gguf_fixtures import GREEDY, TinySpec, generate, write_tiny_llama
 
 SPEC = TinySpec()

@@ -11,11 +11,11 @@ import pytest
 import torch
 from onnx import TensorProto
 
-from llmbus.services.executor.gguf_loader import load_gguf
+from llmbus.services.executor.engines.cpu_llama import ACCURACY_EXACT, ACCURACY_FAST, CpuLlamaModel
+from llmbus.services.executor.engines.onnx_graphs import MatrixSource, layer_graphs
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.onnx_graphs import MatrixSource, layer_graphs
-from llmbus.services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
 from llmbus.services.executor.runner import ModelRunner
+from llmbus.services.executor.weights.gguf_loader import load_gguf
 from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama
 from tests.test_executor_model import _run, reference_logits
 
@@ -30,11 +30,10 @@ def tiny(request, tmp_path_factory):
     return path, write_tiny_llama(path, SPEC, quantized=request.param)
 
 
-def _model(path, accuracy_level, int_step=None):
+def _model(path, exact, integer_kernel=None):
     config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
-    return config, OnnxLlamaModel(config, dense, native, max_positions=128,
-                                  accuracy_level=accuracy_level, num_threads=2,
-                                  int_step=int_step)
+    return config, CpuLlamaModel(config, dense, native, max_positions=128, exact=exact,
+                                 num_threads=2, integer_kernel=integer_kernel)
 
 
 def _two_steps(model, config, kv_dtype=torch.float32):
@@ -56,7 +55,7 @@ def _two_steps(model, config, kv_dtype=torch.float32):
 
 def test_exact_forward_matches_the_float64_reference(tiny):
     path, weights = tiny
-    config, model = _model(path, ACCURACY_EXACT)
+    config, model = _model(path, exact=True)
     prompts, splits, ours = _two_steps(model, config)
     references = [reference_logits(weights, SPEC, p).float() for p in prompts]
     expected = torch.cat([r[:s] for r, s in zip(references, splits, strict=True) if s > 0]
@@ -64,14 +63,14 @@ def test_exact_forward_matches_the_float64_reference(tiny):
     torch.testing.assert_close(ours, expected, atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("int_step", [None, False], ids=["default", "graphs"])
-def test_fast_forward_stays_close_to_exact(tiny, int_step):
+@pytest.mark.parametrize("integer_kernel", [None, False], ids=["default", "graphs"])
+def test_fast_forward_stays_close_to_exact(tiny, integer_kernel):
     """int8 activations and a float16 KV cache: the logits move by a small fraction of their
     spread, and the top token rarely changes; in llmbus's integer kernel where it takes the
     file (the default), and in ONNX Runtime's int8 graphs."""
     path, _ = tiny
-    config, exact = _model(path, ACCURACY_EXACT)
-    _, fast = _model(path, ACCURACY_FAST, int_step)
+    config, exact = _model(path, exact=True)
+    _, fast = _model(path, exact=False, integer_kernel=integer_kernel)
     assert (fast.int_step is None) == bool(fast.graphs)
     _, _, expected = _two_steps(exact, config)
     _, _, ours = _two_steps(fast, config, kv_dtype=torch.float16)
@@ -85,10 +84,9 @@ def test_runner_generates_like_the_torch_runner(tiny, precision):
     equals the torch runner token for token; fast mode keeps most of them."""
     path, _ = tiny
     prompts = [[5, 9, 13, 200, 31], [7, 7, 100], list(range(3, 40))]
-    runners = {"torch": ModelRunner(path, model_name="t", block_size=BLOCK_SIZE, num_blocks=128,
-                                    weights="dense"),
+    runners = {"torch": ModelRunner(path, model_name="t", block_size=BLOCK_SIZE, num_blocks=128),
                "onnx": ModelRunner(path, model_name="t", block_size=BLOCK_SIZE, num_blocks=128,
-                                   backend="onnxruntime", precision=precision)}
+                                   engine="onnxruntime", exact=precision == "exact")}
     assert runners["onnx"].kv_cache.k.dtype == (torch.float32 if precision == "exact"
                                                 else torch.float16)
     outputs = {name: generate(r, prompts, max_tokens=12, chunk_size=8, shuffle_blocks=3)
@@ -115,30 +113,27 @@ def test_quantized_weights_have_no_dense_copy(tmp_path, quant):
     norms = {n: t.numpy() for n, t in dense.items()}
     smallest = SPEC.hidden_size * SPEC.hidden_size
     for graph in layer_graphs(config, matrices, norms, ACCURACY_FAST,
-                              qkv_q4_accuracy_level=ACCURACY_EXACT):  # as OnnxLlamaModel builds
+                              qkv_q4_accuracy_level=ACCURACY_EXACT):  # as CpuLlamaModel builds
         floats = [int(np.prod(i.dims)) for i in graph.graph.initializer
                   if i.data_type == TensorProto.FLOAT]
         assert max(floats) < smallest / 4
         assert sum(n.op_type == "MatMulNBits" for n in graph.graph.node) >= 1
 
 
-def test_backend_options_are_checked(tmp_path):
+def test_engine_options_are_checked(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path, SPEC, quantized="Q4_1")
-    with pytest.raises(ValueError, match="computes in float32"):
-        ModelRunner(path, model_name="t", num_blocks=16, backend="onnxruntime",
+    with pytest.raises(ValueError, match="compute in float32"):
+        ModelRunner(path, model_name="t", num_blocks=16, engine="onnxruntime",
                     dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="unknown precision"):
-        ModelRunner(path, model_name="t", num_blocks=16, backend="onnxruntime",
-                    precision="medium")
-    with pytest.raises(ValueError, match="unknown backend"):
-        ModelRunner(path, model_name="t", num_blocks=16, backend="tvm")
+    with pytest.raises(ValueError, match="unknown engine"):
+        ModelRunner(path, model_name="t", num_blocks=16, engine="tvm")
     with pytest.raises(ValueError, match="runs on the CPU"):
-        ModelRunner(path, model_name="t", num_blocks=16, backend="onnxruntime", device="cuda")
+        ModelRunner(path, model_name="t", num_blocks=16, engine="onnxruntime", device="cuda")
     # the same budget holds twice the blocks with a float16 cache
     budget = 1 << 20
-    blocks = {p: ModelRunner(path, model_name="t", kv_cache_bytes=budget, backend="onnxruntime",
-                             precision=p).kv_cache.num_blocks for p in ("exact", "fast")}
+    blocks = {p: ModelRunner(path, model_name="t", kv_cache_bytes=budget, engine="onnxruntime",
+                             exact=p == "exact").kv_cache.num_blocks for p in ("exact", "fast")}
     assert blocks["fast"] == 2 * blocks["exact"]
 
 
@@ -146,7 +141,7 @@ def test_without_a_compiler_the_torch_attention_gives_the_same_logits(tmp_path):
     """Where the C++ kernel could not be built, attention falls back to the torch reference."""
     path = tmp_path / "tiny-q4_1.gguf"
     write_tiny_llama(path, SPEC, quantized="Q4_1")
-    config, model = _model(path, ACCURACY_EXACT)
+    config, model = _model(path, exact=True)
     if model.paged_attention is None:
         pytest.skip("no C++ compiler here: every other test already runs the fallback")
     _, _, with_kernel = _two_steps(model, config)
@@ -162,7 +157,7 @@ def test_a_head_the_kernel_cannot_tile_falls_back_to_the_graphs(tmp_path):
 
     path = tmp_path / "tiny-v250.gguf"
     write_tiny_llama(path, replace(SPEC, vocab_size=250), quantized="Q4_1")
-    config, model = _model(path, ACCURACY_FAST)
+    config, model = _model(path, exact=False)
     assert model.int_step is None and model.graphs
     cache = KVCache(config, num_blocks=8, block_size=BLOCK_SIZE, dtype=torch.float16)
     logits = _run(model, cache, [([3, 1, 4, 1, 5, 9, 2], 0, 7, [1, 2])])
@@ -177,12 +172,12 @@ def test_the_fast_runner_tiles_at_load_or_reloads_for_the_graphs(tmp_path, vocab
     from dataclasses import replace
 
     from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
-    from llmbus.services.executor.cpu_kernels.library import load_library
+    from llmbus.services.executor.kernels.cpu.library import load_library
 
     path = tmp_path / f"tiny-v{vocab_size}.gguf"
     write_tiny_llama(path, replace(SPEC, vocab_size=vocab_size), quantized="Q4_1")
     runner = ModelRunner(path, model_name="tiny", num_blocks=16, block_size=BLOCK_SIZE,
-                         backend="onnxruntime", precision="fast")
+                         engine="auto")
     if load_library() is None:
         pytest.skip("no C++ compiler: nothing is tiled")
     assert (runner.model.int_step is not None) == (vocab_size == 256)
@@ -190,7 +185,7 @@ def test_the_fast_runner_tiles_at_load_or_reloads_for_the_graphs(tmp_path, vocab
     step = runner.step(StepPlan(step_id=0, new_requests=[NewRequestData(
         "r", prompt, SamplingParams(temperature=0.0, logprobs=1))],
         scheduled=[ScheduledRequest("r", 0, len(prompt), [1, 2])]))
-    config, model = _model(path, ACCURACY_FAST)
+    config, model = _model(path, exact=False)
     cache = KVCache(config, num_blocks=8, block_size=BLOCK_SIZE, dtype=torch.float16)
     logits = _run(model, cache, [(prompt, 0, len(prompt), [1, 2])])[-1]
     assert step.sampled_token_ids == [int(logits.argmax())]

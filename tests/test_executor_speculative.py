@@ -9,8 +9,8 @@ import torch
 
 from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from llmbus.services.executor.runner import ModelRunner
-from llmbus.services.executor.sampling_tensors import RequestSampling, SamplingTensors
-from llmbus.services.executor.speculative import position_tensors, target_probs, verify
+from llmbus.services.executor.sampling.sampling_tensors import RequestSampling, SamplingTensors
+from llmbus.services.executor.sampling.speculative import position_tensors, target_probs, verify
 from tests.gguf_fixtures import GREEDY, TinySpec, generate, write_tiny_llama
 
 BLOCK_SIZE = 4
@@ -160,9 +160,9 @@ def test_the_sampling_rule_keeps_the_tiny_model_s_distribution(tmp_path):
     """The same on a tiny generated model's own logits at a prompt's end and two drafts: the
     first is its likeliest token, the second one it rarely picks (top-k 8: chi-square over
     8 tokens)."""
-    from llmbus.services.executor.gguf_loader import load_gguf
+    from llmbus.services.executor.engines.torch_llama import LlamaModel
     from llmbus.services.executor.kv_cache import KVCache
-    from llmbus.services.executor.model import LlamaModel
+    from llmbus.services.executor.weights.gguf_loader import load_gguf
     from tests.test_executor_model import _run
 
     path = tmp_path / "tiny.gguf"

@@ -1,6 +1,6 @@
-"""Small steps in llmbus's own kernel (cpu_kernels/int_step.cpp, executor/int_step.py):
-each matmul kind against a torch reference of the same arithmetic, for every ISA build this CPU
-can run, and the whole forward against the exact one on the default model."""
+"""llmbus's integer kernel (kernels/cpu/int_step.cpp, engines/int_step.py): each matmul kind
+against a torch reference of the same arithmetic, for every ISA build this CPU can run; the
+whole forward against the exact one on the default model, and across builds."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ import gguf
 import pytest
 import torch
 
-from llmbus.services.executor.cpu_kernels.library import load_library
-from llmbus.services.executor.gguf_loader import load_gguf
-from llmbus.services.executor.gguf_quants import Q4_1Weight, Q8_0Weight, parse_q4_k
-from llmbus.services.executor.int_step import int_linear
+from llmbus.services.executor.attention.metadata import build_attention_metadata
+from llmbus.services.executor.engines.cpu_llama import CpuLlamaModel
+from llmbus.services.executor.engines.int_step import int_linear
+from llmbus.services.executor.engines.torch_llama import LlamaModel
+from llmbus.services.executor.kernels.cpu.library import load_library
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.model import build_attention_metadata
-from llmbus.services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
-from llmbus.services.executor.quant_parts import QuantPart
+from llmbus.services.executor.weights.gguf_loader import load_gguf
+from llmbus.services.executor.weights.gguf_quants import Q4_1Weight, Q8_0Weight, parse_q4_k
+from llmbus.services.executor.weights.quant_parts import QuantPart
 from llmbus.services.model_files import default_model_path
 from tests.cpu_isas import ISAS
 from tests.gguf_fixtures import random_k_quant
@@ -41,7 +42,7 @@ def _weight(kind: str, n: int, k: int, gen: torch.Generator) -> Q4_1Weight | Q8_
 def _reference(weight: Q4_1Weight | Q8_0Weight, x: torch.Tensor, wide: bool) -> torch.Tensor:
     """The kernel's arithmetic in float64: x quantized per block of 32 (d = max|x| / 127 for
     int8, / 32767 for the int16 of `wide` Q4 inputs; round half to even); Q4's minimums times
-    the block's float sum of x."""
+    the block's sum of quantized x, d * sum(q)."""
     t, k = x.shape
     blocks = x.double().view(t, k // GROUP, GROUP)
     top = 32767 if wide and isinstance(weight, Q4_1Weight) else 127
@@ -50,7 +51,7 @@ def _reference(weight: Q4_1Weight | Q8_0Weight, x: torch.Tensor, wide: bool) -> 
     codes = weight.codes.double().view(-1, k // GROUP, GROUP)  # [N, G, 32]
     y = torch.einsum("tgi,ngi,ng->tn", xq, codes, weight.scales.double())
     if isinstance(weight, Q4_1Weight):
-        y += torch.einsum("tg,ng->tn", blocks.sum(-1), weight.minimums.double())
+        y += torch.einsum("tg,ng->tn", xq.sum(-1), weight.minimums.double())
     return y.float()
 
 
@@ -123,41 +124,98 @@ def test_refuses_what_it_cannot_multiply():
         int_linear(lib, [part] * 4, torch.ones(1, 64))
 
 
+def _steps(model, config, kv_dtype) -> torch.Tensor:
+    """A prompt step of BATCH sequences, then decode steps of one and of BATCH sequences:
+    the decodes' logits [52, V]."""
+    prompt = [(i * 7919) % 20000 + 100 for i in range(40)]
+    kv = KVCache(config, 1 + 4 * BATCH, 16, kv_dtype)
+    tables = [list(range(1 + 4 * s, 5 + 4 * s)) for s in range(BATCH)]
+    meta = build_attention_metadata([len(prompt)] * BATCH, [len(prompt)] * BATCH, tables, 16)
+    model.forward(torch.tensor(prompt * BATCH), meta.positions, meta, kv,
+                  torch.empty(0, dtype=torch.long))  # the prompts: one big step
+    steps, lengths = [], [len(prompt)] * BATCH
+    for batch in [1, BATCH] * 4:
+        lengths[:batch] = [n + 1 for n in lengths[:batch]]
+        meta = build_attention_metadata([1] * batch, lengths[:batch], tables[:batch], 16)
+        ids = torch.tensor([(n * 31 + s) % 20000 + 100 for s, n in enumerate(lengths[:batch])])
+        steps.append(model.forward(ids, meta.positions, meta, kv, torch.arange(batch)))
+    return torch.cat(steps)
+
+
+def _emulated_linear(model: LlamaModel):
+    """The integer kernel's arithmetic in torch, on the dense float32 weights: x quantized per
+    block of 32 before each matmul (int16 into the 4-bit QKV projections, int8 elsewhere),
+    then multiplied by w = s * code + m as a whole, as the kernel's d * sum(q) for the
+    minimums' share amounts to."""
+    qkv = {id(layer.qkv) for layer in model.layers}
+
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        wide = id(weight) in qkv
+        blocks = x.double().view(x.shape[0], x.shape[1] // GROUP, GROUP)
+        d = blocks.abs().amax(-1, keepdim=True) / (32767 if wide else 127)
+        quantized = (torch.where(d > 0, torch.round(blocks / d), 0) * d).view_as(x)
+        return torch.nn.functional.linear(quantized.float(), weight)
+    return linear
+
+
 @pytest.mark.model
 @needs_compiler
 @pytest.mark.skipif(not default_model_path().is_file(), reason="default model not pulled")
-def test_steps_follow_the_exact_forward():
-    """A prompt step, then decode steps of one and of BATCH sequences, through the kernel and
-    through the exact graphs: the same next tokens, nearly the same logits. The fast model
-    builds no ONNX Runtime session (the kernel replaces them all)."""
+def test_steps_follow_the_exact_forward_as_closely_as_their_arithmetic_allows():
+    """The kernel's decode logits against the exact graphs', measured against the same
+    arithmetic done in torch (int8/int16 activations per block, a float16 KV cache).
+
+    Quantization makes the forward discontinuous: a last-bit change flips roundings, which the
+    later layers carry on (two kernel builds that differed only in a block sum's summation
+    order gave logits up to 2.9 apart). So no bound read off one machine's run holds; what
+    does is that the kernel is no further from exact than its own arithmetic, computed
+    independently: both are draws of the same rounding noise. The statistic is the median
+    over the 52 rows of 1 - cos (the mean is ruled by the odd flat-prediction row and moved 7x
+    between draws); drawn six times (inputs scaled by 1 + k 2^-20) it moved within +-8%, so a
+    factor 1.5 is room for the draw. The kernel that took Q4's minimums times x's float block
+    sums (3.3x its arithmetic's noise) failed it."""
     config, dense, native = load_gguf(default_model_path(), keep_native=True,
                                       dense_for_native=False)
-    prompt = [(i * 7919) % 20000 + 100 for i in range(40)]
-    logits = {}
-    for name, level in (("exact", ACCURACY_EXACT), ("kernel", ACCURACY_FAST)):
-        model = OnnxLlamaModel(config, dense, native, max_positions=64, accuracy_level=level,
-                               num_threads=2, dense_prefill=False)
-        assert (model.int_step is not None) == (name == "kernel")
-        assert (model.graphs == []) == (name == "kernel")
-        kv = KVCache(config, 1 + 4 * BATCH, 16, torch.float32)
-        tables = [list(range(1 + 4 * s, 5 + 4 * s)) for s in range(BATCH)]
-        meta = build_attention_metadata([len(prompt)] * BATCH,
-                                        [len(prompt)] * BATCH, tables, 16)
-        model.forward(torch.tensor(prompt * BATCH), meta.positions, meta, kv,
-                      torch.empty(0, dtype=torch.long))  # the prompts: one big step
-        steps, lengths = [], [len(prompt)] * BATCH
-        for batch in [1, BATCH] * 4:
-            lengths[:batch] = [n + 1 for n in lengths[:batch]]
-            meta = build_attention_metadata([1] * batch, lengths[:batch], tables[:batch], 16)
-            ids = torch.tensor([(n * 31 + s) % 20000 + 100 for s, n in enumerate(lengths[:batch])])
-            steps.append(model.forward(ids, meta.positions, meta, kv, torch.arange(batch)))
-        logits[name] = torch.cat(steps)
-    exact, fast = logits["exact"], logits["kernel"]
-    cosine = torch.nn.functional.cosine_similarity(exact, fast, dim=-1)
-    # seen: median 0.99995, the lowest of 52 rows 0.9989 (a batch step's int8 down projection)
-    assert cosine.median() > 0.9998 and cosine.min() > 0.998, cosine.tolist()
-    # Random tokens make flat predictions: where the picks differ, the kernel's pick must be a
-    # near-tie in the exact logits (seen: up to 0.25 apart; 5 of 36 picks differ).
-    picked = exact.gather(1, fast.argmax(-1, keepdim=True))[:, 0]
-    gaps = exact.max(-1).values - picked
-    assert gaps.max() < 1.0 and (gaps == 0).float().mean() > 0.75, gaps.tolist()
+    exact_model = CpuLlamaModel(config, dense, native, max_positions=64, exact=True,
+                                num_threads=2)
+    kernel_model = CpuLlamaModel(config, dense, native, max_positions=64, integer_kernel=True,
+                                 num_threads=2)
+    assert exact_model.int_step is None and exact_model.graphs
+    assert kernel_model.graphs == []  # the kernel replaces every ONNX Runtime session
+    exact = _steps(exact_model, config, torch.float32)
+    kernel = _steps(kernel_model, config, torch.float16)
+    _, dense_weights, _ = load_gguf(default_model_path())
+    torch_model = LlamaModel(config, dense_weights, max_positions=64)
+    torch_model.linear = _emulated_linear(torch_model)
+    emulated = _steps(torch_model, config, torch.float16)
+
+    def distance(logits: torch.Tensor) -> torch.Tensor:  # [rows]
+        return 1 - torch.nn.functional.cosine_similarity(exact, logits, dim=-1)
+
+    noise = distance(emulated).median()
+    assert noise > 0  # the emulation did quantize
+    assert distance(kernel).median() <= 1.5 * noise, (distance(kernel), noise)
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    if not default_model_path().is_file():
+        pytest.skip("default model not pulled")
+    return load_gguf(default_model_path(), keep_native=True, dense_for_native=False)
+
+
+def _kernel_steps(default_model, isa: str) -> torch.Tensor:
+    config, dense, native = default_model
+    model = CpuLlamaModel(config, dense, native, max_positions=64, integer_kernel=True,
+                          isa=isa, num_threads=2)
+    return _steps(model, config, torch.float16)
+
+
+@needs_compiler
+@pytest.mark.model
+@pytest.mark.parametrize("isa", [p for p in ISAS if p.values[0] in ("avx2", "avx512")])
+def test_every_vector_build_computes_the_same_bits(default_model, isa):
+    """The whole fast forward built for AVX2 or AVX-512 equals this CPU's native build's, bit
+    for bit: integer dot products are exact, and every float sum has one fixed order. (The
+    plain-loop build has no FMA, so it rounds differently; it is checked per matmul above.)"""
+    assert torch.equal(_kernel_steps(default_model, isa), _kernel_steps(default_model, "native"))

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from llmbus.services.executor.gguf_loader import load_gguf
-from llmbus.services.executor.gguf_quants import parse_q4_k, requantize_q8_0
+from llmbus.services.executor.attention.metadata import build_attention_metadata
+from llmbus.services.executor.engines.cpu_llama import CpuLlamaModel
+from llmbus.services.executor.engines.torch_llama import LlamaModel
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.model import LlamaModel, build_attention_metadata
-from llmbus.services.executor.onnx_model import ACCURACY_EXACT, ACCURACY_FAST, OnnxLlamaModel
+from llmbus.services.executor.weights.gguf_loader import load_gguf
+from llmbus.services.executor.weights.gguf_quants import parse_q4_k, requantize_q8_0
 from tests.gguf_fixtures import TinySpec, random_k_quant, write_tiny_llama
 
 KINDS = gguf.GGMLQuantizationType
@@ -78,23 +79,21 @@ def test_k_quant_matrices_load_without_a_dense_copy(reference):
 def test_a_q4_k_model_in_the_exact_graphs_is_its_dequantized_reference(reference):
     path, want = reference["q4_k"]
     config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
-    model = OnnxLlamaModel(config, dense, native, max_positions=64,
-                           accuracy_level=ACCURACY_EXACT, int_step=False)
+    model = CpuLlamaModel(config, dense, native, max_positions=64, exact=True)
     torch.testing.assert_close(_forward(model, config), want, atol=1e-4, rtol=1e-4)
 
 
 def test_a_mixed_k_quant_model_in_the_fast_kernel_stays_close(reference):
     path, want = reference["q4_k_m"]
     config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
-    model = OnnxLlamaModel(config, dense, native, max_positions=64, num_threads=2,
-                           accuracy_level=ACCURACY_FAST)
+    model = CpuLlamaModel(config, dense, native, max_positions=64, num_threads=2)
     got = _forward(model, config, torch.float16)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
 def test_requantizing_in_row_chunks_is_requantizing_whole():
-    from llmbus.services.executor.gguf_quants import REQUANTIZE_ROWS, native_parsers
+    from llmbus.services.executor.weights.gguf_quants import REQUANTIZE_ROWS, native_parsers
 
     rows = 2 * REQUANTIZE_ROWS + 100
     raw = random_k_quant(KINDS.Q6_K, rows, 256, seed=3)
@@ -106,13 +105,12 @@ def test_requantizing_in_row_chunks_is_requantizing_whole():
 def test_a_model_that_may_release_the_native_forms_keeps_only_the_embedding(reference):
     path, want = reference["q4_k_m"]
     config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
-    kept = OnnxLlamaModel(config, dense, native, max_positions=64, num_threads=2,
-                          accuracy_level=ACCURACY_FAST)
+    kept = CpuLlamaModel(config, dense, native, max_positions=64, num_threads=2)
     if kept.int_step is None:
         pytest.skip("no C++ compiler: the integer kernel was not built")
-    released = OnnxLlamaModel(config, dense, native, max_positions=64, num_threads=2,
-                              accuracy_level=ACCURACY_FAST, release_native=True)
+    released = CpuLlamaModel(config, dense, native, max_positions=64, num_threads=2,
+                             release_native=True)
     assert set(native) == {"token_embd.weight"}  # tiled matrices left as they were tiled
-    assert released.weight_format == "native"
+    assert released.int_step is not None
     torch.testing.assert_close(_forward(released, config, torch.float16),
                                _forward(kept, config, torch.float16))

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from llmbus.services.executor.gguf_loader import UnsupportedModelError, load_gguf
+from llmbus.services.executor.attention.metadata import build_attention_metadata
+from llmbus.services.executor.engines.torch_llama import LlamaModel
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.model import LlamaModel, build_attention_metadata
+from llmbus.services.executor.weights.gguf_loader import UnsupportedModelError, load_gguf
 from tests.gguf_fixtures import TinySpec, write_tiny_llama
 
 pytest.importorskip("transformers")

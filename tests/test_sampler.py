@@ -21,12 +21,12 @@ from llmbus.bus.messages import (
     StepResult,
     TokenLogprobs,
 )
-from llmbus.services.executor.logprobs import MAX_LOGPROBS, token_logprobs
-from llmbus.services.executor.penalties import TokenCounts, apply_penalties_
 from llmbus.services.executor.runner import ModelRunner
-from llmbus.services.executor.sampler import process_logits, sample
-from llmbus.services.executor.sampling_tensors import SamplingTensors
-from llmbus.services.executor.truncation import (
+from llmbus.services.executor.sampling.logprobs import MAX_LOGPROBS, token_logprobs
+from llmbus.services.executor.sampling.penalties import TokenCounts, apply_penalties_
+from llmbus.services.executor.sampling.sampler import process_logits, sample
+from llmbus.services.executor.sampling.sampling_tensors import SamplingTensors
+from llmbus.services.executor.sampling.truncation import (
     NUM_CANDIDATES,
     filter_logits,
     truncate_candidates,

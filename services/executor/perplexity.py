@@ -10,14 +10,14 @@ import math
 
 import torch
 
+from llmbus.services.executor.attention.metadata import build_attention_metadata
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.model import build_attention_metadata
 
 
 def perplexity(model, kv_cache: KVCache, token_ids: list[int], chunk_size: int = 256) -> float:
     """exp of the mean NLL of token_ids[1:] given their prefixes; the cache must hold them all.
 
-    `model` is a LlamaModel or an OnnxLlamaModel; `kv_cache` is overwritten.
+    `model` is a LlamaModel or an CpuLlamaModel; `kv_cache` is overwritten.
     """
     block_size = kv_cache.block_size
     num_blocks = -(-len(token_ids) // block_size)

@@ -25,20 +25,21 @@ from llmbus.bus.messages import (
     StepResult,
     TokenLogprobs,
 )
-from llmbus.services.executor.constraints import Grammars, Vocabulary, apply_masks
-from llmbus.services.executor.gguf_loader import LlamaConfig, load_gguf
+from llmbus.services.executor.attention.metadata import build_attention_metadata
+from llmbus.services.executor.engine import Engine
 from llmbus.services.executor.kv_cache import (
     KVCache,
     default_budget_bytes,
     num_blocks_for_budget,
 )
-from llmbus.services.executor.linear import native_kernels_run
-from llmbus.services.executor.logprobs import token_logprobs
-from llmbus.services.executor.model import LlamaModel, build_attention_metadata
-from llmbus.services.executor.penalties import TokenCounts
-from llmbus.services.executor.sampler import sample
-from llmbus.services.executor.sampling_tensors import RequestSampling, SamplingTensors
-from llmbus.services.executor.speculative import position_tensors, verify
+from llmbus.services.executor.plan import ExecutionPlan, resolve_plan
+from llmbus.services.executor.sampling.constraints import Grammars, Vocabulary, apply_masks
+from llmbus.services.executor.sampling.logprobs import token_logprobs
+from llmbus.services.executor.sampling.penalties import TokenCounts
+from llmbus.services.executor.sampling.sampler import sample
+from llmbus.services.executor.sampling.sampling_tensors import RequestSampling, SamplingTensors
+from llmbus.services.executor.sampling.speculative import position_tensors, verify
+from llmbus.services.executor.weights.gguf_loader import LlamaConfig, load_gguf
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -71,37 +72,35 @@ class ModelRunner:
     """Owns the weights, the physical KV cache and every live request's state."""
 
     def __init__(self, model_path: str | Path, *, model_name: str,
-                 dtype: torch.dtype = torch.float32, block_size: int = 16,
-                 num_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                 max_model_len: int | None = None, num_threads: int | None = None,
-                 small_step_threads: int | None = None,
-                 device: torch.device | str = "cpu", weights: str = "auto",
-                 backend: str = "torch", precision: str = "exact") -> None:
-        """`backend`: "torch" (the reference; Triton kernels on CUDA) or "onnxruntime" (CPU:
-        quantized matmuls in ONNX Runtime, see onnx_model.py).
-
-        `weights` (torch backend): "dense", "native" (see linear.py) or "auto" (native where it
-        runs). `precision` (onnxruntime backend): "exact" (float32 activations and KV cache,
-        the GGUF's weight values) or "fast" (int8 activations in the matmuls, float16 KV).
+                 plan: ExecutionPlan | None = None, engine: str = "torch", exact: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_bytes: int | None = None, max_model_len: int | None = None,
+                 num_threads: int | None = None, small_step_threads: int | None = None) -> None:
+        """`plan` (plan.py) says which engine runs; without one, it is resolved here from
+        `engine`, `exact`, `dtype` and `device` (tests and benchmarks pick engines so).
 
         `small_step_threads`: CPU threads for steps of at most SMALL_STEP_TOKENS tokens (None:
-        `num_threads`), see SMALL_STEP_TOKENS; torch backend only (the onnxruntime backend
-        keeps single-threaded sessions for small steps itself).
+        `num_threads`), see SMALL_STEP_TOKENS; torch engine only (the CPU engines keep
+        single-threaded sessions for small steps themselves, or need every core).
         """
+        if plan is None:
+            plan = resolve_plan(model_path, engine=engine, exact=exact,
+                                dtype=str(dtype).removeprefix("torch."), device=str(device))
+        self.plan = plan
         if num_threads:
             torch.set_num_threads(num_threads)
         self.num_threads = torch.get_num_threads()
         self.small_step_threads = small_step_threads or self.num_threads
         self.model_name, self.block_size = model_name, block_size
-        self.device = torch.device(device)
-        self.backend = backend
-        if backend == "onnxruntime":
-            config, kv_dtype = self._load_onnx(model_path, dtype, precision)
-            self.small_step_threads = self.num_threads
-        elif backend == "torch":
-            config, kv_dtype = self._load_torch(model_path, dtype, weights), dtype
+        self.device = torch.device(plan.device)
+        self.model: Engine
+        if plan.engine == "torch":
+            config = self._load_torch(model_path, getattr(torch, plan.dtype))
         else:
-            raise ValueError(f"unknown backend {backend!r}: expected torch or onnxruntime")
+            config = self._load_cpu(model_path, plan)
+            self.small_step_threads = self.num_threads
+        kv_dtype = getattr(torch, plan.kv_dtype)
         if max_model_len is not None and max_model_len > config.context_length:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
                              f"length {config.context_length}")
@@ -122,63 +121,27 @@ class ModelRunner:
         self.grammars = Grammars(lambda: Vocabulary.from_gguf(
             model_path, config.vocab_size, config.eos_token_ids), config.vocab_size)
 
-    def _load_torch(self, model_path: str | Path, dtype: torch.dtype,
-                    weights: str) -> LlamaConfig:
-        if weights not in ("auto", "dense", "native"):
-            raise ValueError(f"unknown weights {weights!r}: expected auto, dense or native")
-        native_runs = native_kernels_run(dtype, self.device)
-        if weights == "native" and not native_runs:
-            raise ValueError(f"native weights need a quantized kernel for {self.device.type} "
-                             f"{dtype}: the CPU, with bfloat16/float16, or float32 with "
-                             "AVX-512 and a C++ compiler (elsewhere: --backend onnxruntime)")
-        config, dense, native = load_gguf(model_path,
-                                          keep_native=weights != "dense" and native_runs)
-        if weights == "native" and not native:
-            raise ValueError(f"native weights: {model_path} has no Q4_0, Q4_1 or Q8_0 matrices")
-        self.model = LlamaModel(config, dense, max_positions=1, dtype=dtype,
-                                device=self.device, native=native)
-        self.weight_format = self.model.weight_format
-        if weights == "native" and not self.model.native_layers:
-            raise ValueError(f"native weights: no kernel here reads {model_path}'s layer "
-                             f"formats in {dtype} (float32 reads Q4_0/Q4_1/Q8_0, bfloat16 "
-                             "and float16 Q4_0/Q4_1)")
+    def _load_torch(self, model_path: str | Path, dtype: torch.dtype) -> LlamaConfig:
+        from llmbus.services.executor.engines.torch_llama import LlamaModel
+
+        config, dense, _ = load_gguf(model_path)
+        self.model = LlamaModel(config, dense, max_positions=1, dtype=dtype, device=self.device)
         return config
 
-    def _load_onnx(self, model_path: str | Path, dtype: torch.dtype,
-                   precision: str) -> tuple[LlamaConfig, torch.dtype]:
-        from llmbus.services.executor.cpu_kernels.library import load_library
-        from llmbus.services.executor.onnx_model import (
-            ACCURACY_EXACT,
-            ACCURACY_FAST,
-            OnnxLlamaModel,
-        )
-        from llmbus.services.executor.quant_parts import kernel_takes, tile_as_loaded
+    def _load_cpu(self, model_path: str | Path, plan: ExecutionPlan) -> LlamaConfig:
+        from llmbus.services.executor.engines.cpu_llama import CpuLlamaModel
+        from llmbus.services.executor.weights.quant_parts import tile_as_loaded
 
-        if self.device.type != "cpu":
-            raise ValueError("the onnxruntime backend runs on the CPU; use --backend torch on "
-                             f"{self.device.type}")
-        if dtype != torch.float32:
-            raise ValueError(f"the onnxruntime backend computes in float32, not {dtype}; "
-                             "--exact or not chooses its precision")
-        if precision not in ("exact", "fast"):
-            raise ValueError(f"unknown precision {precision!r}: expected exact or fast")
-        exact = precision == "exact"
-        # The fast mode's integer kernel takes its matrices tiled: tile each as it is loaded
-        # (never holding every matrix twice), unless the kernel cannot take the whole file
-        # and ONNX Runtime's graphs, which read the loaded forms, run instead.
-        tiled = not exact and load_library() is not None
+        # The integer kernel takes its matrices tiled: tile each as it is loaded, so the load
+        # never holds every matrix twice. ONNX Runtime's graphs read the loaded forms.
+        tiled = plan.engine == "integer-kernel"
         config, dense, native = load_gguf(model_path, keep_native=True, dense_for_native=False,
                                           transform=tile_as_loaded if tiled else None)
-        if tiled and not kernel_takes(config, native):
-            del dense, native
-            config, dense, native = load_gguf(model_path, keep_native=True,
-                                              dense_for_native=False)
-        self.model = OnnxLlamaModel(
-            config, dense, native, max_positions=1, num_threads=self.num_threads,
-            accuracy_level=ACCURACY_EXACT if exact else ACCURACY_FAST, release_native=True)
+        self.model = CpuLlamaModel(
+            config, dense, native, max_positions=1, exact=plan.exact, integer_kernel=tiled,
+            isa=plan.isa, num_threads=self.num_threads, release_native=True)
         del dense, native  # what the model did not keep goes now
-        self.weight_format = self.model.weight_format
-        return config, torch.float32 if exact else torch.float16
+        return config
 
     def info(self) -> ExecutorInfo:
         return ExecutorInfo(

@@ -32,44 +32,35 @@ from llmbus.bus.messages import (
 )
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.bus.tracing import context_from_traceparent, link_to
-from llmbus.services.executor.cpu_kernels.library import configure_openmp
+from llmbus.services.executor.kernels.cpu.library import configure_openmp
+from llmbus.services.executor.plan import DTYPES, ENGINES, ExecutionPlan, resolve_plan
 from llmbus.services.model_files import model_name_for, resolve_model
 
 log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.executor")
-
-DTYPES = ("float32", "bfloat16", "float16")
-WEIGHT_FORMATS = ("auto", "dense", "native")
-BACKENDS = ("auto", "torch", "onnxruntime")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-id", default="engine0",
                         help="name of the engine this executor serves (default: engine0)")
     parser.add_argument("--model", default=None,
                         help="path of a GGUF model (default: the pulled default model)")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto",
-                        help="onnxruntime: the model's matmuls on the GGUF's own 4/8-bit blocks "
-                             "in ONNX Runtime (its kernels pick AVX2, AVX-512, VNNI or AMX at "
-                             "run time) and llmbus's C++ paged attention; torch: the reference "
-                             "(plain torch on the CPU, Triton kernels on CUDA). auto = "
-                             "onnxruntime on the CPU, torch on CUDA (default: auto)")
     parser.add_argument("--exact", action="store_true",
-                        help="onnxruntime backend: float32 activations and KV cache on the "
-                             "GGUF's exact weight values, so greedy output equals HF "
-                             "transformers token for token. Default: int8 activations in the "
-                             "matmuls and a float16 KV cache, as llama.cpp computes (perplexity "
-                             "within 1%% of exact, checked by a test)")
+                        help="float32 activations and KV cache on the GGUF's exact weight "
+                             "values, so greedy output equals HF transformers token for token "
+                             "(ONNX Runtime's graphs on a CPU). Default: the fast mode, int8 "
+                             "activations in the matmuls and a float16 KV cache, as llama.cpp "
+                             "computes (perplexity within 1%% of exact, checked by a test)")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="force an engine, for tests and benchmarks: integer-kernel "
+                             "(llmbus's C++ kernels, the fast mode on a CPU), onnxruntime (ONNX "
+                             "Runtime's graphs: --exact on a CPU, or the fast mode without a "
+                             "compiler), torch (the reference; Triton kernels on CUDA). auto = "
+                             "the fastest that runs here for the mode; the executor logs its "
+                             "choice as one line (default: auto)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="torch backend: compute dtype of weights and KV cache; bfloat16 "
+                        help="torch engine: compute dtype of weights and KV cache; bfloat16 "
                              "only on CPUs with native bfloat16 (AVX-512-BF16 or AMX) or CUDA "
                              "(default: float32)")
-    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
-                        help="torch backend: matmul weights dense (dequantized to --dtype), or "
-                             "native (the GGUF's own Q4_0/Q4_1/Q8_0 blocks, read by llmbus's "
-                             "exact float32 AVX-512 kernel or torch's int4 kernel for bfloat16, "
-                             "on decode-sized steps); auto = native where a kernel runs "
-                             "(default: auto)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the model runs; cuda uses the Triton kernels "
                              "(default: auto = cuda when available, else cpu)")
@@ -84,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="compute threads (default: all cores)")
     parser.add_argument("--small-step-threads", type=int, default=None,
-                        help="torch backend: threads for steps of at most 4 tokens, e.g. "
+                        help="torch engine: threads for steps of at most 4 tokens, e.g. "
                              "single-stream decode (default: --threads minus one on machines "
                              "of up to 4 cores, which leaves a core to the other services, else "
                              "--threads)")
@@ -115,64 +106,42 @@ def _record_residency(sequence_id: str, started_ns: int, traceparent: str) -> No
                        attributes={"llmbus.sequence_id": sequence_id}).end()
 
 
-def resolve_backend(args: argparse.Namespace, cuda_available: bool) -> tuple[str, str]:
-    """(device, backend) from the options; raises ValueError for combinations that cannot run
-    (or would run slower than float32: emulated bfloat16)."""
-    from llmbus.services.cpu_features import cpu_model, has_native_bfloat16
-
-    device = args.device if args.device != "auto" else ("cuda" if cuda_available else "cpu")
-    backend = args.backend if args.backend != "auto" else (
-        "onnxruntime" if device == "cpu" and args.dtype == "float32" else "torch")
-    if backend == "onnxruntime" and device != "cpu":
-        raise ValueError(f"the onnxruntime backend runs on the CPU, not {device}; use "
-                         "--backend torch there")
-    if backend == "onnxruntime" and args.dtype != "float32":
-        raise ValueError(f"--dtype {args.dtype} is for the torch backend; the onnxruntime "
-                         "backend computes in float32 (add --exact for its exact mode)")
-    if device == "cpu" and args.dtype == "bfloat16" and not has_native_bfloat16():
-        raise ValueError(f"--dtype bfloat16: this CPU ({cpu_model()}) has no native bfloat16 "
-                         "(AVX-512-BF16 or AMX), so torch would emulate it, slower than "
-                         "float32; use the default onnxruntime backend instead")
-    return device, backend
+def plan_for(args: argparse.Namespace, cuda_available: bool) -> ExecutionPlan:
+    """The executor's plan from its options, this machine and the model file."""
+    return resolve_plan(resolve_model(args.model), engine=args.engine, exact=args.exact,
+                        dtype=args.dtype, device=args.device, cuda_available=cuda_available)
 
 
 async def main(args: argparse.Namespace) -> None:
     try:
-        device, backend = resolve_backend(
-            args, cuda_available=args.device == "auto" and _cuda_available())
+        plan = plan_for(args, cuda_available=args.device == "auto" and _cuda_available())
     except ValueError as exc:
         raise SystemExit(f"llmbus executor: {exc}") from None
-    if backend == "onnxruntime":
+    log.info(f"executor plan: {plan.describe()}")
+    if plan.engine != "torch":
         configure_openmp()  # before torch loads OpenMP
     async with ServiceRuntime("executor", args.nats_url, args.instance_id) as runtime:
-        await _serve(args, runtime, device, backend)
+        await _serve(args, runtime, plan)
 
 
-async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, device: str,
-                 backend: str) -> None:
+async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, plan: ExecutionPlan) -> None:
     """Load the model, answer steps until stopped, then linger while the scheduler drains."""
-    import torch  # only the executor pays for importing torch (after configure_openmp)
-
-    from llmbus.services.executor.runner import ModelRunner
+    from llmbus.services.executor.runner import ModelRunner  # imports torch: after OpenMP
 
     path = resolve_model(args.model)
-    precision = "exact" if args.exact else "fast"
-    log.info("loading model", path=str(path), backend=backend, precision=precision,
-             dtype=args.dtype, device=device, weights=args.weights)
+    log.info("loading model", path=str(path))
     kv_bytes = int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None
     threads = args.threads or os.cpu_count() or 1
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
     loop = asyncio.get_running_loop()
     runner = await loop.run_in_executor(compute, lambda: ModelRunner(
-        path, model_name=model_name_for(path), dtype=getattr(torch, args.dtype),
-        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_bytes=kv_bytes,
-        max_model_len=args.max_model_len, num_threads=threads,
-        small_step_threads=args.small_step_threads or default_small_step_threads(threads),
-        device=device, weights=args.weights, backend=backend, precision=precision))
+        path, model_name=model_name_for(path), plan=plan, block_size=args.block_size,
+        num_blocks=args.num_blocks, kv_cache_bytes=kv_bytes, max_model_len=args.max_model_len,
+        num_threads=threads,
+        small_step_threads=args.small_step_threads or default_small_step_threads(threads)))
     info = runner.info()
     log.info("model loaded", num_blocks=info.num_blocks, max_model_len=info.max_model_len,
-             backend=backend, weights=runner.weight_format,
-             kv_cache_dtype=str(runner.kv_cache.k.dtype).removeprefix("torch."))
+             kv_cache_dtype=plan.kv_dtype)
 
     async def on_info(_: ExecutorInfoRequest, __: Msg) -> ExecutorInfo:
         return info

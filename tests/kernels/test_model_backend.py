@@ -12,15 +12,11 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from llmbus.services.executor.gguf_loader import load_gguf  # noqa: E402
-from llmbus.services.executor.kernels.ops import TritonOps  # noqa: E402
+from llmbus.services.executor.attention.metadata import build_attention_metadata  # noqa: E402
+from llmbus.services.executor.engines.torch_llama import LlamaModel, TorchOps, select_ops  # noqa: E402
+from llmbus.services.executor.kernels.triton.ops import TritonOps  # noqa: E402
 from llmbus.services.executor.kv_cache import KVCache  # noqa: E402
-from llmbus.services.executor.model import (  # noqa: E402
-    LlamaModel,
-    TorchOps,
-    build_attention_metadata,
-    select_ops,
-)
+from llmbus.services.executor.weights.gguf_loader import load_gguf  # noqa: E402
 from tests.gguf_fixtures import TinySpec, write_tiny_llama  # noqa: E402
 from tests.kernels.helpers import DEVICE  # noqa: E402
 

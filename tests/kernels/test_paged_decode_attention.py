@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from llmbus.services.executor.kernels.paged_decode_attention import (  # noqa: E402
+from llmbus.services.executor.kernels.triton.paged_decode_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
 )

@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from llmbus.services.executor.kernels.prefill_attention import (  # noqa: E402
+from llmbus.services.executor.kernels.triton.prefill_attention import (  # noqa: E402
     prefill_attention,
     prefill_attention_reference,
 )

@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from llmbus.services.executor.kernels.rmsnorm import (  # noqa: E402
+from llmbus.services.executor.kernels.triton.rmsnorm import (  # noqa: E402
     add_rms_norm,
     add_rms_norm_reference,
     rms_norm,

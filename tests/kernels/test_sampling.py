@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from llmbus.services.executor.kernels.sampling import sample, sample_reference  # noqa: E402
+from llmbus.services.executor.kernels.triton.sampling import sample, sample_reference  # noqa: E402
 from tests.kernels.helpers import DEVICE, gpu, requires_cuda  # noqa: E402
 
 
@@ -92,9 +92,9 @@ def test_the_sampler_draws_in_the_kernel_what_the_ladder_draws_from_the_same_noi
     """sampler.sample's kernel path (CUDA's default): logit bias and min_tokens bans first,
     then every row's ladder and draw on Exp(1) noise from the row's own seeded generator."""
     from llmbus.bus.messages import SamplingParams
-    from llmbus.services.executor.sampler import exponential_noise, process_logits
-    from llmbus.services.executor.sampler import sample as sampler_sample
-    from llmbus.services.executor.sampling_tensors import RequestSampling, SamplingTensors
+    from llmbus.services.executor.sampling.sampler import exponential_noise, process_logits
+    from llmbus.services.executor.sampling.sampler import sample as sampler_sample
+    from llmbus.services.executor.sampling.sampling_tensors import RequestSampling, SamplingTensors
 
     vocab_size = 300
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),

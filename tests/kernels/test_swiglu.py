@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from llmbus.services.executor.kernels.swiglu import swiglu, swiglu_reference  # noqa: E402
+from llmbus.services.executor.kernels.triton.swiglu import swiglu, swiglu_reference  # noqa: E402
 from tests.kernels.helpers import DEVICE, DTYPES, assert_close, gpu, requires_cuda  # noqa: E402
 
 

@@ -1,0 +1,33 @@
+"""The one contract every engine implements: a forward over a flat batch and the paged KV cache.
+
+A step is T tokens from B sequences (prefill chunks and decodes mixed); the runner builds the
+attention metadata once per step and owns the cache. Implemented by engines/torch_llama.py's
+`LlamaModel` (torch; Triton on CUDA) and engines/cpu_llama.py's `CpuLlamaModel` (the integer
+kernel or ONNX Runtime); plan.py picks one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmbus.services.executor.attention.metadata import AttentionMetadata
+    from llmbus.services.executor.kv_cache import KVCache
+    from llmbus.services.executor.weights.gguf_loader import LlamaConfig
+
+
+class Engine(Protocol):
+    config: LlamaConfig
+    dtype: torch.dtype  # of the activations it takes and the logits' source
+    device: torch.device
+
+    def set_max_positions(self, max_positions: int) -> None:
+        """Size the rotary tables for positions [0, max_positions)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: KVCache,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T]; logits_indices [S] -> float32 logits [S, V] of the rows
+        that sample. Writes this step's K/V into `kv_cache` at `meta.slot_mapping`."""

@@ -1,0 +1,1 @@
+"""The engines behind the `Engine` protocol (engine.py); plan.py says which one runs where."""

@@ -1,0 +1,276 @@
+"""The CPU engines: llmbus's integer kernel, or ONNX Runtime's graphs, with paged attention.
+
+Same contract as every engine (engine.Engine), so the runner drives either. Per step: embed the
+tokens (from the GGUF's own codes), then for each layer do the dense work up to its QKV, write
+RoPE'd K/V into the paged cache and attend (llmbus's C++ kernel, attention/cpu_paged.py; the
+torch reference where no compiler built it), and hand the attention output to the next layer's
+dense work; last, the head on the rows that sample.
+
+The dense work runs in one of two places (plan.py decides which, once):
+- the integer kernel (int_step.py): the fast mode wherever the kernels were built and take the
+  file; every step, on the attention's OpenMP threads, and no ONNX Runtime session at all;
+- ONNX Runtime graphs built from the GGUF (onnx_graphs.py): the exact mode (float32
+  activations), and the fast mode (int8 ones) without a compiler or for a file with matrices
+  the kernel does not take. Weights stay quantized (MatMulNBits); inputs and outputs are bound
+  to torch tensors' memory (IOBinding), so nothing is copied. Every graph has a session with
+  the executor's threads, whose pool never spins (see `_session`), and a single-threaded twin
+  for steps of a few tokens, where waking a pool thread 31 times a step costs more than it
+  gains.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from llmbus.services.executor.attention.cpu_paged import PagedAttention
+from llmbus.services.executor.attention.metadata import AttentionMetadata
+from llmbus.services.executor.attention.rope import rope_tables
+from llmbus.services.executor.attention.torch_paged import paged_attention, rope_write_kv
+from llmbus.services.executor.engines.int_step import IntStep
+from llmbus.services.executor.engines.onnx_graphs import MatrixSource, head_graph, layer_graphs
+from llmbus.services.executor.kernels.cpu.library import load_library
+from llmbus.services.executor.kv_cache import KVCache
+from llmbus.services.executor.weights.gguf_loader import LlamaConfig, qkv_bias
+from llmbus.services.executor.weights.gguf_quants import QUANT_GROUP, NativeWeight, Q8_0Weight
+from llmbus.services.executor.weights.matrices import LAYER_MATRICES
+from llmbus.services.executor.weights.quant_parts import (
+    PackedRows,
+    QuantPart,
+    kernel_takes,
+    layer_parts,
+)
+
+ACCURACY_EXACT = 0  # float32 activations: the weights are the GGUF's values, the exact path
+ACCURACY_FAST = 4  # int8 activations per block, like llama.cpp's
+SINGLE_THREAD_TOKENS = 4  # in ONNX Runtime's graphs, steps this small run on one thread
+# In the graphs, a 4-bit QKV projection always takes float32 activations (the integer
+# kernel: int16 ones): int8 ones there cost most of the fast mode's perplexity (default model,
+# tests/data text: exact 16.525; everything int8 16.783, +1.6%; QKV float32, the rest int8
+# 16.573, +0.3%, when first measured; 16.632, +0.65%, with today's float16 cache and attention
+# kernel) for ~1.4 of ~12 ms of a one-token step.
+# (8-bit weights keep int8 activations: see onnx_graphs.linear.)
+
+
+def _session(model_bytes: bytes, num_threads: int) -> ort.InferenceSession:
+    """A session with its own pool of `num_threads` (the caller included) that never spins.
+
+    Between two graphs the attention kernel's OpenMP threads take the cores; a pool thread
+    spinning after its run would keep one of them (measured on 2 cores, 16 decodes at 300
+    tokens: attention 44 ms per step beside a spinning pool, 26 ms beside this one).
+    """
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = num_threads
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # No arena: a big prefill step's intermediates (tens of MB) go back to the OS afterwards
+    # instead of staying reserved in the arena of every session that ran one.
+    options.enable_cpu_mem_arena = False
+    options.log_severity_level = 3
+    return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+def _sessions(models: list[bytes], num_threads: int) -> list[_Graph]:
+    return [_Graph(_session(m, num_threads)) for m in models]
+
+
+def _return_freed_memory() -> None:
+    """Building the graphs frees ~0.5 GB of temporaries (protobufs, packed codes) that glibc
+    would keep in the heap; hand it back to the OS (a no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class _Embedding:
+    """Token rows from a quantized table (Q8_0: scale * code; Q4_0/Q4_1/Q4_K in Q4_1 form:
+    scale * code + minimum, its codes packed two a byte where loaded for the integer kernel;
+    as llama.cpp computes them) or a dense one."""
+
+    def __init__(self, native: NativeWeight | PackedRows | None,
+                 dense: torch.Tensor | None) -> None:
+        self.native = native
+        self.dense = dense if native is None else None
+        if native is None and dense is None:
+            raise ValueError("the embedding needs a quantized or a dense table")
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D] float32
+        if self.dense is not None:
+            return self.dense[ids]
+        q = self.native
+        if isinstance(q, PackedRows):
+            return q.rows(ids)
+        codes = q.codes[ids].view(len(ids), -1, QUANT_GROUP).float()  # [T, D/32, 32]
+        rows = codes * q.scales[ids][..., None]
+        if not isinstance(q, Q8_0Weight):
+            rows = rows + q.minimums[ids][..., None]
+        return rows.view(len(ids), -1)
+
+
+class _Graph:
+    """One session and its reusable binding; `run` binds torch tensors in place."""
+
+    def __init__(self, session: ort.InferenceSession) -> None:
+        self.session = session
+        self.binding = session.io_binding()
+        self.output_widths = {o.name: o.shape[1] for o in session.get_outputs()}
+
+    def run(self, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor]) -> None:
+        b = self.binding
+        for name, t in inputs.items():
+            b.bind_input(name, "cpu", 0, np.float32, tuple(t.shape), t.data_ptr())
+        for name, t in outputs.items():
+            b.bind_output(name, "cpu", 0, np.float32, tuple(t.shape), t.data_ptr())
+        self.session.run_with_iobinding(b)
+
+
+class CpuLlamaModel:
+    """Weights in the integer kernel's tiles or ONNX Runtime sessions, plus the forward; the
+    KV cache is passed in.
+
+    `native` holds the quantized matrices by GGUF name, `dense` every other tensor (norms,
+    and matrices without a native form), float32 in HF layout (see gguf_loader).
+    """
+
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    def __init__(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
+                 native: dict[str, NativeWeight], *, max_positions: int, exact: bool = False,
+                 integer_kernel: bool | None = None, isa: str | None = None,
+                 num_threads: int = 1, release_native: bool = False) -> None:
+        """`integer_kernel`: the fast mode's dense work in the integer kernel (None: wherever
+        it runs; True: it must, else ValueError; never in the exact mode). `isa`: the CPU
+        kernels' build (kernels/cpu/library.py; None: LLMBUS_CPU_ISA, else native).
+        `release_native`: the model may take the matrices it tiles out of `native` as it goes
+        (the caller has no further use)."""
+        self.config, self.exact = config, exact
+        self.accuracy_level = ACCURACY_EXACT if exact else ACCURACY_FAST
+        lib = load_library(isa)  # None without a C++ compiler: torch attention then
+        self.paged_attention = PagedAttention(lib, num_threads) if lib else None
+        takes = not exact and lib is not None and kernel_takes(config, native)
+        if integer_kernel and not takes:
+            raise ValueError("the integer kernel cannot run here: "
+                             + ("it has no exact mode" if exact else
+                                "no C++ compiler built it" if lib is None else
+                                "the file has matrices it does not take"))
+        integer_kernel = takes if integer_kernel is None else integer_kernel
+        release = release_native and integer_kernel  # no graph will need them
+        self.int_step = None
+        if integer_kernel:
+            parts = layer_parts(config, native, release)
+            untied = release and native.get("output.weight") is not native.get(
+                "token_embd.weight")  # the embedding keeps a tied table
+            head = QuantPart.of(native.pop("output.weight") if untied
+                                else native["output.weight"])
+            self.int_step = IntStep(config, dense, parts, head, lib, num_threads)
+        # ONNX Runtime runs what llmbus's kernels do not: every step of the exact mode, and the
+        # fast mode's where no compiler built the kernels or the file has matrices they do not
+        # take. Where they do, no graph is built, and no copy of the weights kept for one.
+        self.graphs = self.single_thread_graphs = []
+        if self.int_step is None:
+            self._build_graphs(config, dense, native, num_threads)
+        self.embed = _Embedding(native.get("token_embd.weight"), dense.get("token_embd.weight"))
+        self.qkv_biases = [qkv_bias(dense, i) for i in range(config.num_layers)]
+        self.set_max_positions(max_positions)
+        self.scale = config.head_dim ** -0.5
+        _return_freed_memory()  # the load's temporaries: unpacked codes, dequantized blocks
+
+    def _build_graphs(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
+                      native: dict[str, NativeWeight], num_threads: int) -> None:
+        if any(isinstance(w, QuantPart | PackedRows) for w in native.values()):
+            raise ValueError("the ONNX Runtime graphs need the matrices as loaded, not tiled "
+                             "for the integer kernel (load without tile_as_loaded)")
+        def matrix(name: str) -> MatrixSource:
+            if name in native:
+                return MatrixSource(native[name], None)
+            return MatrixSource(None, dense[name].float().numpy())
+
+        names = [f"blk.{i}.{n}.weight" for i in range(config.num_layers) for n in LAYER_MATRICES]
+        matrices = {n: matrix(n) for n in names}
+        norms = {n: t.float().numpy() for n, t in dense.items() if n.endswith("norm.weight")}
+        graphs = [g.SerializeToString()
+                  for g in layer_graphs(config, matrices, norms, self.accuracy_level,
+                                        qkv_q4_accuracy_level=ACCURACY_EXACT)]
+        graphs.append(head_graph(config, matrix("output.weight"), norms["output_norm.weight"],
+                                 self.accuracy_level).SerializeToString())
+        self.graphs = _sessions(graphs, num_threads)
+        # Small steps run single-threaded: their matmuls are too short to pay for waking a
+        # second pool thread 31 times a step (2 cores, one decode at 300 tokens: 14.5 ms per
+        # step alone, 15.9 ms with two threads that sleep between runs).
+        self.single_thread_graphs = (_sessions(graphs, 1) if num_threads > 1 else self.graphs)
+        del graphs, matrices
+        _return_freed_memory()
+
+    def set_max_positions(self, max_positions: int) -> None:
+        """Size the rotary tables for positions [0, max_positions)."""
+        self.cos, self.sin = rope_tables(self.config, max_positions)  # [P, Dh]
+
+    def _biased(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv plus the layer's Q/K/V bias (qwen2); every path's projection comes out here."""
+        bias = self.qkv_biases[layer]
+        return qkv if bias is None else qkv + bias
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """RoPE, the K/V write and attention of one layer: qkv [T, (H + 2 Hkv) Dh] ->
+        [T, H * Dh]; the C++ kernel where it was built, else the torch reference."""
+        if self.paged_attention is not None:
+            return self.paged_attention(qkv, cos, sin, k_cache, v_cache, meta,
+                                        self.config.num_heads, self.scale)
+        q = rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                          self.config.num_heads)  # [T, H, Dh]
+        return paged_attention(q, k_cache, v_cache, meta, self.scale)
+
+    def _layers(self, layers: list[_Graph], hidden: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Every layer through the ONNX Runtime graphs: hidden [T, D] -> the residual stream
+        after the last layer."""
+        spare = torch.empty_like(hidden)  # graphs write the new residual beside the old one
+        qkv = torch.empty(hidden.shape[0], layers[0].output_widths["qkv"])
+        layers[0].run({"hidden": hidden}, {"qkv": qkv})
+        for index, graph in enumerate(layers[1:]):
+            k_cache, v_cache = kv_cache.layer(index)
+            attn = self.attend(self._biased(index, qkv), cos, sin, k_cache, v_cache,
+                               meta)  # [T, H * Dh]
+            outputs = {"hidden_out": spare}
+            if "qkv" in graph.output_widths:
+                outputs["qkv"] = qkv
+            graph.run({"hidden": hidden, "attn": attn.contiguous()}, outputs)
+            hidden, spare = spare, hidden
+        return hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: KVCache,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T]; logits_indices [S] -> float32 logits [S, V].
+
+        Writes this step's K/V into `kv_cache` at `meta.slot_mapping`.
+        """
+        cfg = self.config
+        num_tokens = input_ids.shape[0]
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, Dh]
+        hidden = self.embed(input_ids)  # [T, D], the residual stream
+
+        def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:
+            return self.attend(self._biased(index, qkv), cos, sin, *kv_cache.layer(index), meta)
+
+        *layers, head = (self.single_thread_graphs if num_tokens <= SINGLE_THREAD_TOKENS
+                         else self.graphs) or [None]
+        if self.int_step is not None:
+            hidden = self.int_step.layers(hidden, attend)
+        else:
+            hidden = self._layers(layers, hidden, cos, sin, kv_cache, meta)
+        rows = hidden[logits_indices].contiguous()  # [S, D]
+        if not rows.shape[0]:  # a step of prefill chunks alone samples nothing
+            return torch.empty(0, cfg.vocab_size)
+        if self.int_step is not None:
+            return self.int_step.head(rows)
+        logits = torch.empty(rows.shape[0], cfg.vocab_size)
+        head.run({"hidden": rows}, {"logits": logits})
+        return logits

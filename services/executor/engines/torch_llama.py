@@ -1,0 +1,154 @@
+"""The torch engine: Llama in plain torch (dense weights) over a flat batch and the paged
+KV cache. It is the reference every other engine is checked against, and the CUDA path, where
+`TritonOps` (kernels/triton/ops.py) fuses the non-matmul ops.
+
+A step is one flat token stream: T tokens from B sequences, each a prefill chunk or a decode
+token. Shapes below use T (tokens in the step), D (hidden), H / Hkv (query / KV heads),
+Dh (head dim), S (sequences that sample), V (vocab).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llmbus.services.executor.attention.metadata import AttentionMetadata
+from llmbus.services.executor.attention.rope import rope_tables
+from llmbus.services.executor.attention.torch_paged import paged_attention, rope_write_kv
+from llmbus.services.executor.kv_cache import KVCache
+from llmbus.services.executor.weights.gguf_loader import LlamaConfig, qkv_bias
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Variance in float32 as HF does, so bf16 runs stay close to the float32 reference.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class TorchOps:
+    """The non-matmul ops in plain torch, unfused (the CPU path of this engine).
+
+    `kernels.triton.ops.TritonOps` has the same calls, each one fused Triton kernel (CUDA).
+    """
+
+    name = "torch"
+
+    @staticmethod
+    def add_rms_norm(residual: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x); x None adds nothing."""
+        if x is not None:
+            residual = residual + x
+        return rms_norm(residual, weight, eps), residual
+
+    rope_write_kv = staticmethod(rope_write_kv)
+    attention = staticmethod(paged_attention)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # each [T, F]
+        return F.silu(gate) * up
+
+
+def select_ops(kernels: str | None, device: torch.device):
+    """None picks by device: Triton kernels on CUDA, torch elsewhere."""
+    if kernels is None:
+        kernels = "triton" if device.type == "cuda" else "torch"
+    if kernels == "torch":
+        return TorchOps
+    if kernels == "triton":
+        from llmbus.services.executor.kernels.triton.ops import TritonOps  # imports triton
+
+        return TritonOps
+    raise ValueError(f"unknown kernels {kernels!r}: expected 'torch' or 'triton'")
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor  # [D]
+    qkv: torch.Tensor  # [(H + 2 Hkv) * Dh, D], Q/K/V fused: one matmul instead of three
+    attn_output: torch.Tensor  # [D, H * Dh]
+    ffn_norm: torch.Tensor  # [D]
+    gate_up: torch.Tensor  # [2 F, D], gate and up fused
+    down: torch.Tensor  # [D, F]
+    qkv_bias: torch.Tensor | None = None  # [(H + 2 Hkv) * Dh] (qwen2)
+
+
+class LlamaModel:
+    """Weights plus the forward; the KV cache is passed in (the runner owns it).
+
+    `linear(x, weight)` is every matmul of the forward; tests give an instance one that
+    quantizes x first, to emulate the integer kernel's arithmetic in torch.
+
+    `weights` are the file's tensors dequantized (gguf_loader), converted to `dtype`.
+    `kernels` picks the backend of the non-matmul ops ("torch" or "triton"; None: by device).
+    """
+
+    linear = staticmethod(F.linear)
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *,
+                 max_positions: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", kernels: str | None = None) -> None:
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.ops = select_ops(kernels, self.device)
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype)
+
+        def stacked(*names: str) -> torch.Tensor:
+            """The row-stack of the weights `names`: one matmul for all of them."""
+            return torch.cat([w(n) for n in names])
+
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"blk.{i}."
+            self.layers.append(_Layer(
+                attn_norm=w(p + "attn_norm.weight"),
+                qkv=stacked(*(p + f"attn_{n}.weight" for n in "qkv")),
+                attn_output=stacked(p + "attn_output.weight"),
+                ffn_norm=w(p + "ffn_norm.weight"),
+                gate_up=stacked(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                down=stacked(p + "ffn_down.weight"),
+                qkv_bias=None if qkv_bias(weights, i) is None
+                else qkv_bias(weights, i).to(device=device, dtype=dtype)))
+        self.embed = w("token_embd.weight")  # [V, D]
+        self.lm_head = self.embed if config.tie_word_embeddings else w("output.weight")  # [V, D]
+        self.output_norm = w("output_norm.weight")
+        self.set_max_positions(max_positions)
+        self.scale = config.head_dim ** -0.5
+
+    def set_max_positions(self, max_positions: int) -> None:
+        """Size the rotary tables for positions [0, max_positions)."""
+        cos, sin = rope_tables(self.config, max_positions)
+        self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: KVCache,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T]; logits_indices [S] -> float32 logits [S, V].
+
+        Writes this step's K/V into `kv_cache` at `meta.slot_mapping`.
+        """
+        cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, Dh]
+        h = self.embed[input_ids]  # [T, D], the residual stream
+        # Each sublayer's output joins the residual inside the next norm (one fused kernel).
+        delta: torch.Tensor | None = None  # [T, D]
+        for index, layer in enumerate(self.layers):
+            x, h = ops.add_rms_norm(h, delta, layer.attn_norm, eps)
+            qkv = self.linear(x, layer.qkv)  # [T, (H + 2 Hkv) * Dh]
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            k_cache, v_cache = kv_cache.layer(index)
+            q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                  cfg.num_heads)  # [T, H, Dh]
+            attn = ops.attention(q, k_cache, v_cache, meta, self.scale)  # [T, H * Dh]
+            x, h = ops.add_rms_norm(h, self.linear(attn, layer.attn_output), layer.ffn_norm, eps)
+            delta = self.linear(ops.silu_mul(self.linear(x, layer.gate_up)), layer.down)
+        # Only the positions that sample pay for the norm and the vocab projection.
+        tail = None if delta is None else delta[logits_indices]
+        h, _ = ops.add_rms_norm(h[logits_indices], tail, self.output_norm, eps)  # [S, D]
+        return self.linear(h, self.lm_head).float()  # [S, V]

@@ -1,0 +1,538 @@
+// The dense work of a step on the GGUF's codes, with integer activations, on the same OpenMP
+// threads as the attention kernel: every step of the fast mode (but big ones on CPUs with AMX,
+// see dense_prefill.py), from one stream's decode to a batch of decodes or a prompt chunk.
+//
+// Why: a one-token step streams every weight once, so it is bound by memory and wants every
+// core. ONNX Runtime cannot give it two: its per-session pools must wake a sleeping thread for
+// each of the ~31 graphs of a step (no faster than one thread, measured), and its spinning
+// process-wide pool keeps spinning after a run and starves the attention between graphs. The
+// OpenMP threads here spin only briefly between the step's parallel regions, which follow each
+// other closely, and the attention kernel (paged_attention.cpp) runs on the same ones. Steps of
+// a few dozen tokens are bound by arithmetic instead; there the tiled layout below lets one
+// vector instruction do 32 multiply-adds for 8 output columns at once, with no horizontal sums
+// (2 Zen 4 cores, the default model's 30 layers at 16 tokens: 10-12 ms, ONNX Runtime's
+// MatMulNBits ~30).
+//
+// The math is llama.cpp's and ONNX Runtime's fast path: activations quantized per block of 32
+// (x ~ d * q; int8 with d = max|x| / 127, or int16 with d = max|x| / 32767 where a matrix wants
+// `wide` activations), integer dot products with the weight codes, one float scale per block.
+// For Q4 weights (w = s * code + m) the minimums' share is m times the block's sum of the
+// quantized x, d * sum(q), as llama.cpp's q8_1 blocks carry it. (The sum of x itself would be
+// exact, but then the activations' rounding error meets s * code, whose codes 0..15 sit far
+// from zero, instead of w = s * code + m, centered: on the default model that doubled the
+// error of every int8 matmul, 1 - cos(logits) 3.6e-5 against exact where d * sum(q) gives
+// 1.1e-5, and perplexity +0.44% against +0.12%.) The integer sums are exact, so the result
+// does not depend on the order of any float sum.
+//
+// Layouts (quant_parts.py builds them from the GGUF's blocks), for an [n, k] matrix, n a
+// multiple of 8, blocks of 32 along k; "column group" c is output columns 8c .. 8c + 7:
+//   Q4 (Q4_1; Q4_0 in Q4_1 form): codes [n/8, k/32, 4, 32] uint8: in quarter h of block g,
+//      byte 4j + i holds column 8c + j's code of input 32g + 8h + i in its low nibble and of
+//      input 32g + 8h + 4 + i in its high one; scales, mins [n/8, k/32, 8] float32.
+//   Q4 with sub-scales (Q4_K kept factored, 0.59 bytes a weight instead of 0.75): scales,
+//      mins [n/8, k/256, 8] float32 per super-block of 8 blocks; sub_scales, sub_mins
+//      [n/8, k/32, 8] uint8; block g's scale is scales[g / 8] * sub_scales[g], one float32
+//      product, the same that loading it in Q4_1 form computes (so the results are too).
+//   Q8_0: codes [n/8, k/32, 8, 32] int8: in eighth e of block g, byte 4j + i is column
+//      8c + j's code of input 32g + 4e + i; scales [n/8, k/32, 8] float32; w = s * code.
+// So each 32-bit lane of a 32-byte load is one column's four consecutive codes: a dot-product
+// instruction against four activations broadcast to every lane yields eight columns' sums.
+// Activations and outputs are float32 [T, width] rows.
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "exp_nonpositive.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t GROUP = 32;
+constexpr int64_t COLUMNS = 8;  // output columns per column group (one 8-lane vector)
+constexpr int MAX_PARTS = 3;
+#if defined(__AVX512F__)
+constexpr int ROWS = 8;  // activation rows per register tile: 2 vectors each of 32 registers
+#else
+constexpr int ROWS = 4;  // of 16
+#endif
+
+// Rows per panel: a panel's int8 activations (at most 256 x 1,536 bytes for the default model's
+// down projection) stay in a core's L2 cache while every column group passes over them.
+constexpr int64_t PANEL = 256;
+
+enum Kind : int32_t { NONE = 0, Q4 = 1, Q8 = 2 };
+
+}  // namespace
+
+extern "C" {
+
+// One quantized matrix; mirrored by int_step.py's ctypes structures.
+struct IntMatrix {
+    int32_t kind;
+    int32_t pad;
+    int64_t wide_rows;  // Q4 only: steps of at most this many tokens take int16 activations
+    int64_t n, k;
+    const uint8_t* codes;
+    const float* scales;
+    const float* mins;  // Q4 only
+    const uint8_t* sub_scales;  // Q4 with sub-scales only (see the layouts above), else null
+    const uint8_t* sub_mins;
+};
+
+// A row-stack of up to three matrices sharing k (QKV, gate + up): outputs side by side.
+struct IntLinear {
+    IntMatrix parts[MAX_PARTS];
+    int64_t num_parts;
+};
+
+// The work between two attentions (as onnx_graphs.layer_graphs cuts it): the previous layer's
+// O projection and FFN (absent before the first layer), then the next layer's norm and QKV
+// (absent after the last).
+struct IntBoundary {
+    IntLinear o, gate_up, down;
+    const float* ffn_norm;
+    IntLinear qkv;
+    const float* attn_norm;
+};
+
+}  // extern "C"
+
+namespace {
+
+// Rows of x quantized per block: codes [T, k] (int8, or int16 with each four inputs stored as
+// 0, 2, 1, 3 so that a 32-bit lane holds the pair one multiply-add instruction takes), the
+// scales d and the blocks' sums of the quantized values, d * sum(q) [T, k/32].
+struct Quantized {
+    std::vector<int8_t> q8;
+    std::vector<int16_t> q16;
+    std::vector<float> d8, d16, sum8, sum16;
+};
+
+float block_amax(const float* v) {
+    float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+    for (int i = 0; i < GROUP; ++i) amax = std::max(amax, std::fabs(v[i]));
+    return amax;
+}
+
+// Float sums in one fixed order on every build: 16 running lanes (lane i takes inputs i,
+// i + 16, ...), then a fixed tree. An `omp simd` reduction would sum in the order of the
+// vector width the build has (8 lanes with AVX2, 16 with AVX-512), and a last-bit difference
+// in a row's norm flips int8 roundings downstream: each build would then give its own logits.
+// With the order fixed, every x86-64-v3 or newer build gives the same bits
+// (tests/test_int_step.py checks it); the plain-loop build has no FMA.
+constexpr int LANES = 16;
+
+float fixed_order_sum(const float* v, int64_t n, const float* w = nullptr) {
+    float lanes[LANES] = {};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; ++j) lanes[j] += w ? v[i + j] * w[i + j] : v[i + j];
+    for (int j = 0; i + j < n; ++j) lanes[j] += w ? v[i + j] * w[i + j] : v[i + j];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+    return lanes[0];
+}
+
+// One block of 32 inputs to int8 codes; returns its scale, and d * sum(q) in `sum`.
+float quantize_int8(const float* v, int8_t* q, float& sum) {
+    const float amax = block_amax(v);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t total = 0;
+#pragma omp simd reduction(+ : total)
+    for (int i = 0; i < GROUP; ++i) {
+        q[i] = int8_t(std::nearbyint(v[i] * inv));
+        total += q[i];
+    }
+    sum = float(total) * (amax / 127.f);
+    return amax / 127.f;
+}
+
+// One block of 32 inputs to int16 codes, each four in the order 0, 2, 1, 3; returns its scale,
+// and d * sum(q) in `sum`.
+float quantize_int16(const float* v, int16_t* q, float& sum) {
+    const float amax = block_amax(v);
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    int32_t total = 0;
+    for (int i = 0; i < GROUP; i += 4) {
+        q[i] = int16_t(std::nearbyint(v[i] * inv));
+        q[i + 1] = int16_t(std::nearbyint(v[i + 2] * inv));
+        q[i + 2] = int16_t(std::nearbyint(v[i + 1] * inv));
+        q[i + 3] = int16_t(std::nearbyint(v[i + 3] * inv));
+        total += q[i] + q[i + 1] + q[i + 2] + q[i + 3];
+    }
+    sum = float(total) * (amax / 32767.f);
+    return amax / 32767.f;
+}
+
+// One call's inputs to every tile: the quantized rows (from `first` on: a panel of rows whose
+// activations stay in the core's cache while every column group passes over them).
+struct Inputs {
+    const Quantized* x;
+    int64_t k, first, end;
+};
+
+bool takes_wide(const IntMatrix& w, int64_t T) { return w.kind == Q4 && T <= w.wide_rows; }
+
+#if defined(__AVX2__)
+
+inline int32_t four_bytes(const void* p) {
+    int32_t v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define HAVE_VNNI 1
+#else
+#define HAVE_VNNI 0
+#endif
+
+// acc + eight int32 sums of four u8 x s8 products each.
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else  // no overflow: |products| <= 128 * 127, two per int16
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+
+// acc + eight int32 sums of two s16 x s16 products each.
+inline __m256i dot_s16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// Block g's scales (or mins) for the 8 columns: stored per block, or a super-block's times
+// the block's uint8 sub-scale.
+inline __m256 block_factors(const float* f, const uint8_t* sub, int64_t g) {
+    if (sub == nullptr) return _mm256_loadu_ps(f + g * COLUMNS);
+    const __m128i bytes = _mm_loadl_epi64((const __m128i*)(sub + g * COLUMNS));
+    return _mm256_mul_ps(_mm256_loadu_ps(f + (g >> 3) * COLUMNS),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+}
+
+// y[row + r, 8 columns] for R rows, from one column group's blocks (w: its codes, s and m: its
+// scales and mins, ss and sm their sub-scales or null, G blocks).
+template <int R, Kind KIND, bool WIDE>
+void tile(const uint8_t* w, const float* s, const float* m, const uint8_t* ss, const uint8_t* sm,
+          int64_t G, const Inputs& in, int64_t row, float* y, int64_t ldy, bool accumulate) {
+    const Quantized& x = *in.x;
+    const float* d = (WIDE ? x.d16.data() : x.d8.data()) + row * G;
+    const float* sums = (WIDE ? x.sum16.data() : x.sum8.data()) + row * G;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low8 = _mm256_set1_epi32(0x00FF00FF);
+    for (int64_t g = 0; g < G; ++g) {
+        __m256i isum[R];
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+#if !HAVE_VNNI
+        __m256i pairs[R];
+        for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
+#endif
+        if (KIND == Q8) {
+            const int8_t* a = x.q8.data() + row * in.k + g * GROUP;
+            for (int e = 0; e < 8; ++e) {
+                const __m256i c = _mm256_loadu_si256((const __m256i*)(w + (g * 8 + e) * 32));
+                const __m256i magnitude = _mm256_sign_epi8(c, c);
+                for (int r = 0; r < R; ++r) {
+                    const __m256i v = _mm256_set1_epi32(four_bytes(a + r * in.k + 4 * e));
+                    isum[r] = dot_u8s8(isum[r], magnitude, _mm256_sign_epi8(v, c));
+                }
+            }
+        } else {
+            for (int h = 0; h < 4; ++h) {
+                const __m256i c = _mm256_loadu_si256((const __m256i*)(w + (g * 4 + h) * 32));
+                const __m256i lo = _mm256_and_si256(c, low4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
+                if (WIDE) {  // codes as int16 pairs: inputs (0, 2) and (1, 3) of each four
+                    const __m256i lo02 = _mm256_and_si256(lo, low8);
+                    const __m256i lo13 = _mm256_and_si256(_mm256_srli_epi32(lo, 8), low8);
+                    const __m256i hi02 = _mm256_and_si256(hi, low8);
+                    const __m256i hi13 = _mm256_and_si256(_mm256_srli_epi32(hi, 8), low8);
+                    const int16_t* a = x.q16.data() + row * in.k + g * GROUP + 8 * h;
+                    for (int r = 0; r < R; ++r) {
+                        const int16_t* v = a + r * in.k;
+                        isum[r] = dot_s16(isum[r], lo02, _mm256_set1_epi32(four_bytes(v)));
+                        isum[r] = dot_s16(isum[r], lo13, _mm256_set1_epi32(four_bytes(v + 2)));
+                        isum[r] = dot_s16(isum[r], hi02, _mm256_set1_epi32(four_bytes(v + 4)));
+                        isum[r] = dot_s16(isum[r], hi13, _mm256_set1_epi32(four_bytes(v + 6)));
+                    }
+                } else {
+                    const int8_t* a = x.q8.data() + row * in.k + g * GROUP + 8 * h;
+                    for (int r = 0; r < R; ++r) {
+                        const int8_t* v = a + r * in.k;
+#if HAVE_VNNI
+                        isum[r] = dot_u8s8(isum[r], lo, _mm256_set1_epi32(four_bytes(v)));
+                        isum[r] = dot_u8s8(isum[r], hi, _mm256_set1_epi32(four_bytes(v + 4)));
+#else  // int16 sums across the block: |each| <= 2 * 15 * 127, eight of them fit
+                        pairs[r] = _mm256_add_epi16(
+                            pairs[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(v))));
+                        pairs[r] = _mm256_add_epi16(
+                            pairs[r],
+                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(v + 4))));
+#endif
+                    }
+                }
+            }
+#if !HAVE_VNNI
+            if (!WIDE)
+                for (int r = 0; r < R; ++r)
+                    isum[r] = _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1));
+#endif
+        }
+        const __m256 scale = block_factors(s, ss, g);
+        for (int r = 0; r < R; ++r)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]),
+                                     _mm256_mul_ps(scale, _mm256_set1_ps(d[r * G + g])), acc[r]);
+        if (KIND == Q4) {
+            const __m256 mins = block_factors(m, sm, g);
+            for (int r = 0; r < R; ++r)
+                acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sums[r * G + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        float* out = y + (row + r) * ldy;
+        _mm256_storeu_ps(out, accumulate ? _mm256_add_ps(_mm256_loadu_ps(out), acc[r]) : acc[r]);
+    }
+}
+
+#else  // no AVX2: plain loops over the same layout (correct, not fast)
+
+// Block g's scale (or min) of column j: stored per block, or a super-block's times a sub-scale.
+inline float block_factor(const float* f, const uint8_t* sub, int64_t g, int j) {
+    if (sub == nullptr) return f[g * COLUMNS + j];
+    return f[(g >> 3) * COLUMNS + j] * float(sub[g * COLUMNS + j]);
+}
+
+template <int R, Kind KIND, bool WIDE>
+void tile(const uint8_t* w, const float* s, const float* m, const uint8_t* ss, const uint8_t* sm,
+          int64_t G, const Inputs& in, int64_t row, float* y, int64_t ldy, bool accumulate) {
+    const Quantized& x = *in.x;
+    for (int r = 0; r < R; ++r) {
+        for (int j = 0; j < COLUMNS; ++j) {
+            float total = 0.f;
+            for (int64_t g = 0; g < G; ++g) {
+                const int64_t b = (row + r) * G + g;
+                int64_t dot = 0;
+                for (int i = 0; i < GROUP; ++i) {
+                    int code;
+                    if (KIND == Q8) {
+                        code = int8_t(w[(g * 8 + i / 4) * 32 + 4 * j + i % 4]);
+                    } else {
+                        const uint8_t byte = w[(g * 4 + i / 8) * 32 + 4 * j + i % 4];
+                        code = (i % 8) < 4 ? (byte & 15) : (byte >> 4);
+                    }
+                    const int64_t at = (row + r) * in.k + g * GROUP;
+                    // int16 rows keep each four in the order 0, 2, 1, 3
+                    const int slot = (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1);
+                    dot += int64_t(code) * (WIDE ? x.q16[at + slot] : x.q8[at + i]);
+                }
+                total += float(dot) * block_factor(s, ss, g, j) * (WIDE ? x.d16[b] : x.d8[b]);
+                const float sum = WIDE ? x.sum16[b] : x.sum8[b];
+                if (KIND == Q4) total += block_factor(m, sm, g, j) * sum;
+            }
+            float& out = y[(row + r) * ldy + j];
+            out = accumulate ? out + total : total;
+        }
+    }
+}
+
+#endif
+
+template <Kind KIND, bool WIDE>
+void column_group(const IntMatrix& w, int64_t c, const Inputs& in, float* y, int64_t ldy,
+                  bool accumulate) {
+    const int64_t G = w.k / GROUP;
+    const uint8_t* codes = w.codes + c * G * (KIND == Q8 ? 256 : 128);
+    const bool factored = KIND == Q4 && w.sub_scales != nullptr;
+    const int64_t per_group = (factored ? G / 8 : G) * COLUMNS;  // scales of one column group
+    const float* s = w.scales + c * per_group;
+    const float* m = KIND == Q4 ? w.mins + c * per_group : nullptr;
+    const uint8_t* ss = factored ? w.sub_scales + c * G * COLUMNS : nullptr;
+    const uint8_t* sm = factored ? w.sub_mins + c * G * COLUMNS : nullptr;
+    y += c * COLUMNS;
+    int64_t row = in.first;
+    for (; row + ROWS <= in.end; row += ROWS)
+        tile<ROWS, KIND, WIDE>(codes, s, m, ss, sm, G, in, row, y, ldy, accumulate);
+    for (; row + 2 <= in.end; row += 2)
+        tile<2, KIND, WIDE>(codes, s, m, ss, sm, G, in, row, y, ldy, accumulate);
+    if (row < in.end) tile<1, KIND, WIDE>(codes, s, m, ss, sm, G, in, row, y, ldy, accumulate);
+}
+
+int64_t width(const IntLinear& l) {
+    int64_t n = 0;
+    for (int64_t p = 0; p < l.num_parts; ++p) n += l.parts[p].n;
+    return n;
+}
+
+bool valid(const IntLinear& l) {
+    if (l.num_parts < 1 || l.num_parts > MAX_PARTS) return false;
+    for (int64_t p = 0; p < l.num_parts; ++p) {
+        const IntMatrix& w = l.parts[p];
+        if ((w.kind != Q4 && w.kind != Q8) || w.k != l.parts[0].k || w.k % GROUP ||
+            w.n % COLUMNS)
+            return false;
+        if (w.sub_scales != nullptr && (w.kind != Q4 || w.sub_mins == nullptr ||
+                                        w.k % (8 * GROUP)))
+            return false;
+    }
+    return true;
+}
+
+struct Scratch {
+    Quantized quantized;
+    std::vector<float> normed, gate_up, act;
+};
+
+// y [T, width(l)] (=, or += with `accumulate`) x [T, k] @ W^T: the rows quantized, then each
+// panel of rows against every column group, both shared among the threads.
+void linear(const IntLinear& l, const float* x, int64_t T, float* y, bool accumulate,
+            Scratch& scratch, int num_threads) {
+    const int64_t k = l.parts[0].k;
+    bool any_int8 = false, any_wide = false;
+    for (int64_t p = 0; p < l.num_parts; ++p) {
+        const bool wide = takes_wide(l.parts[p], T);
+        any_wide |= wide;
+        any_int8 |= !wide;
+    }
+    Quantized& q = scratch.quantized;
+    const int64_t blocks = T * (k / GROUP);
+    if (any_int8) {
+        q.q8.resize(T * k);
+        q.d8.resize(blocks);
+        q.sum8.resize(blocks);
+    }
+    if (any_wide) {
+        q.q16.resize(T * k);
+        q.d16.resize(blocks);
+        q.sum16.resize(blocks);
+    }
+    const int64_t ldy = width(l);
+    int64_t groups = 0;  // column groups over all parts: the work items
+    for (int64_t p = 0; p < l.num_parts; ++p) groups += l.parts[p].n / COLUMNS;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float* v = x + b * GROUP;
+            if (any_int8) q.d8[b] = quantize_int8(v, q.q8.data() + b * GROUP, q.sum8[b]);
+            if (any_wide) q.d16[b] = quantize_int16(v, q.q16.data() + b * GROUP, q.sum16[b]);
+        }
+        for (int64_t first = 0; first < T; first += PANEL) {
+            const Inputs in{&q, k, first, std::min(T, first + PANEL)};
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < groups; ++item) {
+                int64_t p = 0, c = item, offset = 0;
+                while (c >= l.parts[p].n / COLUMNS) {
+                    c -= l.parts[p].n / COLUMNS;
+                    offset += l.parts[p].n;
+                    ++p;
+                }
+                const IntMatrix& w = l.parts[p];
+                float* out = y + offset;
+                if (w.kind == Q8)
+                    column_group<Q8, false>(w, c, in, out, ldy, accumulate);
+                else if (takes_wide(w, T))
+                    column_group<Q4, true>(w, c, in, out, ldy, accumulate);
+                else
+                    column_group<Q4, false>(w, c, in, out, ldy, accumulate);
+            }
+        }
+    }
+}
+
+void rms_norm(const float* x, const float* weight, int64_t T, int64_t D, float eps, float* out) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float* v = x + t * D;
+        const float ss = fixed_order_sum(v, D, v);
+        const float scale = 1.f / std::sqrt(ss / float(D) + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) out[t * D + i] = v[i] * scale * weight[i];
+    }
+}
+
+// act[t, i] = silu(gate) * up for gate_up [T, 2I] = (gate | up).
+void swiglu(const float* gate_up, int64_t T, int64_t I, float* act) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float* g = gate_up + t * 2 * I;
+        const float* u = g + I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; ++i) {
+            const float e = exp_nonpositive(-std::fabs(g[i]));  // sigmoid without overflow
+            const float sigmoid = g[i] >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+            act[t * I + i] = g[i] * sigmoid * u[i];
+        }
+    }
+}
+
+thread_local Scratch scratch;
+
+}  // namespace
+
+extern "C" {
+
+// y [T, width] = x [T, k] @ W^T for the row-stack `l`; `accumulate` adds to y instead.
+int int_linear(const IntLinear* l, const float* x, int64_t T, float* y, int accumulate,
+                 int num_threads) {
+    if (!valid(*l) || T < 1) return 1;
+    linear(*l, x, T, y, accumulate != 0, scratch, num_threads);
+    return 0;
+}
+
+// One boundary (see IntBoundary) on T tokens: hidden [T, D] (the residual stream, updated in
+// place), attn [T, H * Dh] (the previous layer's attention output; unused before the first
+// layer), qkv [T, (H + 2 Hkv) * Dh] (the next layer's projection; unused after the last).
+int int_boundary(const IntBoundary* b, int64_t T, int64_t D, float eps, float* hidden,
+                   const float* attn, float* qkv, int num_threads) {
+    if (T < 1) return 1;
+    scratch.normed.resize(T * D);
+    if (b->o.num_parts) {
+        if (!valid(b->o) || !valid(b->gate_up) || !valid(b->down) || width(b->o) != D ||
+            width(b->gate_up) % 2 || width(b->down) != D ||
+            b->down.parts[0].k * 2 != width(b->gate_up))
+            return 2;
+        const int64_t I = width(b->gate_up) / 2;
+        linear(b->o, attn, T, hidden, true, scratch, num_threads);
+        rms_norm(hidden, b->ffn_norm, T, D, eps, scratch.normed.data());
+        scratch.gate_up.resize(T * 2 * I);
+        scratch.act.resize(T * I);
+        linear(b->gate_up, scratch.normed.data(), T, scratch.gate_up.data(), false, scratch,
+               num_threads);
+        swiglu(scratch.gate_up.data(), T, I, scratch.act.data());
+        linear(b->down, scratch.act.data(), T, hidden, true, scratch, num_threads);
+    }
+    if (b->qkv.num_parts) {
+        if (!valid(b->qkv) || b->qkv.parts[0].k != D) return 3;
+        rms_norm(hidden, b->attn_norm, T, D, eps, scratch.normed.data());
+        linear(b->qkv, scratch.normed.data(), T, qkv, false, scratch, num_threads);
+    }
+    return 0;
+}
+
+// logits [T, V] = rms_norm(hidden [T, D], norm) @ head^T.
+int int_head(const IntLinear* head, const float* norm, int64_t T, int64_t D, float eps,
+               const float* hidden, float* logits, int num_threads) {
+    if (!valid(*head) || head->parts[0].k != D || T < 1) return 1;
+    scratch.normed.resize(T * D);
+    rms_norm(hidden, norm, T, D, eps, scratch.normed.data());
+    linear(*head, scratch.normed.data(), T, logits, false, scratch, num_threads);
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,115 @@
+"""Which engine runs the model on this machine, decided once at start-up and logged as one line.
+
+- `integer-kernel`: llmbus's integer kernel (kernels/cpu/int_step.cpp) + C++ paged attention,
+  float16 KV. The fast mode (the default) on a CPU, where a C++ compiler built the kernels and
+  they take the file.
+- `onnxruntime`: ONNX Runtime's graphs (MatMulNBits) + C++ paged attention (torch attention
+  without a compiler). `--exact` on a CPU (float32 activations and KV), and the fast mode's
+  fallback (int8 activations, float16 KV).
+- `torch`: dense torch weights, Triton kernels on CUDA, torch ops on a CPU. The default on
+  CUDA; on a CPU the reference, or `--dtype bfloat16`.
+
+`--engine` forces one (for tests and benchmarks); a forced engine that cannot run here is refused
+with the reason, never silently replaced. The plan needs the options, the CPU (whether the C++
+kernels build, for which instruction set) and the file's header (whether the integer kernel
+takes every matrix); nothing is loaded to decide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from os import PathLike
+
+ENGINES = ("auto", "integer-kernel", "onnxruntime", "torch")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    engine: str  # "integer-kernel" | "onnxruntime" | "torch"
+    device: str  # "cpu" | "cuda"
+    exact: bool  # greedy output equals HF transformers on the same weights
+    dtype: str  # compute dtype of the torch engine; float32 on the CPU engines
+    kv_dtype: str
+    attention: str  # "C++ paged attention" | "torch attention" | "Triton kernels"
+    kernels: str | None  # the CPU kernels' build, in words; None where they did not build
+    isa: str | None = None  # their LLMBUS_CPU_ISA level (None: the default)
+    note: str | None = None  # why a faster engine does not run, where one might
+
+    def describe(self) -> str:
+        """One line a person can read, e.g. "integer kernel (native build, VNNI) + C++ paged
+        attention, float16 KV, fast mode"."""
+        if self.engine == "integer-kernel":
+            what = f"integer kernel ({self.kernels})"
+        elif self.engine == "onnxruntime":
+            activations = "float32" if self.exact else "int8"
+            what = f"ONNX Runtime graphs ({activations} activations)"
+        else:
+            what = f"torch (dense {self.dtype} weights)"
+        where = " on CUDA" if self.device == "cuda" else ""
+        mode = "exact mode" if self.exact else "fast mode"
+        line = f"{what} + {self.attention}{where}, {self.kv_dtype} KV, {mode}"
+        return f"{line} ({self.note})" if self.note else line
+
+
+def resolve_plan(model_path: str | PathLike[str] | None, *, engine: str = "auto",
+                 exact: bool = False, dtype: str = "float32", device: str = "auto",
+                 cuda_available: bool = False, isa: str | None = None) -> ExecutionPlan:
+    """The plan for these options on this machine; ValueError names what cannot run.
+
+    `model_path` None skips the file check (the integer kernel is then assumed to take it)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    device = device if device != "auto" else ("cuda" if cuda_available else "cpu")
+    if engine == "auto":
+        engine = "torch" if device != "cpu" or dtype != "float32" else "cpu"
+    if engine == "torch":
+        return _torch_plan(device, exact, dtype)
+    if device != "cpu":
+        raise ValueError(f"the {engine} engine runs on the CPU, not {device}; use --engine "
+                         "torch there")
+    if dtype != "float32":
+        raise ValueError(f"--dtype {dtype} is for the torch engine; the CPU engines compute "
+                         "in float32 (--exact or not chooses their precision)")
+    return _cpu_plan(model_path, engine, exact, isa)
+
+
+def _torch_plan(device: str, exact: bool, dtype: str) -> ExecutionPlan:
+    from llmbus.services.cpu_features import cpu_model, has_native_bfloat16
+
+    if exact and dtype != "float32":
+        raise ValueError(f"--exact computes in float32, not {dtype}")
+    if device == "cpu" and dtype == "bfloat16" and not has_native_bfloat16():
+        raise ValueError(f"--dtype bfloat16: this CPU ({cpu_model()}) has no native bfloat16 "
+                         "(AVX-512-BF16 or AMX), so torch would emulate it, slower than "
+                         "float32; use the default CPU engine instead")
+    attention = "Triton kernels" if device == "cuda" else "torch attention"
+    return ExecutionPlan(engine="torch", device=device, exact=dtype == "float32", dtype=dtype,
+                         kv_dtype=dtype, attention=attention, kernels=None)
+
+
+def _cpu_plan(model_path: str | PathLike[str] | None, engine: str, exact: bool,
+              isa: str | None) -> ExecutionPlan:
+    """`engine`: "cpu" (the best CPU engine that runs), "integer-kernel" or "onnxruntime"."""
+    from llmbus.services.executor.kernels.cpu.library import build_label, load_library
+    from llmbus.services.executor.weights.matrices import kernel_takes_file
+
+    built = load_library(isa) is not None
+    kernels = build_label(isa) if built else None
+    attention = "C++ paged attention" if built else "torch attention"
+    why_not = ("it has no exact mode" if exact else
+               "no C++ compiler built the CPU kernels" if not built else
+               "the file has matrices it does not take"
+               if model_path is not None and not kernel_takes_file(model_path) else None)
+    if engine == "integer-kernel" and why_not:
+        raise ValueError(f"--engine integer-kernel cannot run here: {why_not}")
+    if engine != "onnxruntime" and not why_not:
+        return ExecutionPlan(engine="integer-kernel", device="cpu", exact=False,
+                             dtype="float32", kv_dtype="float16", attention=attention,
+                             kernels=kernels, isa=isa)
+    note = None if exact or engine == "onnxruntime" else f"no integer kernel: {why_not}"
+    return ExecutionPlan(engine="onnxruntime", device="cpu", exact=exact, dtype="float32",
+                         kv_dtype="float32" if exact else "float16", attention=attention,
+                         kernels=kernels, isa=isa, note=note)

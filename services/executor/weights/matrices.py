@@ -1,0 +1,29 @@
+"""Which of a GGUF's tensors are layer matrices, and whether llmbus's integer kernel takes a
+file, told from its header alone (no torch, nothing loaded): the executor's plan asks before
+it loads anything."""
+
+from __future__ import annotations
+
+from os import PathLike
+
+from llmbus.services.gguf_metadata import read_tensor_infos
+
+LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+COLUMNS = 8  # output columns per column group: one 8-lane vector of the kernels
+# The GGML types with a native form (gguf_quants.native_parsers; a test keeps them equal).
+NATIVE_GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def kernel_takes_file(path: str | PathLike[str]) -> bool:
+    """Every layer matrix and the vocabulary head (the embedding where tied) in a type with a
+    native form, N a multiple of 8: what quant_parts.kernel_takes checks after the load."""
+    import gguf
+
+    native_types = {int(gguf.GGMLQuantizationType[t]) for t in NATIVE_GGML_TYPES}
+    infos = read_tensor_infos(path)
+    layers = {name.split(".")[1] for name in infos if name.startswith("blk.")}
+    names = [f"blk.{i}.{m}.weight" for i in layers for m in LAYER_MATRICES]
+    names.append("output.weight" if "output.weight" in infos else "token_embd.weight")
+    return bool(layers) and all(
+        n in infos and infos[n].ggml_type in native_types and len(infos[n].shape) == 2
+        and infos[n].shape[0] % COLUMNS == 0 for n in names)

@@ -1,0 +1,173 @@
+"""The GGUF's quantized layer matrices in the form llmbus's integer kernel reads
+(engines/int_step.py, kernels/cpu/int_step.cpp), and whether a file can be read so at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmbus.services.executor.weights.gguf_loader import LlamaConfig
+from llmbus.services.executor.weights.gguf_quants import (
+    QUANT_GROUP,
+    NativeWeight,
+    Q4_1Weight,
+)
+from llmbus.services.executor.weights.matrices import COLUMNS, LAYER_MATRICES
+
+_GROUPS_AT_ONCE = 128  # column groups tiled in place at a time (a copy of 128 slabs)
+
+
+@dataclass(frozen=True)
+class QuantPart:
+    """One quantized matrix [N, K], N a multiple of 8, blocks of 32 along K, tiled for the
+    kernels: column group c holds output columns 8c .. 8c + 7, block by block, so that each
+    32-bit lane of a 32-byte load is one column's four consecutive codes (the layouts are
+    spelled out in cpu_kernels/int_step.cpp)."""
+
+    kind: str  # "q4" (Q4_1, and Q4_0 and Q4_K in Q4_1 form) or "q8" (Q8_0)
+    n: int
+    k: int
+    codes: torch.Tensor  # q4: [N/8, K/32, 4, 32] uint8 (two codes a byte); q8: [N/8, K/32, 8, 32]
+    scales: torch.Tensor  # [N/8, K/32, 8] float32; with sub_scales [N/8, K/256, 8]
+    mins: torch.Tensor | None = None  # q4 only, as scales
+    # Q4_K kept factored: a block's scale is its super-block's times these (see KFactors)
+    sub_scales: torch.Tensor | None = None  # [N/8, K/32, 8] uint8
+    sub_mins: torch.Tensor | None = None
+
+    def block_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scales and minimums per block, [N/8, K/32, 8] float32, multiplied out if factored
+        (the same float32 products as the kernel's)."""
+        if self.sub_scales is None:
+            return self.scales, self.mins
+        assert self.mins is not None and self.sub_mins is not None
+        return (self.scales.repeat_interleave(8, dim=1) * self.sub_scales.float(),
+                self.mins.repeat_interleave(8, dim=1) * self.sub_mins.float())
+
+    @classmethod
+    def of(cls, native: NativeWeight | QuantPart | PackedRows, consume: bool = False,
+           ) -> QuantPart:
+        """The tiled form of `native`. With `consume` (nothing else holds `native`), 8-bit
+        codes are tiled in their own memory, so that tiling a big matrix (a vocabulary head)
+        never holds it twice."""
+        if isinstance(native, QuantPart):  # tiled as it was loaded
+            return native
+        if isinstance(native, PackedRows):  # a tied embedding, also the vocabulary head
+            native = native.unpacked()
+        n, k = native.codes.shape
+        if n % COLUMNS or k % QUANT_GROUP:
+            raise ValueError(f"a [{n}, {k}] matrix: the kernels take N % {COLUMNS} == 0 and "
+                             f"K % {QUANT_GROUP} == 0")
+        groups, blocks = n // COLUMNS, k // QUANT_GROUP
+        codes = native.codes.numpy()
+        if isinstance(native, Q4_1Weight):
+            # k = 32 g + 8 h + 4 half + i; the byte of (h, j, i) holds half 0 low, half 1 high
+            c = codes.reshape(groups, COLUMNS, blocks, 4, 2, 4)
+            packed = (c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)).transpose(0, 2, 3, 1, 4)
+            tiled = torch.from_numpy(np.ascontiguousarray(packed.reshape(groups, blocks, 4, 32)))
+            f = native.k_factors
+            if f is not None:
+                return cls("q4", n, k, tiled, _tile_scales(f.d), _tile_scales(f.neg_dmin),
+                           _tile_scales(f.scales), _tile_scales(f.mins))
+            return cls("q4", n, k, tiled, _tile_scales(native.scales),
+                       _tile_scales(native.minimums))
+        c = codes.reshape(groups, COLUMNS, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+        if consume and native.codes.is_contiguous():  # group g's slab: the same bytes after
+            tiled = codes.reshape(groups, blocks, 8, COLUMNS, 4)
+            for first in range(0, groups, _GROUPS_AT_ONCE):
+                tiled[first:first + _GROUPS_AT_ONCE] = c[first:first + _GROUPS_AT_ONCE]
+            return cls("q8", n, k, native.codes.view(groups, blocks, 8, 32),
+                       _tile_scales(native.scales))
+        return cls("q8", n, k, torch.from_numpy(np.ascontiguousarray(c.reshape(groups, blocks,
+                                                                                 8, 32))),
+                   _tile_scales(native.scales))
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """A 4-bit embedding table as its rows are looked up: two codes a byte (the loaded form
+    has one), so a table of V x D weights holds 0.75 D bytes a row, not 1.25 D.
+    Byte i of a row holds code 2i in its low nibble and code 2i + 1 in its high one."""
+
+    codes: torch.Tensor  # [V, D/2] uint8
+    scales: torch.Tensor  # [V, D/32] float32
+    minimums: torch.Tensor  # [V, D/32] float32
+
+    @classmethod
+    def of(cls, weight: Q4_1Weight) -> PackedRows:
+        codes = weight.codes
+        return cls(codes[:, 0::2] | (codes[:, 1::2] << 4), weight.scales, weight.minimums)
+
+    def _codes(self, packed: torch.Tensor) -> torch.Tensor:
+        """[T, D/2] packed -> [T, D] uint8."""
+        return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> their rows [T, D] float32, as Q4_1Weight.dequantize computes them."""
+        codes = self._codes(self.codes[ids]).view(len(ids), -1, QUANT_GROUP).float()
+        rows = codes * self.scales[ids][..., None] + self.minimums[ids][..., None]
+        return rows.view(len(ids), -1)
+
+    def unpacked(self) -> Q4_1Weight:
+        return Q4_1Weight(self._codes(self.codes), self.scales, self.minimums)
+
+
+def _tile_scales(per_block: torch.Tensor) -> torch.Tensor:
+    """[N, B] -> [N/8, B, 8] (float32 stays float32, uint8 sub-scales uint8)."""
+    n, blocks = per_block.shape
+    if per_block.dtype != torch.uint8:
+        per_block = per_block.float()
+    return per_block.reshape(n // COLUMNS, COLUMNS, blocks).transpose(1, 2).contiguous()
+
+
+# One layer's matrices grouped as its matmuls take them: "qkv" (q, k, v), "o", "gate_up"
+# (gate, up) and "down", each a row-stack of parts.
+LayerParts = dict[str, list[QuantPart]]
+
+
+def rows(weight: NativeWeight | QuantPart | PackedRows) -> int:
+    return weight.n if isinstance(weight, QuantPart) else weight.codes.shape[0]
+
+
+def covers(config: LlamaConfig, native: dict[str, NativeWeight | QuantPart]) -> bool:
+    """Whether every layer matrix of the file is quantized in a shape the kernels tile (N a
+    multiple of 8)."""
+    names = [f"blk.{i}.{m}.weight" for i in range(config.num_layers) for m in LAYER_MATRICES]
+    return all(n in native and rows(native[n]) % COLUMNS == 0 for n in names)
+
+
+def kernel_takes(config: LlamaConfig, native: dict[str, NativeWeight | QuantPart]) -> bool:
+    """Whether the integer kernel can run every matmul of the file, the vocabulary head too."""
+    return (covers(config, native) and "output.weight" in native
+            and rows(native["output.weight"]) % COLUMNS == 0)
+
+
+def tile_as_loaded(name: str, weight: NativeWeight) -> NativeWeight | QuantPart | PackedRows:
+    """A load-time transform (gguf_loader.load_gguf): layer matrices and an untied vocabulary
+    head go straight into the kernels' form, so the load never holds every matrix twice. A
+    4-bit embedding table packs its codes two a byte (rows are looked up from it; a tied head
+    is tiled from it)."""
+    matmul = name == "output.weight" or (name.startswith("blk.") and any(
+        name.endswith(f".{m}.weight") for m in LAYER_MATRICES))
+    if name == "token_embd.weight" and isinstance(weight, Q4_1Weight):
+        return PackedRows.of(weight)
+    if matmul and rows(weight) % COLUMNS == 0:
+        return QuantPart.of(weight, consume=True)  # the loader keeps only what this returns
+    return weight
+
+
+def layer_parts(config: LlamaConfig, native: dict[str, NativeWeight],
+                release: bool = False) -> list[LayerParts]:
+    """Every layer's matrices (the file must be `covers`ed). With `release`, each matrix
+    leaves `native` once tiled, so that the load never holds both forms of every weight."""
+
+    def part(name: str) -> QuantPart:
+        return QuantPart.of(native.pop(name) if release else native[name])
+
+    return [{"qkv": [part(f"blk.{i}.attn_{n}.weight") for n in "qkv"],
+             "o": [part(f"blk.{i}.attn_output.weight")],
+             "gate_up": [part(f"blk.{i}.ffn_gate.weight"), part(f"blk.{i}.ffn_up.weight")],
+             "down": [part(f"blk.{i}.ffn_down.weight")]}
+            for i in range(config.num_layers)]

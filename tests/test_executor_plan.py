@@ -1,0 +1,136 @@
+"""The executor's plan (plan.py): which engine runs for which options, CPU and file, and the one
+line it is logged as; the CPU facts it rests on."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import gguf
+import pytest
+
+from llmbus.services import cpu_features
+from llmbus.services.executor.kernels.cpu import library
+from llmbus.services.executor.plan import resolve_plan
+from llmbus.services.executor.service import add_arguments, plan_for
+from llmbus.services.executor.weights.gguf_loader import load_gguf
+from llmbus.services.executor.weights.gguf_quants import native_parsers
+from llmbus.services.executor.weights.matrices import NATIVE_GGML_TYPES, kernel_takes_file
+from llmbus.services.executor.weights.quant_parts import kernel_takes
+from tests.gguf_fixtures import TinySpec, write_tiny_llama
+
+needs_compiler = pytest.mark.skipif(library.load_library() is None, reason="no C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, object]:
+    """Tiny files the integer kernel takes (Q4_1, Q8_0) and does not (float32 matrices; a
+    vocabulary of 250, no whole column groups of 8)."""
+    folder = tmp_path_factory.mktemp("plan")
+    made = {}
+    for name, spec, quantized in (("q4_1", TinySpec(), "Q4_1"), ("q8_0", TinySpec(), "Q8_0"),
+                                  ("f32", TinySpec(), None),
+                                  ("v250", replace(TinySpec(), vocab_size=250), "Q4_1")):
+        made[name] = folder / f"{name}.gguf"
+        write_tiny_llama(made[name], spec, quantized=quantized)
+    return made
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_the_native_types_are_those_with_a_parser():
+    assert {gguf.GGMLQuantizationType[t] for t in NATIVE_GGML_TYPES} == set(native_parsers(gguf))
+
+
+@pytest.mark.parametrize("name", ["q4_1", "q8_0", "f32", "v250"])
+def test_the_header_tells_what_the_load_would(files, name):
+    config, _, native = load_gguf(files[name], keep_native=True, dense_for_native=False)
+    assert kernel_takes_file(files[name]) == kernel_takes(config, native)
+    assert kernel_takes_file(files[name]) == (name in ("q4_1", "q8_0"))
+
+
+@needs_compiler
+def test_the_fast_mode_runs_the_integer_kernel_and_exact_the_graphs(files):
+    plan = resolve_plan(files["q4_1"])
+    assert (plan.engine, plan.kv_dtype, plan.exact) == ("integer-kernel", "float16", False)
+    assert plan.describe() == (f"integer kernel ({library.build_label()}) + C++ paged "
+                               "attention, float16 KV, fast mode")
+    exact = resolve_plan(files["q4_1"], exact=True)
+    assert exact.describe() == ("ONNX Runtime graphs (float32 activations) + C++ paged "
+                                "attention, float32 KV, exact mode")
+    assert plan_for(_args("--model", str(files["q4_1"])), cuda_available=False) == plan
+
+
+@needs_compiler
+def test_a_file_the_kernel_does_not_take_runs_the_graphs_and_says_why(files):
+    for name in ("f32", "v250"):
+        plan = resolve_plan(files[name])
+        assert (plan.engine, plan.kv_dtype) == ("onnxruntime", "float16")
+        assert plan.describe().endswith(
+            "fast mode (no integer kernel: the file has matrices it does not take)")
+        with pytest.raises(ValueError, match="does not take"):
+            resolve_plan(files[name], engine="integer-kernel")
+    with pytest.raises(ValueError, match="no exact mode"):
+        resolve_plan(files["q4_1"], engine="integer-kernel", exact=True)
+
+
+def test_without_a_compiler_the_graphs_run_with_torch_attention(files, monkeypatch):
+    monkeypatch.setattr(library, "load_library", lambda isa=None: None)
+    plan = resolve_plan(files["q4_1"])
+    assert plan.describe() == ("ONNX Runtime graphs (int8 activations) + torch attention, "
+                               "float16 KV, fast mode (no integer kernel: no C++ compiler "
+                               "built the CPU kernels)")
+    assert plan.kernels is None
+
+
+def test_torch_runs_on_cuda_and_where_forced(files):
+    cuda = resolve_plan(files["q4_1"], cuda_available=True)
+    assert cuda.describe() == ("torch (dense float32 weights) + Triton kernels on CUDA, "
+                               "float32 KV, exact mode")
+    assert resolve_plan(files["q4_1"], engine="torch").describe() == (
+        "torch (dense float32 weights) + torch attention, float32 KV, exact mode")
+    assert resolve_plan(files["q4_1"], device="cpu", cuda_available=True).device == "cpu"
+    assert resolve_plan(files["q4_1"], dtype="float16").engine == "torch"  # a torch dtype
+
+
+def test_impossible_combinations_are_refused_with_the_reason(files, monkeypatch):
+    with pytest.raises(ValueError, match="compute in float32"):
+        resolve_plan(files["q4_1"], engine="onnxruntime", dtype="float16")
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        resolve_plan(files["q4_1"], engine="onnxruntime", cuda_available=True)
+    with pytest.raises(ValueError, match="--exact computes in float32"):
+        resolve_plan(files["q4_1"], engine="torch", exact=True, dtype="bfloat16",
+                     cuda_available=True)
+    with pytest.raises(ValueError, match="unknown engine"):
+        resolve_plan(files["q4_1"], engine="tvm")
+    monkeypatch.setattr(cpu_features, "has_native_bfloat16", lambda: False)
+    with pytest.raises(ValueError, match="no native bfloat16"):
+        resolve_plan(files["q4_1"], dtype="bfloat16")
+    assert resolve_plan(files["q4_1"], dtype="bfloat16", cuda_available=True).engine == "torch"
+    monkeypatch.setattr(cpu_features, "has_native_bfloat16", lambda: True)
+    assert resolve_plan(files["q4_1"], dtype="bfloat16").describe() == (
+        "torch (dense bfloat16 weights) + torch attention, bfloat16 KV, fast mode")
+
+
+def test_build_labels_name_what_each_build_runs(monkeypatch):
+    assert library.build_label("avx2") == "AVX2 build"
+    assert library.build_label("generic") == "plain-loop build"
+    monkeypatch.setattr(library, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    assert library.build_label("native") == "native build, AVX2"
+    monkeypatch.setattr(library, "cpu_flags", lambda: frozenset(
+        {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512_vnni"}))
+    assert library.build_label("native") == "native build, VNNI"
+
+
+def test_cpu_summary_names_the_cpu_and_its_flags():
+    summary = cpu_features.cpu_summary()
+    assert summary["model"] and summary["cores"] >= 1
+    assert set(summary["flags"]) <= set(cpu_features.NOTABLE_FLAGS)
+    assert set(summary["flags"]) == set(cpu_features.NOTABLE_FLAGS) & cpu_features.cpu_flags()
+    assert cpu_features.has_native_bfloat16() == bool(
+        {"avx512_bf16", "amx_bf16"} & cpu_features.cpu_flags())
+    assert str(summary["model"]) in cpu_features.cpu_label()

@@ -1,4 +1,4 @@
-"""The C++ paged decode attention (cpu_kernels/paged_attention.cpp) on the default model's
+"""The C++ paged decode attention (kernels/cpu/paged_attention.cpp) on the default model's
 shapes, against the torch reference it replaces, with the memory traffic it implies.
 
     python -m llmbus.bench.cpu_attention [--threads 2] [--isa native|avx2|avx512]

@@ -7,12 +7,13 @@ does). HF `generate` runs the same prompts in the same process and run, so the r
 the table it measures the machine: dense GEMM GFLOP/s per dtype and memory-copy GB/s, the
 ceilings any engine here works under; each row's GFLOP/s is what its decode achieved.
 
-    python -m llmbus.bench.executor_throughput [--device cpu|cuda] [--dtype float32,bfloat16]
-        [--weights auto|dense|native] [--batch-sizes 1,16,64] [--prompt-len 128]
-        [--new-tokens 32] [--no-hf] [--kernels auto|torch|triton] [--threads N]
+    python -m llmbus.bench.executor_throughput [--device cpu|cuda] [--engines fast,exact]
+        [--batch-sizes 1,16,64] [--prompt-len 128] [--new-tokens 32] [--no-hf]
+        [--kernels auto|torch|triton] [--threads N]
 
-Defaults: on the CPU, llmbus in float32 (the exact path) and bfloat16, each with its native
-quantized weights for decode (--weights auto); on CUDA, bfloat16 with the Triton kernels.
+Defaults: on the CPU, the fast and exact modes (the plans `llmbus up` and `llmbus up --exact`
+resolve, plan.py) and the torch reference in float32 (and bfloat16 where the CPU has it
+natively); on CUDA, the torch engine in bfloat16 with the Triton kernels.
 Without CUDA, --device cuda says so and exits 0.
 """
 
@@ -129,21 +130,21 @@ class Row:
 
 def run_llmbus(args, device, dtype: str, prompts_by_batch: dict[int, list[list[int]]],
                path: Path) -> list[Row]:
-    """`dtype`: a torch backend dtype, or onnxruntime-fast / onnxruntime-exact."""
+    """`dtype`: "fast" or "exact" (the CPU's default plans), or a torch engine dtype."""
     from llmbus.services.executor.engines.torch_llama import select_ops
     from llmbus.services.executor.runner import ModelRunner
 
     max_len = args.prompt_len + args.new_tokens
     num_blocks = max(prompts_by_batch) * -(-max_len // BLOCK_SIZE) + 1
-    if dtype.startswith("onnxruntime-"):
-        options = dict(backend="onnxruntime", precision=dtype.removeprefix("onnxruntime-"))
+    if dtype in ("fast", "exact"):
+        options = dict(engine="auto", exact=dtype == "exact")
     else:
-        options = dict(dtype=getattr(torch, dtype), weights=args.weights)
+        options = dict(engine="torch", dtype=getattr(torch, dtype))
     runner = ModelRunner(path, model_name="bench", block_size=BLOCK_SIZE, num_blocks=num_blocks,
                          num_threads=args.threads, device=device, **options)
     if args.kernels != "auto":
         runner.model.ops = select_ops(args.kernels, device)
-    engine = f"llmbus {dtype} {runner.weight_format}" + \
+    engine = f"llmbus {dtype}: {runner.plan.engine}" + \
         (f" {runner.model.ops.name}" if device.type == "cuda" else "")
     rows = []
     for batch, prompts in prompts_by_batch.items():
@@ -174,13 +175,11 @@ def run_hf(args, device, prompts_by_batch: dict[int, list[list[int]]], path: Pat
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--dtype", default=None,
-                        help="comma-separated llmbus engines: torch dtypes (float32, bfloat16, "
-                             "float16) and onnxruntime-fast / onnxruntime-exact (default: "
-                             "onnxruntime-fast,onnxruntime-exact,float32 on the CPU, plus "
-                             "bfloat16 where the CPU has it natively; bfloat16 on CUDA)")
-    parser.add_argument("--weights", choices=["auto", "dense", "native"], default="auto",
-                        help="matmul weights (see `llmbus serve executor --help`)")
+    parser.add_argument("--engines", default=None,
+                        help="comma-separated: fast, exact (the CPU's plans) and torch engine "
+                             "dtypes (float32, bfloat16, float16) (default: fast,exact,float32 "
+                             "on the CPU, plus bfloat16 where the CPU has it natively; "
+                             "bfloat16 on CUDA)")
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -201,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from llmbus.services.cpu_features import has_native_bfloat16
 
-    cpu_default = "onnxruntime-fast,onnxruntime-exact,float32" + (
+    cpu_default = "fast,exact,float32" + (
         ",bfloat16" if has_native_bfloat16() else "")
-    dtypes = (args.dtype or ("bfloat16" if device.type == "cuda" else cpu_default)).split(",")
+    dtypes = (args.engines or ("bfloat16" if device.type == "cuda" else cpu_default)).split(",")
     path = model_path(args.model)
     from llmbus.services.executor.weights.gguf_loader import load_gguf
     from llmbus.services.gguf_tokenizer import GGUFTokenizer

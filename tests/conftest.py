@@ -115,6 +115,7 @@ TEST_KINDS = {
     "test_rope_scaling.py": "unit",
     "test_sampler.py": "unit",
     "test_scheduler.py": "unit",
+    "test_scheduler_config.py": "unit",
     "test_scheduler_multi_step.py": "unit",
     "test_scheduler_prefix_and_fork.py": "unit",
     "test_scheduler_speculation.py": "unit",
@@ -122,7 +123,7 @@ TEST_KINDS = {
     "test_stage_cores.py": "unit",
     "test_tokenizer.py": "unit",
     "test_types.py": "unit",
-    # tests/kernels/: Triton kernels against their torch references
+    # tests/executor/kernels/triton/: Triton kernels against their torch references
     "test_interpreter_setup.py": "unit",
     "test_model_backend.py": "unit",
     "test_paged_decode_attention.py": "unit",

@@ -49,7 +49,7 @@ def test_every_package_folder_and_kernel_source_is_in_the_wheel(wheel: Path):
         for path in REPO.joinpath(folder).rglob("*"):
             relative = path.relative_to(REPO / folder).as_posix()
             wanted = (path.suffix == ".py" or path.suffix in (".cpp", ".h")
-                      and "cpu_kernels" in path.parts)
+                      and "kernels" in path.parts)
             if path.is_file() and wanted and "results" not in path.parts:
                 if f"{installed}/{relative}" not in names:
                     missing.append(f"{folder}/{relative}")

@@ -1,6 +1,6 @@
 """ONNX graphs of a Llama model's dense work, with the GGUF's quantized weights kept quantized.
 
-The model is cut at its attention: llmbus's paged attention (onnx_model.py) runs between them,
+The model is cut at its attention: llmbus's paged attention (cpu_llama.py) runs between them,
 and each graph runs everything from one attention to the next. Graph `i` (0 < i < L) is
 
     o = attn @ Wo[i-1];  x, h = skip_rms_norm(o, h, ffn_norm[i-1])

@@ -25,7 +25,7 @@ class QuantPart:
     """One quantized matrix [N, K], N a multiple of 8, blocks of 32 along K, tiled for the
     kernels: column group c holds output columns 8c .. 8c + 7, block by block, so that each
     32-bit lane of a 32-byte load is one column's four consecutive codes (the layouts are
-    spelled out in cpu_kernels/int_step.cpp)."""
+    spelled out in kernels/cpu/int_step.cpp)."""
 
     kind: str  # "q4" (Q4_1, and Q4_0 and Q4_K in Q4_1 form) or "q8" (Q8_0)
     n: int

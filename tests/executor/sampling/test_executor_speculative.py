@@ -163,7 +163,7 @@ def test_the_sampling_rule_keeps_the_tiny_model_s_distribution(tmp_path):
     from llmbus.services.executor.engines.torch_llama import LlamaModel
     from llmbus.services.executor.kv_cache import KVCache
     from llmbus.services.executor.weights.gguf_loader import load_gguf
-    from tests.test_executor_model import _run
+    from tests.executor.engines.test_executor_model import _run
 
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path, TinySpec(), seed=9)

@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from llmbus.services.executor.kernels.triton.swiglu import swiglu, swiglu_reference  # noqa: E402
-from tests.kernels.helpers import DEVICE, DTYPES, assert_close, gpu, requires_cuda  # noqa: E402
+from tests.executor.kernels.triton.helpers import DEVICE, DTYPES, assert_close, gpu, requires_cuda  # noqa: E402
 
 
 def _gate_up(num_rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from llmbus.services.executor.kernels.triton.rope_kv import rope_kv, rope_kv_reference  # noqa: E402
-from tests.kernels.helpers import (  # noqa: E402
+from tests.executor.kernels.triton.helpers import (  # noqa: E402
     DEVICE,
     DTYPES,
     assert_close,

@@ -12,7 +12,7 @@ from llmbus.services.executor.kernels.triton.prefill_attention import (  # noqa:
     prefill_attention,
     prefill_attention_reference,
 )
-from tests.kernels.helpers import (  # noqa: E402
+from tests.executor.kernels.triton.helpers import (  # noqa: E402
     ATTENTION_TOLERANCES,
     DEVICE,
     DTYPES,

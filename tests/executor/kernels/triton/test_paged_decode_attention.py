@@ -12,7 +12,7 @@ from llmbus.services.executor.kernels.triton.paged_decode_attention import (  # 
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from tests.kernels.helpers import (  # noqa: E402
+from tests.executor.kernels.triton.helpers import (  # noqa: E402
     ATTENTION_TOLERANCES,
     DEVICE,
     DTYPES,

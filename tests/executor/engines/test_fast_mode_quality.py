@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.skipif(not default_model_path().is_file(), reason="default model not pulled"),
 ]
 
-TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
+TEXT = Path(__file__).parents[2] / "data" / "perplexity_text.txt"
 
 
 def test_fast_mode_perplexity_is_within_one_percent_of_exact():

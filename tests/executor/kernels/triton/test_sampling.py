@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from llmbus.services.executor.kernels.triton.sampling import sample, sample_reference  # noqa: E402
-from tests.kernels.helpers import DEVICE, gpu, requires_cuda  # noqa: E402
+from tests.executor.kernels.triton.helpers import DEVICE, gpu, requires_cuda  # noqa: E402
 
 
 def _batch(num_rows: int, vocab_size: int, seed: int):

@@ -8,7 +8,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from tests.kernels.helpers import ON_GPU  # noqa: E402
+from tests.executor.kernels.triton.helpers import ON_GPU  # noqa: E402
 
 
 def test_kernels_compile_on_cuda_and_interpret_elsewhere():

@@ -1,4 +1,4 @@
-"""The ONNX Runtime backend (onnx_graphs.py, onnx_model.py) on tiny random llamas: exact mode
+"""The CPU engines (engines/onnx_graphs.py, engines/cpu_llama.py) on tiny random llamas: exact mode
 equals the float64 reference and the torch runner, for every weight format it reads; fast mode
 stays close; quantized weights stay quantized."""
 
@@ -16,8 +16,8 @@ from llmbus.services.executor.engines.onnx_graphs import MatrixSource, layer_gra
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.runner import ModelRunner
 from llmbus.services.executor.weights.gguf_loader import load_gguf
+from tests.executor.engines.test_executor_model import _run, reference_logits
 from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama
-from tests.test_executor_model import _run, reference_logits
 
 SPEC = TinySpec()
 BLOCK_SIZE = 4

@@ -17,8 +17,8 @@ from llmbus.services.executor.engines.torch_llama import LlamaModel, TorchOps, s
 from llmbus.services.executor.kernels.triton.ops import TritonOps  # noqa: E402
 from llmbus.services.executor.kv_cache import KVCache  # noqa: E402
 from llmbus.services.executor.weights.gguf_loader import load_gguf  # noqa: E402
+from tests.executor.kernels.triton.helpers import DEVICE  # noqa: E402
 from tests.gguf_fixtures import TinySpec, write_tiny_llama  # noqa: E402
-from tests.kernels.helpers import DEVICE  # noqa: E402
 
 BLOCK_SIZE = 4
 # Three requests through three steps: prompts in chunks (one with a cached prefix by the second

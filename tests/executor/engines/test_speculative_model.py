@@ -59,11 +59,7 @@ def _generate(runner: ModelRunner, prompts: list[list[int]], k: int,
               tag: str) -> tuple[list[list[int]], list[list], Scheduler]:
     """Serve every prompt greedily through a real scheduler, steps planned two ahead; each
     prompt's tokens and their top-2 logprobs."""
-    info = runner.info()
-    scheduler = Scheduler(SchedulerConfig(
-        num_blocks=info.num_blocks, block_size=info.block_size,
-        max_model_len=info.max_model_len, eos_token_ids=tuple(info.eos_token_ids),
-        num_speculative_tokens=k))
+    scheduler = Scheduler(SchedulerConfig(num_speculative_tokens=k).with_executor(runner.info()))
     for i, prompt in enumerate(prompts):
         scheduler.add_request(f"{tag}-{i}", "api", prompt,
                               SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
@@ -100,6 +96,7 @@ def test_greedy_output_with_drafts_is_the_output_without(runner):
         assert top[0] - top[1] < 1e-4, (prompt, at, top)
         parted += 1
     assert parted <= 1
-    print(f"drafts {scheduler.num_draft_tokens}, accepted {scheduler.num_accepted_tokens}")
-    assert scheduler.num_accepted_tokens > 100  # the repetitive prompts ran long
-    assert scheduler.num_accepted_tokens < scheduler.num_draft_tokens  # and some missed
+    counters = scheduler.counters
+    print(f"drafts {counters.num_draft_tokens}, accepted {counters.num_accepted_tokens}")
+    assert counters.num_accepted_tokens > 100  # the repetitive prompts ran long
+    assert counters.num_accepted_tokens < counters.num_draft_tokens  # and some missed

@@ -14,7 +14,7 @@ from llmbus.services.executor.kernels.triton.rmsnorm import (  # noqa: E402
     rms_norm,
     rms_norm_reference,
 )
-from tests.kernels.helpers import DEVICE, DTYPES, assert_close, gpu, requires_cuda  # noqa: E402
+from tests.executor.kernels.triton.helpers import DEVICE, DTYPES, assert_close, gpu, requires_cuda  # noqa: E402
 
 EPS = 1e-5
 

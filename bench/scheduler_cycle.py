@@ -26,7 +26,7 @@ def measure(num_running: int, num_steps: int, prefix_caching: bool) -> list[floa
     scheduler = Scheduler(SchedulerConfig(
         num_blocks=num_running * 64 + 1, block_size=block_size, max_model_len=8192,
         eos_token_ids=(2,), max_num_seqs=num_running, max_num_batched_tokens=num_running * 8,
-        enable_prefix_caching=prefix_caching))
+        enable_prefix_caching=prefix_caching, decode_steps=1))
     for i in range(num_running):
         scheduler.add_request(f"r{i}", "api", [i % 50 + 3] * 100 + [5] * (i % 7),
                               SamplingParams(max_tokens=num_steps + 200, ignore_eos=True))

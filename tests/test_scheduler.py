@@ -16,18 +16,19 @@ EOS = 2
 def make(num_blocks: int = 9, block_size: int = 4, max_num_batched_tokens: int = 64,
          max_num_seqs: int = 8, max_model_len: int = 64, prefix_caching: bool = False,
          ) -> Scheduler:
+    """One token a step (multi-step decoding: test_scheduler_multi_step.py)."""
     return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size,
                                      max_model_len=max_model_len, eos_token_ids=(EOS,),
                                      max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=max_num_batched_tokens,
-                                     enable_prefix_caching=prefix_caching))
+                                     enable_prefix_caching=prefix_caching, decode_steps=1))
 
 
 def add(s: Scheduler, request_id: str, num_prompt: int, max_tokens: int = 4, n: int = 1,
         first_token: int = 10, **params):
     s.add_request(request_id, "api.x", list(range(first_token, first_token + num_prompt)),
                   SamplingParams(max_tokens=max_tokens, **params), n=n)
-    return s.requests.get(request_id)
+    return s.table.get(request_id)
 
 
 def run_step(s: Scheduler, token: int = 7):
@@ -99,9 +100,9 @@ def test_newest_request_is_preempted_and_recomputed():
     plan, _ = run_step(s)
     assert [(i.sequence_id, i.new_block_ids) for i in plan.scheduled] == [("old", [3])]
     assert plan.preempted_sequence_ids == ["new"]  # the executor drops its block table first
-    assert s.num_preemptions == 1
+    assert s.counters.num_preemptions == 1
     assert [r.sequence_id for r in s.waiting] == ["new"]
-    while "old" in s.requests:
+    while s.table.get("old"):
         plan, _ = run_step(s)
     plan, _ = run_step(s)
     [item] = plan.scheduled
@@ -135,16 +136,16 @@ def test_a_withdrawn_request_leaves_silently_or_is_refused_when_it_comes():
     add(s, "queued", num_prompt=5)
     s.withdraw("running")
     s.withdraw("queued")
-    assert not s.requests and not s.families
+    assert not s.table.sequences and not s.table.families
     assert s.kv.allocator.num_free == s.kv.allocator.num_usable
     s.check_invariants()
-    assert s.take_ended_updates() == [] and s.take_finished() == [] and s.num_finished == 0
+    assert s.take_ended_updates() == [] and s.take_finished() == [] and s.counters.num_finished == 0
     assert "running#prompt" in s.schedule().finished_sequence_ids  # the executor forgets it
     s.withdraw("late")
     with pytest.raises(AdmissionError, match="withdrawn"):
         add(s, "late", num_prompt=5)
     add(s, "late", num_prompt=5)  # the withdrawal is used up
-    assert "late" in s.requests
+    assert s.table.get("late")
 
 
 def test_eos_and_stop_token_ids_finish_with_stop():

@@ -36,6 +36,7 @@ from llmbus.bus.messages import (
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.cli import build_parser
 from llmbus.services.launcher import Stack
+from llmbus.services.scheduler.config import config_from_args
 from llmbus.services.scheduler.service import SchedulerService, _run_until_stopped
 
 TIMEOUT = 20.0
@@ -118,7 +119,7 @@ async def engine():
     args = build_parser().parse_args(["serve", "scheduler", "--nats-url", url])
     try:
         async with ServiceRuntime("scheduler", url) as runtime:
-            service = SchedulerService(runtime, args)
+            service = SchedulerService(runtime, config_from_args(args))
             await service.start()
             runtime.mark_ready(service.heartbeat)
             running = asyncio.create_task(_run_until_stopped(service, shutdown_timeout=1.0))
@@ -294,7 +295,7 @@ async def test_a_completion_its_detokenizer_copy_cannot_decode_ends_with_an_erro
     await _submit(runtime, "long", max_tokens=50)
     await _until(lambda: _items(detokenizer.batches, "long"), "long's first tokens")
     await runtime.publish(report, UnknownCompletion(request_id="long", instance_id="d1"))
-    await _until(lambda: "long" not in service.scheduler.families, "long ended there")
+    await _until(lambda: not service.scheduler.table.holds("long"), "long ended there")
     executor.max_answered = None
     await _until(lambda: any(i.finish_reason for i in _items(detokenizer.batches, "long")),
                  "long's end went out")

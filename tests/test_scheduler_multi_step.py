@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmbus.bus.messages import FinishReason, SamplingParams, ScheduledRequest, StepPlan
-from llmbus.services.scheduler.config import SchedulerConfig
-from llmbus.services.scheduler.multi_step import MAX_BATCH, DecodePace
+from llmbus.services.scheduler.config import MULTI_STEP_MAX_BATCH, SchedulerConfig
+from llmbus.services.scheduler.multi_step import DecodePace
 from tests.test_scheduler_speculation import (
     EOS,
     FakeExecutor,
@@ -64,9 +64,9 @@ def test_a_stop_token_inside_the_steps_ends_the_request_there():
 
 
 def test_one_step_at_a_time_while_requests_wait_or_the_batch_is_big():
-    s = make(k=0, decode_steps=4, max_num_seqs=MAX_BATCH + 1)
+    s = make(k=0, decode_steps=4, max_num_seqs=MULTI_STEP_MAX_BATCH + 1)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    for i in range(MAX_BATCH + 2):  # one more than can run: it waits
+    for i in range(MULTI_STEP_MAX_BATCH + 2):  # one more than can run: it waits
         s.add_request(f"r{i}", "api", [3, 4, 5], params)
     executor = FakeExecutor(cycle([5, 6, 7]))
     in_flight: deque = deque()
@@ -86,7 +86,7 @@ def test_further_steps_never_preempt_another_request():
     s.add_request("b", "api", [6, 7, 8], SamplingParams(max_tokens=2, ignore_eos=True))
     # one step at a time (planning ahead would want a's block before b's end is known)
     plans, updates = drive(s, FakeExecutor(cycle([5, 6, 7])).run, depth=1)
-    assert s.num_preemptions == 0
+    assert s.counters.num_preemptions == 0
     assert sum(len(u.new_token_ids) for u in updates) == 7
     assert any(i.num_steps > 1 for p in plans for i in p.scheduled)  # once b's block is free
 
@@ -144,7 +144,7 @@ def test_the_pace_learns_from_small_decode_steps_only():
     pace.observe(prefill, 1.0)
     assert pace.forward_seconds is None
     big = StepPlan(step_id=1, scheduled=[ScheduledRequest(f"r{i}", 30, 1)
-                                         for i in range(MAX_BATCH + 1)])
+                                         for i in range(MULTI_STEP_MAX_BATCH + 1)])
     pace.observe(big, 1.0)
     assert pace.forward_seconds is None
     pace.observe(StepPlan(step_id=2, scheduled=[ScheduledRequest("a", 30, 1, num_steps=4)]),

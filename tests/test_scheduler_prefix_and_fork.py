@@ -31,7 +31,7 @@ def test_prefix_cache_reuses_full_blocks():
     plan, _ = run_step(s)
     [item] = plan.scheduled
     assert (item.start, item.num_tokens, item.new_block_ids) == (8, 2, [1, 2, 4])
-    assert (s.num_prefix_query_tokens, s.num_prefix_hit_tokens) == (20, 8)
+    assert (s.counters.num_prefix_query_tokens, s.counters.num_prefix_hit_tokens) == (20, 8)
     s.check_invariants()
 
 
@@ -48,7 +48,7 @@ def test_a_request_waiting_for_blocks_is_looked_up_once():
         s.check_invariants()
     assert steps_b_waited >= 3
     drain(s)
-    assert s.num_prefix_query_tokens == 12 + 8
+    assert s.counters.num_prefix_query_tokens == 12 + 8
 
 
 def test_whole_prompt_cached_still_computes_its_last_token():
@@ -209,7 +209,7 @@ def test_random_traces_keep_every_invariant(ops, prefix_caching, num_blocks):
             result()
         s.check_invariants()
     assert not s.has_work and not in_flight
-    assert s.requests == {} and s.families == {}
+    assert s.table.sequences == {} and s.table.families == {}
     if s.kv.tree is not None:
         assert all(s.kv.allocator.ref_counts[b] == 1 for b in s.kv.tree.nodes_by_block)
         s.kv.tree.evict(s.kv.tree.num_cached_blocks)

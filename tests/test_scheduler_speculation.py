@@ -26,7 +26,8 @@ BLOCK = 4
 
 
 def make(k: int = 4, num_blocks: int = 32, prefix_caching: bool = True, n_min: int = 2,
-         **limits) -> Scheduler:  # also takes decode_steps (multi-step decoding)
+         **limits) -> Scheduler:  # also takes decode_steps (multi-step decoding; 1 if not)
+    limits.setdefault("decode_steps", 1)
     return Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=BLOCK, max_model_len=limits.pop("max_model_len", 96),
         eos_token_ids=(EOS,), enable_prefix_caching=prefix_caching, num_speculative_tokens=k,
@@ -135,7 +136,8 @@ def test_a_repeating_output_is_verified_several_tokens_a_step():
     plans = run(s, executor)
     assert executor.tokens["r"][3:] == [1, 5, 6, 7] * 10
     drafted = [i for p in plans for i in p.scheduled if i.draft_token_ids]
-    assert drafted and s.num_accepted_tokens == s.num_draft_tokens  # the cycle is exact
+    counters = s.counters
+    assert drafted and counters.num_accepted_tokens == counters.num_draft_tokens  # exact cycle
     assert len(plans) < 40 / 2  # several tokens per step once the cycle shows
     assert max(len(i.draft_token_ids) for i in drafted) == 4
 
@@ -162,7 +164,8 @@ def test_the_output_with_drafts_is_the_output_without():
         _, updates = drive(s, FakeExecutor(model).run)
         outputs.append([t for u in updates for t in u.new_token_ids])
         if k:
-            assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # some right, some wrong
+            counters = s.counters
+            assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens  # some wrong
     assert outputs[0] == outputs[1] and len(outputs[0]) == 60
 
 
@@ -183,7 +186,7 @@ def test_drafts_stop_at_max_tokens():
     for plan in plans:
         for item in plan.scheduled:  # never more tokens than max_tokens allows
             assert len(item.draft_token_ids) <= 5 - 1
-    assert s.num_finished == 1
+    assert s.counters.num_finished == 1
 
 
 def test_misses_back_off_and_the_cache_holds_true_tokens():
@@ -193,7 +196,7 @@ def test_misses_back_off_and_the_cache_holds_true_tokens():
     executor = FakeExecutor(lambda _, tokens: (1, 2, 3, 10 + len(tokens))[len(tokens) % 4])
     plans = run(s, executor)
     drafted = [p.step_id for p in plans for i in p.scheduled if i.draft_token_ids]
-    assert s.num_accepted_tokens == 0 and 2 <= len(drafted) <= 3  # then 8, 16 tokens apart
+    assert s.counters.num_accepted_tokens == 0 and 2 <= len(drafted) <= 3  # then 8, 16 tokens apart
     for node in s.kv.tree.nodes_by_block.values():
         assert [executor.kv[node.block_id, i] for i in range(BLOCK)] == list(node.key)
 
@@ -264,7 +267,7 @@ def replay_trace(s: Scheduler, executor: FakeExecutor, ops) -> None:
             s.update(plan, executor.run(plan))
         s.check_invariants()
     run(s, executor, max_steps=3000, in_flight=in_flight)
-    assert s.requests == {} and s.families == {}
+    assert s.table.sequences == {} and s.table.families == {}
     if s.kv.tree is not None:
         for node in s.kv.tree.nodes_by_block.values():
             assert [executor.kv.get((node.block_id, i)) for i in range(BLOCK)] == list(node.key)

@@ -1,18 +1,30 @@
-"""An engine's scheduling limits: its KV cache's shape, the model's context, the batch caps."""
+"""Every option of the scheduler stage in one place: `SchedulerConfig`, the command-line options
+that set it (`add_arguments`, with their help texts), and the one mapping from those onto it
+(`config_from_args`). The struct's defaults are the served defaults; the KV cache's shape and
+the model's limits are the executor's, filled in once it answers (`with_executor`)."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from dataclasses import dataclass
+
+from llmbus.bus.messages import ExecutorInfo
+
+# Multi-step decoding (multi_step.py) takes several steps at most this many running requests.
+MULTI_STEP_MAX_BATCH = 4
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    num_blocks: int
-    block_size: int
-    max_model_len: int
+    # The executor's (ExecutorInfo): its KV cache's shape, the model's context and ends.
+    num_blocks: int = 0
+    block_size: int = 0
+    max_model_len: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    # Planning (scheduler.py): the batch caps; chunked prefill's step size (why 256:
+    # docs/benchmarks.md, "Step budget").
     max_num_seqs: int = 64
-    # Chunked prefill's step size; why 256: docs/benchmarks.md, "Step budget".
     max_num_batched_tokens: int = 256
     enable_prefix_caching: bool = True
     # Speculative decoding (ngram_proposer.py): up to this many draft tokens per step, from
@@ -22,8 +34,16 @@ class SchedulerConfig:
     spec_ngram_max: int = 4
     # Multi-step decoding (multi_step.py): tokens a small batch's decodes take per step, at
     # most, and about how long such a step may take (fewer steps when forwards are slow).
-    decode_steps: int = 1
+    decode_steps: int = 8
     decode_plan_seconds: float = 0.08
+    # The engine loop and the adapter (engine_loop.py, service.py).
+    engine_id: str = "engine0"
+    pipeline_depth: int = 2  # steps in flight at once
+    max_queued_requests: int = 256  # waiting for their first step; beyond: refused
+    max_queued_tokens: int = 262144  # prompt tokens waiting; beyond: refused
+    queue_timeout_seconds: float = 300.0  # waiting for a first step; then an error
+    shutdown_timeout_seconds: float = 30.0  # on SIGTERM, to finish what is held
+    step_timeout_seconds: float = 60.0  # for the executor's answer to one step
 
     def __post_init__(self) -> None:
         check_speculation(self.num_speculative_tokens, self.spec_ngram_min,
@@ -33,6 +53,14 @@ class SchedulerConfig:
         if not self.decode_plan_seconds > 0:
             raise ValueError("--decode-plan-ms must be positive, got "
                              f"{self.decode_plan_seconds * 1000:g}")
+        if self.pipeline_depth not in (1, 2):
+            raise ValueError(f"--pipeline-depth must be 1 or 2, got {self.pipeline_depth}")
+
+    def with_executor(self, info: ExecutorInfo) -> SchedulerConfig:
+        """This config on the executor's KV cache and model."""
+        return dataclasses.replace(
+            self, num_blocks=info.num_blocks, block_size=info.block_size,
+            max_model_len=info.max_model_len, eos_token_ids=tuple(info.eos_token_ids))
 
 
 def check_speculation(num_tokens: int, ngram_min: int, ngram_max: int) -> None:
@@ -42,3 +70,78 @@ def check_speculation(num_tokens: int, ngram_min: int, ngram_max: int) -> None:
     if not 1 <= ngram_min <= ngram_max:
         raise ValueError("need 1 <= --spec-ngram-min <= --spec-ngram-max, got "
                          f"{ngram_min} and {ngram_max}")
+
+
+def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    """The options of `add_arguments` as a SchedulerConfig; ValueError names a bad one."""
+    return SchedulerConfig(
+        engine_id=args.engine_id, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching, pipeline_depth=args.pipeline_depth,
+        max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
+        queue_timeout_seconds=args.queue_timeout, shutdown_timeout_seconds=args.shutdown_timeout,
+        num_speculative_tokens=args.num_speculative_tokens, spec_ngram_max=args.spec_ngram_max,
+        spec_ngram_min=args.spec_ngram_min, decode_steps=args.decode_steps,
+        decode_plan_seconds=args.decode_plan_ms / 1000, step_timeout_seconds=args.step_timeout)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`llmbus serve scheduler`'s options; their defaults are SchedulerConfig's."""
+    c = SchedulerConfig
+    parser.add_argument("--engine-id", default=c.engine_id,
+                        help="name of the engine (scheduler + executor pair) "
+                             f"(default: {c.engine_id})")
+    parser.add_argument("--max-num-seqs", type=int, default=c.max_num_seqs,
+                        help=f"most requests in one step (default: {c.max_num_seqs})")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=c.max_num_batched_tokens,
+                        help="token budget of one step; longer prompts are prefilled in chunks. "
+                             "Smaller steps let running decodes and a burst's first arrivals "
+                             "out sooner (one step of 256 tokens is ~0.35 s on 2 CPU cores for "
+                             "the default model); raise it on a GPU "
+                             f"(default: {c.max_num_batched_tokens})")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="do not reuse the KV blocks of earlier requests' shared prefixes")
+    parser.add_argument("--pipeline-depth", type=int, default=c.pipeline_depth, choices=(1, 2),
+                        help="steps in flight at once: 2 plans step N+1 while the executor "
+                             f"runs step N (default: {c.pipeline_depth})")
+    parser.add_argument("--max-queued-requests", type=int, default=c.max_queued_requests,
+                        help="requests waiting for their first step beyond which new ones are "
+                             f"refused with 503 (default: {c.max_queued_requests})")
+    parser.add_argument("--max-queued-tokens", type=int, default=c.max_queued_tokens,
+                        help="prompt tokens waiting beyond which new requests are refused "
+                             f"with 503 (default: {c.max_queued_tokens})")
+    parser.add_argument("--queue-timeout", type=float, default=c.queue_timeout_seconds,
+                        help="seconds a request may wait for its first step before it ends "
+                             f"with an error (default: {c.queue_timeout_seconds:g})")
+    parser.add_argument("--shutdown-timeout", type=float, default=c.shutdown_timeout_seconds,
+                        help="on SIGTERM, seconds to finish the requests held before failing "
+                             f"them (default: {c.shutdown_timeout_seconds:g})")
+    parser.add_argument("--num-speculative-tokens", type=int,
+                        default=c.num_speculative_tokens,
+                        help="speculative decoding: verify up to this many draft tokens per "
+                             "step, guessed by looking the last tokens up in the prompt and "
+                             "output so far (helps output that repeats its context: "
+                             "summaries, edits, code; greedy output is unchanged); 0 = off "
+                             f"(default: {c.num_speculative_tokens})")
+    parser.add_argument("--spec-ngram-max", type=int, default=c.spec_ngram_max,
+                        help="speculative decoding: longest suffix looked up "
+                             f"(default: {c.spec_ngram_max})")
+    parser.add_argument("--spec-ngram-min", type=int, default=c.spec_ngram_min,
+                        help="speculative decoding: shortest suffix looked up "
+                             f"(default: {c.spec_ngram_min})")
+    parser.add_argument("--decode-steps", type=int, default=c.decode_steps,
+                        help="multi-step decoding: while nothing waits and at most "
+                             f"{MULTI_STEP_MAX_BATCH} requests run, each step decodes up to this "
+                             "many tokens of each (one plan and one result on the bus per that "
+                             "many tokens; a request that arrives meanwhile waits for them); "
+                             f"1 = off (default: {c.decode_steps})")
+    parser.add_argument("--decode-plan-ms", type=float, default=c.decode_plan_seconds * 1000,
+                        help="multi-step decoding: about how long one plan of several steps "
+                             "may take; fewer steps than --decode-steps when the model's "
+                             "forwards are slow, so that text still arrives this often and a "
+                             "new request waits at most about this long "
+                             f"(default: {c.decode_plan_seconds * 1000:g})")
+    parser.add_argument("--step-timeout", type=float, default=c.step_timeout_seconds,
+                        help="seconds to wait for the executor's answer to one step before "
+                             f"failing its requests (default: {c.step_timeout_seconds:g})")

@@ -17,10 +17,9 @@ never preempt anyone: without the blocks for them, a request takes one step.
 from __future__ import annotations
 
 from llmbus.bus.messages import StepPlan
-from llmbus.services.scheduler.config import SchedulerConfig
+from llmbus.services.scheduler.config import MULTI_STEP_MAX_BATCH, SchedulerConfig
 from llmbus.services.scheduler.request import Request
 
-MAX_BATCH = 4  # running requests up to which a step decodes several tokens
 SMOOTHING = 0.2  # weight of the newest forward time in the running average
 
 
@@ -36,7 +35,7 @@ class DecodePace:
     def observe(self, plan: StepPlan, forward_seconds: float) -> None:
         """Learn from a step's answer if it was small decodes only (no prompt, no drafts)."""
         items = plan.scheduled
-        if not items or len(items) > MAX_BATCH or any(i.num_tokens != 1 for i in items):
+        if not items or len(items) > MULTI_STEP_MAX_BATCH or any(i.num_tokens != 1 for i in items):
             return
         one = forward_seconds / max(i.num_steps for i in items)
         self.forward_seconds = one if self.forward_seconds is None else (
@@ -52,7 +51,7 @@ class DecodePace:
 
 def multi_step_decode(config: SchedulerConfig, num_running: int, num_waiting: int) -> bool:
     """Whether this step's decodes may take several steps."""
-    return (config.decode_steps > 1 and num_waiting == 0 and num_running <= MAX_BATCH
+    return (config.decode_steps > 1 and num_waiting == 0 and num_running <= MULTI_STEP_MAX_BATCH
             and config.num_speculative_tokens == 0)
 
 

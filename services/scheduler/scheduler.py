@@ -1,5 +1,6 @@
-# Over 300 lines: one class whose planning and request bookkeeping share every field (its KV
-# blocks, outputs and loop rules live in kv_manager.py, outputs.py and engine_loop.py).
+# Over 300 lines: one class whose planning steps share every field (its KV blocks, request
+# table and counters, outputs and loop rules live in kv_manager.py, request_table.py,
+# outputs.py and engine_loop.py).
 """Continuous batching over paged KV blocks with a prefix cache: the scheduler's pure core.
 
 There is no prefill phase and no decode phase. Each request has tokens (prompt + sampled
@@ -48,35 +49,28 @@ from llmbus.services.scheduler.multi_step import (
 )
 from llmbus.services.scheduler.outputs import end_updates, stop_reason, token_update
 from llmbus.services.scheduler.request import Request, RequestStatus
+from llmbus.services.scheduler.request_table import Counters, RequestTable
 from llmbus.services.scheduler.speculation import drafts_for, verified, waits_for_drafts
-
-# Withdrawals of requests that had not arrived yet, remembered until they do (oldest dropped).
-MAX_WITHDRAWN_REMEMBERED = 10_000
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
+        if not (config.num_blocks and config.block_size and config.max_model_len):
+            raise ValueError("the KV cache's shape is the executor's: "
+                             "SchedulerConfig.with_executor(info)")
         self.config = config
         self.kv = KVManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}  # by sequence_id
-        self.families: dict[str, list[str]] = {}  # request_id -> its sequence_ids
+        self.table = RequestTable()
+        self.counters = Counters()
         self.num_steps = 0
-        self.num_preemptions = 0
-        self.num_finished = 0
-        self.max_batch_size = 0
-        self.num_prefix_query_tokens = 0
-        self.num_prefix_hit_tokens = 0
-        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted
-        self.num_accepted_tokens = 0
         self.decode_pace = DecodePace()  # how many steps a multi-step plan may take
         self._ended_updates: list[RequestTokens] = []  # aborts, sent with the next update
         self._forget_ids: list[str] = []  # the executor drops these before the next step
         self._preempted_ids: list[str] = []
         self._copies: list[BlockCopy] = []
         self._finished: list[Request] = []  # for the adapter's traces: take_finished()
-        self._withdrawn: dict[str, None] = {}  # withdrawn before they arrived (ordered set)
 
     # ------------------------------------------------------------------ admission
 
@@ -85,10 +79,9 @@ class Scheduler:
                     traceparent: str = "") -> None:
         """Queue a request (n completions of it), or raise AdmissionError if it can never run
         (or was withdrawn before it arrived)."""
-        if request_id in self.families:
+        if self.table.holds(request_id):
             raise AdmissionError(f"duplicate request id {request_id}")
-        if request_id in self._withdrawn:
-            del self._withdrawn[request_id]
+        if self.table.take_withdrawn(request_id):
             raise AdmissionError(f"request {request_id} was withdrawn (admitted elsewhere)")
         max_tokens = resolve_max_tokens(self.config, self.kv.num_usable,
                                         len(prompt_token_ids), params, n)
@@ -105,10 +98,8 @@ class Scheduler:
             family = [make(f"{request_id}#{i}", i) for i in range(n)]
         else:
             family = [make(f"{request_id}#prompt", 0, num_forks=n)]
-        self.families[request_id] = [r.sequence_id for r in family]
-        for request in family:
-            self.requests[request.sequence_id] = request
-            self.waiting.append(request)
+        self.table.add(family)
+        self.waiting.extend(family)
 
     def abort_request(self, request_id: str, index: int | None = None,
                       error: str = "") -> bool:
@@ -116,8 +107,7 @@ class Scheduler:
         With an `error` it ends as failed (ERROR), not aborted. False: nothing of it is here."""
         reason = FinishReason.ERROR if error else FinishReason.ABORT
         ended = False
-        for sequence_id in list(self.families.get(request_id, ())):
-            request = self.requests[sequence_id]
+        for request in self.table.family(request_id):
             if index is not None and request.index != index and not request.is_parent:
                 continue
             self._remove(request)
@@ -130,21 +120,13 @@ class Scheduler:
         """The router gave up waiting for this engine's admission and sent the request to
         another engine: drop it without a word downstream (the other engine's output is the
         one the client gets), or, not here yet, refuse it when it comes."""
-        family = self.families.get(request_id)
-        if family is None:
-            self._withdrawn[request_id] = None
-            while len(self._withdrawn) > MAX_WITHDRAWN_REMEMBERED:
-                del self._withdrawn[next(iter(self._withdrawn))]
-            return
-        for sequence_id in list(family):
-            request = self.requests[sequence_id]
+        for request in self.table.withdraw(request_id):
             self._remove(request)
             self._drop(request, FinishReason.ABORT)  # never served: no spans, no counts
 
     def abort_for_reply_subject(self, reply_subject: str) -> int:
         """Abort every request whose api copy (reply subject) is gone; returns how many."""
-        request_ids = {r.request_id for r in self.requests.values()
-                       if r.reply_subject == reply_subject}
+        request_ids = self.table.request_ids_for(reply_subject)
         for request_id in request_ids:
             self.abort_request(request_id)
         return len(request_ids)
@@ -222,7 +204,7 @@ class Scheduler:
                 request.prefill_chunks.append((now, num_new))
             plan.scheduled.append(self._plan_item(request, num_new, plan, num_steps))
         self.num_steps += 1
-        self.max_batch_size = max(self.max_batch_size, len(plan.scheduled))
+        self.counters.max_batch_size = max(self.counters.max_batch_size, len(plan.scheduled))
         return plan
 
     def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int, int]]) -> int:
@@ -270,8 +252,8 @@ class Scheduler:
                 self._release_blocks(request)  # give back the matched prefix
                 break
             if looked_up:  # counted once, when admitted: a head that waits asks again
-                self.num_prefix_query_tokens += request.target_tokens
-                self.num_prefix_hit_tokens += num_matched * self.config.block_size
+                self.counters.num_prefix_query_tokens += request.target_tokens
+                self.counters.num_prefix_hit_tokens += num_matched * self.config.block_size
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -379,13 +361,11 @@ class Scheduler:
                 prefill_chunks=list(parent.prefill_chunks))
             self.kv.lock(child.block_table)
             children.append(child)
-            self.requests[child.sequence_id] = child
         self.running[position:position + 1] = children
+        self.table.fork(parent, children)
         self._release_blocks(parent)
-        del self.requests[parent.sequence_id]
         if parent.known_to_executor:
             self._forget_ids.append(parent.sequence_id)
-        self.families[parent.request_id] = [c.sequence_id for c in children]
 
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and put it back at the front of the queue."""
@@ -394,7 +374,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
-        self.num_preemptions += 1
+        self.counters.num_preemptions += 1
         if request.known_to_executor:
             self._preempted_ids.append(request.sequence_id)
         self.waiting.appendleft(request)
@@ -422,13 +402,13 @@ class Scheduler:
             count = next(counts) if counts is not None else 1
             tokens = ([(next(sampled), next(logprobs))] if count == 1
                       else [(next(sampled), next(logprobs)) for _ in range(count)])
-            request = self.requests.get(item.sequence_id)
+            request = self.table.get(item.sequence_id)
             if request is None:
                 continue  # it finished or was aborted after this step was planned
             request.num_pending_tokens -= item.num_steps
             if item.draft_token_ids:
-                self.num_draft_tokens += len(item.draft_token_ids)
-                self.num_accepted_tokens += count - 1
+                self.counters.num_draft_tokens += len(item.draft_token_ids)
+                self.counters.num_accepted_tokens += count - 1
                 verified(request, item.start, item.num_tokens, count - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -460,7 +440,7 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self._drop(request, reason)
-        self.num_finished += 1
+        self.counters.num_finished += 1
         self._finished.append(request)
 
     def _drop(self, request: Request, reason: FinishReason) -> None:
@@ -468,11 +448,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._release_blocks(request)
-        del self.requests[request.sequence_id]
-        family = self.families[request.request_id]
-        family.remove(request.sequence_id)
-        if not family:
-            del self.families[request.request_id]
+        self.table.remove(request)
         if request.known_to_executor:
             self._forget_ids.append(request.sequence_id)
 
@@ -480,5 +456,5 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Reference counts equal the owners (requests + cache); no block is lost. For tests."""
-        self.kv.check(r.block_table for r in self.requests.values())
-        assert len(self.running) + len(self.waiting) == len(self.requests)
+        self.kv.check(r.block_table for r in self.table)
+        assert len(self.running) + len(self.waiting) == len(self.table)

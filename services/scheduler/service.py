@@ -1,4 +1,5 @@
-# Over 300 lines: the engine's 13 options with their help texts, then the adapter they shape.
+# Over 300 lines: a handler for each of the engine's subjects (submits, aborts, withdrawals,
+# completions a detokenizer cannot decode, model info, stats, three kinds of heartbeats).
 """The scheduler's bus adapter: the only file of this stage that touches NATS.
 
 One engine = one scheduler + its executor. The engine loop (engine_loop.py) plans a step,
@@ -42,16 +43,15 @@ from llmbus.bus.messages import (
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.bus.tracing import current_traceparent
 from llmbus.services.scheduler.admission import AdmissionError
-from llmbus.services.scheduler.config import SchedulerConfig, check_speculation
+from llmbus.services.scheduler.config import SchedulerConfig, config_from_args
+from llmbus.services.scheduler.config import add_arguments as config_options
 from llmbus.services.scheduler.constraint_admission import compile_constraint
 from llmbus.services.scheduler.detokenizer_routing import DetokenizerRouting
 from llmbus.services.scheduler.engine_loop import EngineLoop
-from llmbus.services.scheduler.multi_step import MAX_BATCH as MULTI_STEP_MAX_BATCH
 from llmbus.services.scheduler.scheduler import Scheduler
 from llmbus.services.scheduler.spans import record_request_spans
 
 log = structlog.get_logger()
-DEFAULT_DECODE_STEPS = 8
 # Submits handled at once: a plain one answers at once, a constrained one waits for its grammar
 # (up to COMPILE_TIMEOUT), so plain submits must not queue behind it; bounded so that a burst
 # of constrained ones waits in the subscription's queue instead of piling up tasks.
@@ -59,68 +59,15 @@ MAX_SUBMITS_IN_FLIGHT = 64
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine-id", default="engine0",
-                        help="name of the engine (scheduler + executor pair) (default: engine0)")
-    parser.add_argument("--max-num-seqs", type=int, default=64,
-                        help="most requests in one step (default: 64)")
-    parser.add_argument("--max-num-batched-tokens", type=int,
-                        default=SchedulerConfig.max_num_batched_tokens,
-                        help="token budget of one step; longer prompts are prefilled in chunks. "
-                             "Smaller steps let running decodes and a burst's first arrivals "
-                             "out sooner (one step of 256 tokens is ~0.35 s on 2 CPU cores for "
-                             "the default model); raise it on a GPU "
-                             f"(default: {SchedulerConfig.max_num_batched_tokens})")
-    parser.add_argument("--no-prefix-caching", action="store_true",
-                        help="do not reuse the KV blocks of earlier requests' shared prefixes")
-    parser.add_argument("--pipeline-depth", type=int, default=2, choices=(1, 2),
-                        help="steps in flight at once: 2 plans step N+1 while the executor "
-                             "runs step N (default: 2)")
-    parser.add_argument("--max-queued-requests", type=int, default=256,
-                        help="requests waiting for their first step beyond which new ones are "
-                             "refused with 503 (default: 256)")
-    parser.add_argument("--max-queued-tokens", type=int, default=262144,
-                        help="prompt tokens waiting beyond which new requests are refused "
-                             "with 503 (default: 262144)")
-    parser.add_argument("--queue-timeout", type=float, default=300.0,
-                        help="seconds a request may wait for its first step before it ends "
-                             "with an error (default: 300)")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="on SIGTERM, seconds to finish the requests held before failing "
-                             "them (default: 30)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=0,
-                        help="speculative decoding: verify up to this many draft tokens per "
-                             "step, guessed by looking the last tokens up in the prompt and "
-                             "output so far (helps output that repeats its context: "
-                             "summaries, edits, code; greedy output is unchanged); 0 = off "
-                             "(default: 0)")
-    parser.add_argument("--spec-ngram-max", type=int, default=4,
-                        help="speculative decoding: longest suffix looked up (default: 4)")
-    parser.add_argument("--spec-ngram-min", type=int, default=2,
-                        help="speculative decoding: shortest suffix looked up (default: 2)")
-    parser.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
-                        help="multi-step decoding: while nothing waits and at most "
-                             f"{MULTI_STEP_MAX_BATCH} requests run, each step decodes up to this "
-                             "many tokens of each (one plan and one result on the bus per that "
-                             "many tokens; a request that arrives meanwhile waits for them); "
-                             "1 = off "
-                             f"(default: {DEFAULT_DECODE_STEPS})")
-    parser.add_argument("--decode-plan-ms", type=float,
-                        default=SchedulerConfig.decode_plan_seconds * 1000,
-                        help="multi-step decoding: about how long one plan of several steps "
-                             "may take; fewer steps than --decode-steps when the model's "
-                             "forwards are slow, so that text still arrives this often and a "
-                             "new request waits at most about this long "
-                             f"(default: {SchedulerConfig.decode_plan_seconds * 1000:g})")
-    parser.add_argument("--step-timeout", type=float, default=60.0,
-                        help="seconds to wait for the executor's answer to one step before "
-                             "failing its requests (default: 60)")
+    """This stage's options: config.py declares them beside SchedulerConfig, which they set."""
+    config_options(parser)
 
 
 class SchedulerService:
-    def __init__(self, runtime: ServiceRuntime, args: argparse.Namespace) -> None:
+    def __init__(self, runtime: ServiceRuntime, config: SchedulerConfig) -> None:
         self.runtime = runtime
-        self.args = args
-        self.engine_id: str = args.engine_id
+        self.config = config  # the KV cache's shape is the executor's: see start()
+        self.engine_id = config.engine_id
         self.scheduler: Scheduler | None = None
         self.loop: EngineLoop | None = None
         self.info: ExecutorInfo | None = None
@@ -133,25 +80,16 @@ class SchedulerService:
 
     async def start(self) -> None:
         self.info = await self._wait_for_executor()
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=self.info.num_blocks, block_size=self.info.block_size,
-            max_model_len=self.info.max_model_len, eos_token_ids=tuple(self.info.eos_token_ids),
-            max_num_seqs=self.args.max_num_seqs,
-            max_num_batched_tokens=self.args.max_num_batched_tokens,
-            enable_prefix_caching=not self.args.no_prefix_caching,
-            num_speculative_tokens=self.args.num_speculative_tokens,
-            decode_steps=self.args.decode_steps,
-            decode_plan_seconds=self.args.decode_plan_ms / 1000,
-            spec_ngram_min=self.args.spec_ngram_min, spec_ngram_max=self.args.spec_ngram_max))
+        self.scheduler = Scheduler(self.config.with_executor(self.info))
         step_subject = subjects.executor_step(self.engine_id)
 
         async def execute(plan: StepPlan) -> StepResult:
             return await self.runtime.request(step_subject, plan, StepResult,
-                                              timeout=self.args.step_timeout)
+                                              timeout=self.config.step_timeout_seconds)
 
         self.loop = EngineLoop(self.scheduler, execute=execute, publish=self._publish,
                                expired=self._expired, executor_silent=self.executor_silent,
-                               depth=self.args.pipeline_depth)
+                               depth=self.config.pipeline_depth)
         runtime, group = self.runtime, subjects.queue_group("scheduler")
         await runtime.on_request(subjects.engine_submit(self.engine_id), SubmitRequest,
                                  self.on_submit, concurrency=MAX_SUBMITS_IN_FLIGHT)
@@ -184,7 +122,7 @@ class SchedulerService:
             service="scheduler", instance_id=self.runtime.instance_id, engine_id=self.engine_id,
             num_running=len(s.running), num_waiting=len(s.waiting),
             num_free_blocks=s.kv.num_free, num_total_blocks=s.kv.num_usable,
-            block_size=self.info.block_size, num_handled=s.num_finished)
+            block_size=self.info.block_size, num_handled=s.counters.num_finished)
 
     async def _wait_for_executor(self) -> ExecutorInfo:
         """The executor may still be loading weights: ask until it answers."""
@@ -206,9 +144,9 @@ class SchedulerService:
         if self.draining:
             return Admission(error_code=ErrorCode.OVERLOADED,
                              error_message="this engine is shutting down; retry shortly")
-        if (len(scheduler.waiting) >= self.args.max_queued_requests
+        if (len(scheduler.waiting) >= self.config.max_queued_requests
                 or scheduler.num_queued_tokens + len(submit.prompt_token_ids)
-                > self.args.max_queued_tokens):
+                > self.config.max_queued_tokens):
             return Admission(error_code=ErrorCode.OVERLOADED,
                              error_message="the server is busy (its queue is full); retry "
                                            "shortly")
@@ -308,15 +246,16 @@ class SchedulerService:
         return EngineStats(
             engine_id=self.engine_id, num_steps=s.num_steps, num_running=len(s.running),
             num_waiting=len(s.waiting), num_free_blocks=s.kv.num_free,
-            num_total_blocks=s.kv.num_usable, max_batch_size=s.max_batch_size,
-            num_preemptions=s.num_preemptions, num_finished=s.num_finished,
+            num_total_blocks=s.kv.num_usable, max_batch_size=s.counters.max_batch_size,
+            num_preemptions=s.counters.num_preemptions, num_finished=s.counters.num_finished,
             num_cached_blocks=s.kv.num_cached,
-            num_prefix_query_tokens=s.num_prefix_query_tokens,
-            num_prefix_hit_tokens=s.num_prefix_hit_tokens,
+            num_prefix_query_tokens=s.counters.num_prefix_query_tokens,
+            num_prefix_hit_tokens=s.counters.num_prefix_hit_tokens,
             executor_busy_seconds=self.loop.busy_seconds,
             executor_idle_seconds=self.loop.idle_seconds,
             num_evictable_blocks=s.kv.num_evictable(),
-            num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens)
+            num_draft_tokens=s.counters.num_draft_tokens,
+            num_accepted_tokens=s.counters.num_accepted_tokens)
 
     def _expired(self, now: float) -> list[RequestTokens]:
         """Requests queued past --queue-timeout; the queue is walked at most once a second,
@@ -325,7 +264,7 @@ class SchedulerService:
             return []
         self._next_expiry_check = now + 1.0
         assert self.scheduler is not None
-        return self.scheduler.expire_waiting(now, self.args.queue_timeout)
+        return self.scheduler.expire_waiting(now, self.config.queue_timeout_seconds)
 
     async def _publish(self, updates: list[RequestTokens], cache_cleared: bool = False) -> None:
         """Send tokens to the detokenizer copies; spans of ended requests; cache events."""
@@ -346,15 +285,15 @@ class SchedulerService:
 
 async def main(args: argparse.Namespace) -> None:
     try:
-        check_speculation(args.num_speculative_tokens, args.spec_ngram_min, args.spec_ngram_max)
+        config = config_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"llmbus scheduler: {exc}") from None
     async with ServiceRuntime("scheduler", args.nats_url, args.instance_id) as runtime:
-        service = SchedulerService(runtime, args)
+        service = SchedulerService(runtime, config)
         try:
             await service.start()
             runtime.mark_ready(service.heartbeat)
-            await _run_until_stopped(service, args.shutdown_timeout)
+            await _run_until_stopped(service, config.shutdown_timeout_seconds)
         except asyncio.CancelledError:
             pass
         finally:

@@ -1,5 +1,5 @@
 # Over 300 lines: one class whose request state, steps and sampling (with or without drafts)
-# share every field; the pure parts live in model.py, sampler.py and speculative.py.
+# share every field; the engines and the sampling ladder live in engines/ and sampling/.
 """The executor's pure core: request state, one batched forward per StepPlan, sampling.
 
 No NATS, no asyncio: the service adapter decodes a StepPlan, calls `ModelRunner.step`, and

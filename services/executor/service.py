@@ -39,6 +39,7 @@ from llmbus.services.model_files import model_name_for, resolve_model
 log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.executor")
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-id", default="engine0",
                         help="name of the engine this executor serves (default: engine0)")
@@ -115,7 +116,7 @@ def plan_for(args: argparse.Namespace, cuda_available: bool) -> ExecutionPlan:
 async def main(args: argparse.Namespace) -> None:
     try:
         plan = plan_for(args, cuda_available=args.device == "auto" and _cuda_available())
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:  # options, file: one line, no traceback
         raise SystemExit(f"llmbus executor: {exc}") from None
     log.info(f"executor plan: {plan.describe()}")
     if plan.engine != "torch":

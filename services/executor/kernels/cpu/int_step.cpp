@@ -1,6 +1,6 @@
 // The dense work of a step on the GGUF's codes, with integer activations, on the same OpenMP
-// threads as the attention kernel: every step of the fast mode (but big ones on CPUs with AMX,
-// see dense_prefill.py), from one stream's decode to a batch of decodes or a prompt chunk.
+// threads as the attention kernel: every step of the fast mode, from one stream's decode to a
+// batch of decodes or a prompt chunk.
 //
 // Why: a one-token step streams every weight once, so it is bound by memory and wants every
 // core. ONNX Runtime cannot give it two: its per-session pools must wake a sleeping thread for

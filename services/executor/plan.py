@@ -93,10 +93,10 @@ def _torch_plan(device: str, exact: bool, dtype: str) -> ExecutionPlan:
 def _cpu_plan(model_path: str | PathLike[str] | None, engine: str, exact: bool,
               isa: str | None) -> ExecutionPlan:
     """`engine`: "cpu" (the best CPU engine that runs), "integer-kernel" or "onnxruntime"."""
-    from llmbus.services.executor.kernels.cpu.library import build_label, load_library
+    from llmbus.services.executor.kernels.cpu.library import build_label, builds
     from llmbus.services.executor.weights.matrices import kernel_takes_file
 
-    built = load_library(isa) is not None
+    built = builds(isa)  # not loaded: OpenMP is configured after the plan
     kernels = build_label(isa) if built else None
     attention = "C++ paged attention" if built else "torch attention"
     why_not = ("it has no exact mode" if exact else

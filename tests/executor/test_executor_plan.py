@@ -79,7 +79,7 @@ def test_a_file_the_kernel_does_not_take_runs_the_graphs_and_says_why(files):
 
 
 def test_without_a_compiler_the_graphs_run_with_torch_attention(files, monkeypatch):
-    monkeypatch.setattr(library, "load_library", lambda isa=None: None)
+    monkeypatch.setattr(library, "builds", lambda isa=None: False)
     plan = resolve_plan(files["q4_1"])
     assert plan.describe() == ("ONNX Runtime graphs (int8 activations) + torch attention, "
                                "float16 KV, fast mode (no integer kernel: no C++ compiler "
@@ -114,6 +114,21 @@ def test_impossible_combinations_are_refused_with_the_reason(files, monkeypatch)
     monkeypatch.setattr(cpu_features, "has_native_bfloat16", lambda: True)
     assert resolve_plan(files["q4_1"], dtype="bfloat16").describe() == (
         "torch (dense bfloat16 weights) + torch attention, bfloat16 KV, fast mode")
+
+
+def test_planning_loads_no_kernels_so_openmp_can_still_be_configured(files):
+    """libgomp reads GOMP_SPINCOUNT once, when the kernels' library loads it: the executor
+    plans first, then configures OpenMP, then loads (a plan that loaded the library cost the
+    exact mode a quarter of its throughput at 16 streams, its OpenMP threads sleeping at once
+    between the attention's barriers)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from llmbus.services.executor.plan import resolve_plan; "
+            f"resolve_plan({str(files['q4_1'])!r}); "
+            "maps = open('/proc/self/maps').read(); "
+            "sys.exit(1 if 'libgomp' in maps or 'llmbus-cpu-' in maps else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_build_labels_name_what_each_build_runs(monkeypatch):

@@ -146,6 +146,20 @@ def build(compiler: str | None = None, isa: str | None = None) -> Path:
 
 
 @functools.cache
+def builds(isa: str | None = None) -> bool:
+    """Whether the kernels for `isa` build here, without loading them: loading starts libgomp,
+    which reads its environment once (configure_openmp must come first), and the executor
+    plans (plan.py) before it configures OpenMP."""
+    try:
+        build(isa=isa)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        log.warning("CPU kernels unavailable: no integer kernel, torch attention",
+                    error=str(exc)[:500])
+        return False
+    return True
+
+
+@functools.cache
 def load_library(isa: str | None = None) -> ctypes.CDLL | None:
     """The kernels built for `isa` (default: LLMBUS_CPU_ISA, else native), or None (logged
     once) where they cannot be built or loaded."""

@@ -33,6 +33,17 @@ class RunningStack:
         return self.log_path.read_text(errors="replace")
 
 
+def _end_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the process that started it dies, so a
+    killed test or benchmark run leaves no stack behind (`llmbus up` stops its services)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def start_stack(tmp_dir: Path, *extra: str, timeout: float = 240.0,
                 env: dict[str, str] | None = None) -> RunningStack:
     """Run `llmbus up` as a user would; return once it prints that it is ready."""
@@ -42,7 +53,7 @@ def start_stack(tmp_dir: Path, *extra: str, timeout: float = 240.0,
     process = subprocess.Popen(
         [sys.executable, "-m", "llmbus.services.cli", "up", "--port", str(port), *extra],
         stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), preexec_fn=_end_with_parent)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log_path.read_text(errors="replace")

@@ -21,7 +21,7 @@
 // exact, but then the activations' rounding error meets s * code, whose codes 0..15 sit far
 // from zero, instead of w = s * code + m, centered: on the default model that doubled the
 // error of every int8 matmul, 1 - cos(logits) 3.6e-5 against exact where d * sum(q) gives
-// 1.1e-5, and perplexity +0.44% against +0.12%.) The integer sums are exact, so the result
+// 1.1e-5, and perplexity +0.44% against +0.17%.) The integer sums are exact, so the result
 // does not depend on the order of any float sum.
 //
 // Layouts (quant_parts.py builds them from the GGUF's blocks), for an [n, k] matrix, n a

@@ -146,27 +146,34 @@ def build(compiler: str | None = None, isa: str | None = None) -> Path:
 
 
 @functools.cache
+def _built(isa: str | None) -> Path | None:
+    """The library's path, or None (logged once) where the kernels do not build."""
+    try:
+        return build(isa=isa)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        log.warning("CPU kernels unavailable: no integer kernel, torch attention",
+                    error=str(exc)[:500])
+        return None
+
+
 def builds(isa: str | None = None) -> bool:
     """Whether the kernels for `isa` build here, without loading them: loading starts libgomp,
     which reads its environment once (configure_openmp must come first), and the executor
     plans (plan.py) before it configures OpenMP."""
-    try:
-        build(isa=isa)
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        log.warning("CPU kernels unavailable: no integer kernel, torch attention",
-                    error=str(exc)[:500])
-        return False
-    return True
+    return _built(isa) is not None
 
 
 @functools.cache
 def load_library(isa: str | None = None) -> ctypes.CDLL | None:
-    """The kernels built for `isa` (default: LLMBUS_CPU_ISA, else native), or None (logged
-    once) where they cannot be built or loaded."""
+    """The kernels built for `isa` (default: LLMBUS_CPU_ISA, else native), or None where they
+    cannot be built or loaded."""
+    path = _built(isa)
+    if path is None:
+        return None
     try:
-        lib = ctypes.CDLL(str(build(isa=isa)))
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        log.warning("CPU kernels unavailable: no integer kernel, torch attention",
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        log.warning("CPU kernels do not load: no integer kernel, torch attention",
                     error=str(exc)[:500])
         return None
     for name, (argtypes, restype) in SIGNATURES.items():

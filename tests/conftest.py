@@ -117,6 +117,7 @@ TEST_KINDS = {
     "test_scheduler.py": "unit",
     "test_scheduler_config.py": "unit",
     "test_scheduler_multi_step.py": "unit",
+    "test_scheduler_step_time.py": "unit",
     "test_scheduler_prefix_and_fork.py": "unit",
     "test_scheduler_speculation.py": "unit",
     "test_sentencepiece_tokenizer.py": "unit",

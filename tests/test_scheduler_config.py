@@ -27,13 +27,14 @@ def test_every_option_sets_its_field():
         "--no-prefix-caching", "--pipeline-depth", "1", "--max-queued-requests", "5",
         "--max-queued-tokens", "600", "--queue-timeout", "7", "--shutdown-timeout", "8",
         "--num-speculative-tokens", "2", "--spec-ngram-max", "3", "--spec-ngram-min", "1",
-        "--decode-steps", "4", "--decode-plan-ms", "50", "--step-timeout", "9")
+        "--decode-steps", "4", "--decode-plan-ms", "30", "--step-timeout", "9",
+        "--max-step-ms", "250")
     assert config == SchedulerConfig(
         engine_id="e7", max_num_seqs=3, max_num_batched_tokens=128, enable_prefix_caching=False,
         pipeline_depth=1, max_queued_requests=5, max_queued_tokens=600,
         queue_timeout_seconds=7.0, shutdown_timeout_seconds=8.0, num_speculative_tokens=2,
-        spec_ngram_max=3, spec_ngram_min=1, decode_steps=4, decode_plan_seconds=0.05,
-        step_timeout_seconds=9.0)
+        spec_ngram_max=3, spec_ngram_min=1, decode_steps=4, decode_plan_seconds=0.03,
+        step_timeout_seconds=9.0, max_step_seconds=0.25)
     executor_fields = {"num_blocks", "block_size", "max_model_len", "eos_token_ids"}
     unset = [f.name for f in dataclasses.fields(SchedulerConfig)
              if getattr(config, f.name) == f.default and f.name not in executor_fields]
@@ -51,6 +52,7 @@ def test_the_executor_gives_the_cache_shape():
 @pytest.mark.parametrize(("options", "named"), [
     (["--decode-steps", "0"], "--decode-steps"),
     (["--decode-plan-ms", "0"], "--decode-plan-ms"),
+    (["--max-step-ms", "-1"], "--max-step-ms"),
     (["--num-speculative-tokens", "-1"], "--num-speculative-tokens"),
     (["--spec-ngram-min", "5"], "--spec-ngram-min"),
 ])

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 from collections import deque
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmbus.bus.messages import FinishReason, SamplingParams, ScheduledRequest, StepPlan
-from llmbus.services.scheduler.config import MULTI_STEP_MAX_BATCH, SchedulerConfig
-from llmbus.services.scheduler.multi_step import DecodePace
+from llmbus.bus.messages import FinishReason, SamplingParams
+from llmbus.services.scheduler.config import MULTI_STEP_MAX_BATCH
 from tests.test_scheduler_speculation import (
     EOS,
     FakeExecutor,
@@ -125,7 +123,7 @@ def paced_plans(forward_seconds: float, plan_seconds: float = 0.08) -> list[list
 
 
 def test_a_plan_takes_fewer_steps_when_forwards_are_slow():
-    """Up to --decode-steps while a plan's forwards fit the plan time (80 ms): 8 steps of a
+    """Up to --decode-steps while a plan's forwards fit the plan time (80 ms here): 8 steps of a
     6 ms forward, 2 of a 30 ms one, 1 of a 100 ms one. The first decode plans go out before
     any forward was timed."""
     fast, medium, slow = paced_plans(0.006), paced_plans(0.03), paced_plans(0.1)
@@ -133,23 +131,3 @@ def test_a_plan_takes_fewer_steps_when_forwards_are_slow():
     assert max(max(p) for p in medium[3:]) == 2
     assert max(max(p) for p in slow[3:]) == 1
     assert len(slow) > 3 * len(fast)
-
-
-def test_the_pace_learns_from_small_decode_steps_only():
-    pace = DecodePace()
-    config = SchedulerConfig(num_blocks=8, block_size=4, max_model_len=64, decode_steps=8,
-                             decode_plan_seconds=0.08)
-    assert pace.max_steps(config) == 8  # nothing timed yet
-    prefill = StepPlan(step_id=0, scheduled=[ScheduledRequest("a", 0, 30)])
-    pace.observe(prefill, 1.0)
-    assert pace.forward_seconds is None
-    big = StepPlan(step_id=1, scheduled=[ScheduledRequest(f"r{i}", 30, 1)
-                                         for i in range(MULTI_STEP_MAX_BATCH + 1)])
-    pace.observe(big, 1.0)
-    assert pace.forward_seconds is None
-    pace.observe(StepPlan(step_id=2, scheduled=[ScheduledRequest("a", 30, 1, num_steps=4)]),
-                 0.16)
-    assert pace.forward_seconds == pytest.approx(0.04) and pace.max_steps(config) == 2
-    for step in range(3, 30):  # forwards got faster: the average follows
-        pace.observe(StepPlan(step_id=step, scheduled=[ScheduledRequest("a", 31, 1)]), 0.005)
-    assert pace.max_steps(config) == 8

@@ -23,9 +23,11 @@ class SchedulerConfig:
     max_model_len: int = 0
     eos_token_ids: tuple[int, ...] = ()
     # Planning (scheduler.py): the batch caps; chunked prefill's step size (why 256:
-    # docs/benchmarks.md, "Step budget").
+    # docs/benchmarks.md, "Step budget"); while anything decodes, the forward time a step's
+    # prompt chunks may bring it to (step_time.py; 0 = the token budget alone).
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 256
+    max_step_seconds: float = 0.1
     enable_prefix_caching: bool = True
     # Speculative decoding (ngram_proposer.py): up to this many draft tokens per step, from
     # earlier matches of the last spec_ngram_max..spec_ngram_min tokens; 0 = off.
@@ -35,7 +37,7 @@ class SchedulerConfig:
     # Multi-step decoding (multi_step.py): tokens a small batch's decodes take per step, at
     # most, and about how long such a step may take (fewer steps when forwards are slow).
     decode_steps: int = 8
-    decode_plan_seconds: float = 0.08
+    decode_plan_seconds: float = 0.05
     # The engine loop and the adapter (engine_loop.py, service.py).
     engine_id: str = "engine0"
     pipeline_depth: int = 2  # steps in flight at once
@@ -50,6 +52,9 @@ class SchedulerConfig:
                           self.spec_ngram_max)
         if self.decode_steps < 1:
             raise ValueError(f"--decode-steps must be 1 or more, got {self.decode_steps}")
+        if not self.max_step_seconds >= 0:
+            raise ValueError("--max-step-ms must be 0 (off) or more, got "
+                             f"{self.max_step_seconds * 1000:g}")
         if not self.decode_plan_seconds > 0:
             raise ValueError("--decode-plan-ms must be positive, got "
                              f"{self.decode_plan_seconds * 1000:g}")
@@ -77,6 +82,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
         engine_id=args.engine_id, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_step_seconds=args.max_step_ms / 1000,
         enable_prefix_caching=not args.no_prefix_caching, pipeline_depth=args.pipeline_depth,
         max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
         queue_timeout_seconds=args.queue_timeout, shutdown_timeout_seconds=args.shutdown_timeout,
@@ -100,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "out sooner (one step of 256 tokens is ~0.35 s on 2 CPU cores for "
                              "the default model); raise it on a GPU "
                              f"(default: {c.max_num_batched_tokens})")
+    parser.add_argument("--max-step-ms", type=float, default=c.max_step_seconds * 1000,
+                        help="while requests decode, prompt chunks take only what keeps a "
+                             "step's forward within this many ms, predicted by a model of step "
+                             "time learnt from the executor's answers, so that streams never "
+                             "freeze behind a long prompt; a step with no decodes takes the "
+                             "whole token budget; 0 = the token budget alone "
+                             f"(default: {c.max_step_seconds * 1000:g})")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="do not reuse the KV blocks of earlier requests' shared prefixes")
     parser.add_argument("--pipeline-depth", type=int, default=c.pipeline_depth, choices=(1, 2),

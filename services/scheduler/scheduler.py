@@ -43,14 +43,15 @@ from llmbus.services.scheduler.admission import AdmissionError, params_for, reso
 from llmbus.services.scheduler.config import SchedulerConfig
 from llmbus.services.scheduler.kv_manager import KVManager
 from llmbus.services.scheduler.multi_step import (
-    DecodePace,
     decode_steps,
+    max_decode_steps,
     multi_step_decode,
 )
 from llmbus.services.scheduler.outputs import end_updates, stop_reason, token_update
 from llmbus.services.scheduler.request import Request, RequestStatus
 from llmbus.services.scheduler.request_table import Counters, RequestTable
 from llmbus.services.scheduler.speculation import drafts_for, verified, waits_for_drafts
+from llmbus.services.scheduler.step_time import StepBudget, StepShape, StepTimeModel
 
 
 class Scheduler:
@@ -65,7 +66,7 @@ class Scheduler:
         self.table = RequestTable()
         self.counters = Counters()
         self.num_steps = 0
-        self.decode_pace = DecodePace()  # how many steps a multi-step plan may take
+        self.step_time = StepTimeModel()  # sizes prompt chunks and multi-step plans
         self._ended_updates: list[RequestTokens] = []  # aborts, sent with the next update
         self._forget_ids: list[str] = []  # the executor drops these before the next step
         self._preempted_ids: list[str] = []
@@ -192,8 +193,9 @@ class Scheduler:
                        and r.num_computed_tokens >= r.target_tokens]:
             self._fork(parent)
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, decode steps)
-        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled)
-        self._schedule_waiting(budget, scheduled)
+        step = StepBudget(self.step_time, self._decode_shape(), self.config.max_step_seconds)
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, step)
+        self._schedule_waiting(budget, scheduled, step)
         plan = StepPlan(step_id=self.num_steps, finished_sequence_ids=self._forget_ids,
                         preempted_sequence_ids=self._preempted_ids, copy_blocks=self._copies)
         self._forget_ids, self._preempted_ids, self._copies = [], [], []
@@ -207,20 +209,41 @@ class Scheduler:
         self.counters.max_batch_size = max(self.counters.max_batch_size, len(plan.scheduled))
         return plan
 
-    def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int, int]]) -> int:
+    def _decode_shape(self) -> StepShape:
+        """The running requests that decode a token this step (what prompt chunks must not
+        stall), as the step-time model sees them."""
+        shape = StepShape()
+        for r in self.running:
+            if (r.target_tokens - r.num_computed_tokens == 1 and not r.is_parent
+                    and not r.draft_token_ids
+                    and len(r.output_token_ids) + r.num_pending_tokens < r.max_tokens):
+                shape.add(r.num_computed_tokens, 1)
+        return shape
+
+    def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int, int]],
+                          step: StepBudget) -> int:
         """Running requests first, oldest first; the newest give way when blocks run out.
         Appends to `scheduled`; returns the token budget left."""
         index, speculating = 0, self.config.num_speculative_tokens > 0
         multi_step = multi_step_decode(self.config, len(self.running), len(self.waiting))
-        most_steps = self.decode_pace.max_steps(self.config)
+        most_steps = (max_decode_steps(self.config, self.step_time.predict(step.shape))
+                      if multi_step else 1)
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._num_new_tokens(request, budget)
+            start = request.num_computed_tokens
+            prompt = request.target_tokens - start > 1
+            if prompt:  # a chunk of its prompt: within the step's time
+                num_new = step.prompt_chunk(start, num_new)
             drafts = drafts_for(request, self.config, budget) if num_new and speculating else []
             if num_new == 0 or (speculating and not drafts
                                 and waits_for_drafts(request, self.config)):
                 index += 1
                 continue
+            if prompt:
+                step.take(start, num_new)
+            elif drafts:
+                step.add_drafts(start, len(drafts))
             num_new += len(drafts)
             num_steps = (decode_steps(request, self.config, budget, most_steps)
                          if multi_step else 1)
@@ -237,7 +260,8 @@ class Scheduler:
             index += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int, int]]) -> None:
+    def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int, int]],
+                          step: StepBudget) -> None:
         """Then waiting requests, in order, while budget, sequence slots and blocks allow."""
         num_seqs = sum(r.num_forks for r in self.running)
         while self.waiting and budget > 0:
@@ -247,10 +271,12 @@ class Scheduler:
                 break
             looked_up = self.kv.tree is not None and request.num_computed_tokens == 0
             num_matched = self._match_prefix(request)
-            num_new = self._num_new_tokens(request, budget)
-            if not self._reserve_blocks(request, num_new):
+            num_new = step.prompt_chunk(request.num_computed_tokens,
+                                        self._num_new_tokens(request, budget))
+            if num_new == 0 or not self._reserve_blocks(request, num_new):
                 self._release_blocks(request)  # give back the matched prefix
                 break
+            step.take(request.num_computed_tokens, num_new)
             if looked_up:  # counted once, when admitted: a head that waits asks again
                 self.counters.num_prefix_query_tokens += request.target_tokens
                 self.counters.num_prefix_hit_tokens += num_matched * self.config.block_size
@@ -392,7 +418,7 @@ class Scheduler:
                now: float = 0.0) -> list[RequestTokens]:
         """Fill in a step's sampled tokens; returns the token updates for the detokenizer."""
         updates = self.take_ended_updates()
-        self.decode_pace.observe(plan, result.forward_seconds)
+        self.step_time.observe(plan, result.forward_seconds)
         sampled = iter(result.sampled_token_ids)
         logprobs = iter(result.logprobs or [None] * len(result.sampled_token_ids))
         counts = iter(result.num_sampled) if result.num_sampled else None

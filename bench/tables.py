@@ -24,7 +24,8 @@ def _ratio(peer: float | None, ours: float | None) -> str:
 
 
 def workload_rows(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
-    """{workload: {server: {tput, ttft, itl, tpot, failed}}}, the HF baseline mapped in."""
+    """{workload: {server: {tput, ttft, itl, tpot, failed, itl99, itl999, gap}}}, the HF
+    baseline mapped in (it has no tail: one static batch)."""
     rows: dict[str, dict[str, dict[str, float | None]]] = {}
     for workload in summary["workloads"]:
         row = rows.setdefault(workload["name"], {})
@@ -46,25 +47,31 @@ def workload_rows(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, floa
                 continue
             report = record["workloads"].get(workload["name"])
             if report:
+                itl = report["itl_ms"]
                 row[name] = {"tput": report["output_throughput"],
-                             "ttft": report["ttft_ms"]["p50"], "itl": report["itl_ms"]["p50"],
-                             "tpot": report["tpot_ms"]["p50"], "failed": report["failed"]}
+                             "ttft": report["ttft_ms"]["p50"], "itl": itl["p50"],
+                             "tpot": report["tpot_ms"]["p50"], "failed": report["failed"],
+                             "itl99": itl.get("p99"), "itl999": itl.get("p99.9"),
+                             "gap": itl.get("max")}
     return rows
 
 
 def absolute_table(summary: dict[str, Any]) -> str:
-    lines = ["| workload | server | output tok/s | TTFT p50 ms | ITL p50 ms | TPOT p50 ms "
-             "| failed |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| workload | server | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms "
+             "| ITL p99.9 ms | longest gap ms | TPOT p50 ms | failed |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for workload, servers in workload_rows(summary).items():
         for name, m in servers.items():
             lines.append(f"| {workload} | {name} | {_num(m['tput'])} | {_num(m['ttft'])} | "
-                         f"{_num(m['itl'])} | {_num(m['tpot'])} | {m['failed']} |")
+                         f"{_num(m['itl'])} | {_num(m.get('itl99'))} | "
+                         f"{_num(m.get('itl999'))} | {_num(m.get('gap'))} | "
+                         f"{_num(m['tpot'])} | {m['failed']} |")
     return "\n".join(lines)
 
 
 def ratio_table(summary: dict[str, Any]) -> str:
     lines = ["| workload | peer | throughput peer/llmbus | TTFT p50 peer/llmbus | "
-             "ITL p50 peer/llmbus |", "|---|---|---:|---:|---:|"]
+             "ITL p50 peer/llmbus | ITL p99 peer/llmbus |", "|---|---|---:|---:|---:|---:|"]
     for workload, servers in workload_rows(summary).items():
         ours = servers.get("llmbus")
         if ours is None:
@@ -73,7 +80,8 @@ def ratio_table(summary: dict[str, Any]) -> str:
             if name != "llmbus":
                 lines.append(f"| {workload} | {name} | {_ratio(m['tput'], ours['tput'])} | "
                              f"{_ratio(m['ttft'], ours['ttft'])} | "
-                             f"{_ratio(m['itl'], ours['itl'])} |")
+                             f"{_ratio(m['itl'], ours['itl'])} | "
+                             f"{_ratio(m.get('itl99'), ours.get('itl99'))} |")
     return "\n".join(lines)
 
 

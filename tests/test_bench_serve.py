@@ -197,7 +197,7 @@ def test_report_fields_and_math():
     assert report["tpot_ms"]["p50"] == pytest.approx(100.0)  # (0.5-0.1)/4 and (0.5-0.3)/2
     assert report["itl_ms"]["p99"] == pytest.approx(100.0)
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
-        assert set(report[key]) == {"mean", "p50", "p90", "p99"}
+        assert set(report[key]) == {"mean", "p50", "p90", "p99", "p99.9", "max"}
     table = format_report(report)
     assert re.search(r"Output token throughput \(tok/s\)\s+4\.00", table)
     assert "error: HTTP 500: boom" in table

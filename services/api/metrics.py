@@ -31,6 +31,9 @@ disable_created_metrics()  # no `_created` series: vLLM's dashboards do not read
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
             10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+# Inter-token gaps: fine from 5 ms to 1 s, where a stream's cadence and its freezes lie.
+_GAPS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+         0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 R = ("model_name", "replica")
 
@@ -57,7 +60,7 @@ class ApiMetrics:
                               "Time from request arrival to its first token.", _LATENCY)
         self.itl = histogram("llmbus:inter_token_latency_seconds",
                              "Time between consecutive output tokens of a choice (a delta "
-                             "of n tokens: its gap over n).", _LATENCY)
+                             "of n tokens: its gap over n).", _GAPS)
         self.e2e = histogram("llmbus:e2e_request_latency_seconds",
                              "Time from request arrival to its last token.", _LATENCY)
         self.queue = histogram("llmbus:request_queue_time_seconds",

@@ -6,6 +6,11 @@ process as the executor does (fast mode) and runs one step. Memory is the proces
 set: its peak over the load and the step, less what the process held after its imports.
 
     python -m llmbus.bench.k_quant_memory [--layers 12] [--hidden 1024] [--kv-blocks 256]
+
+`--write FILE` only writes the file, with the default model's tokenizer so that it can be
+served and benchmarked (its random weights say nothing; their speed is a real model's): a
+Llama-3.2-1B shape is `--layers 16 --hidden 2048 --write llama-1b-q4_k_m.gguf` (1.2B
+parameters with SmolLM2's 49,152-token vocabulary).
 """
 
 from __future__ import annotations
@@ -35,9 +40,13 @@ def random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) ->
     return blocks.reshape(rows, -1)
 
 
-def write_model(path: Path, layers: int, hidden: int, vocab: int) -> int:
-    """A Q4_K_M-style llama file; returns its parameter count."""
+def write_model(path: Path, layers: int, hidden: int, vocab: int,
+                tokenizer_from: Path | None = None) -> int:
+    """A Q4_K_M-style llama file; returns its parameter count. With `tokenizer_from`, that
+    file's tokenizer and its vocabulary's size."""
     import gguf
+
+    from llmbus.services.gguf_metadata import copy_tokenizer
 
     heads, kv_heads, ffn = hidden // 64, hidden // 256, 4 * hidden
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -48,6 +57,8 @@ def write_model(path: Path, layers: int, hidden: int, vocab: int) -> int:
         add(value)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
+    if tokenizer_from is not None:
+        vocab = copy_tokenizer(writer, tokenizer_from)
     rng = np.random.default_rng(0)
     num_params = 0
 
@@ -118,10 +129,20 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--kv-blocks", type=int, default=256)
+    parser.add_argument("--write", type=Path, default=None,
+                        help="only write the file here, with the default model's tokenizer")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # the child's run
     args = parser.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure, args.kv_blocks)))
+        return
+    if args.write:
+        from llmbus.services.model_files import default_model_path
+
+        num_params = write_model(args.write, args.layers, args.hidden, args.vocab,
+                                 tokenizer_from=default_model_path())
+        print(f"wrote {args.write}: {num_params / 1e9:.2f}B parameters, "
+              f"{args.write.stat().st_size / 2 ** 20:.0f} MiB")
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "q4_k_m.gguf"

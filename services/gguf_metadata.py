@@ -95,3 +95,27 @@ def read_tensor_infos(path: str | PathLike[str]) -> dict[str, TensorInfo]:
             _read(f, "<Q")  # offset of the data
             infos[name] = TensorInfo(tuple(reversed(dims)), ggml_type)
         return infos
+
+
+# The tokenizer's keys, each with the gguf-py GGUFWriter method that writes it.
+_TOKENIZER_KEYS = (("tokenizer.ggml.model", "add_tokenizer_model"),
+                   ("tokenizer.ggml.pre", "add_tokenizer_pre"),
+                   ("tokenizer.ggml.tokens", "add_token_list"),
+                   ("tokenizer.ggml.scores", "add_token_scores"),
+                   ("tokenizer.ggml.token_type", "add_token_types"),
+                   ("tokenizer.ggml.merges", "add_token_merges"),
+                   ("tokenizer.ggml.bos_token_id", "add_bos_token_id"),
+                   ("tokenizer.ggml.eos_token_id", "add_eos_token_id"),
+                   ("tokenizer.ggml.unknown_token_id", "add_unk_token_id"),
+                   ("tokenizer.chat_template", "add_chat_template"))
+
+
+def copy_tokenizer(writer: Any, source: str | PathLike[str]) -> int:
+    """Every tokenizer key of `source` (byte-level or SentencePiece) onto a gguf-py writer, as
+    it is there, so that a generated model file (tests, benchmarks) can be served; returns the
+    vocabulary's size."""
+    metadata = read_metadata(source)
+    for key, method in _TOKENIZER_KEYS:
+        if key in metadata:
+            getattr(writer, method)(metadata[key])
+    return len(metadata["tokenizer.ggml.tokens"])

@@ -11,6 +11,7 @@ import numpy as np
 
 from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from llmbus.services.executor.weights.gguf_loader import unpermute_qk
+from llmbus.services.gguf_metadata import copy_tokenizer
 from llmbus.services.gguf_tokenizer import GGUFTokenizer, byte_alphabet
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -76,30 +77,6 @@ def tiny_weights(spec: TinySpec, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def _copy_tokenizer(writer, source: Path) -> None:
-    """Every tokenizer key of `source` (byte-level or SentencePiece), as it is there."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(source))
-
-    def value(key: str):
-        field = reader.get_field(key)
-        return None if field is None else field.contents()
-
-    for key, add in (("tokenizer.ggml.model", writer.add_tokenizer_model),
-                     ("tokenizer.ggml.pre", writer.add_tokenizer_pre),
-                     ("tokenizer.ggml.tokens", writer.add_token_list),
-                     ("tokenizer.ggml.scores", writer.add_token_scores),
-                     ("tokenizer.ggml.token_type", writer.add_token_types),
-                     ("tokenizer.ggml.merges", writer.add_token_merges),
-                     ("tokenizer.ggml.bos_token_id", writer.add_bos_token_id),
-                     ("tokenizer.ggml.eos_token_id", writer.add_eos_token_id),
-                     ("tokenizer.ggml.unknown_token_id", writer.add_unk_token_id),
-                     ("tokenizer.chat_template", writer.add_chat_template)):
-        if value(key) is not None:
-            add(value(key))
-
-
 def random_k_quant(kind, rows: int, cols: int, seed: int) -> np.ndarray:
     """Random but valid blocks of a K-quant GGMLQuantizationType (see bench/k_quant_memory)."""
     from llmbus.bench.k_quant_memory import random_k_quant as blocks
@@ -150,7 +127,7 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
         writer.add_bos_token_id(spec.bos_token_id)
         writer.add_eos_token_id(spec.eos_token_id)
     else:
-        _copy_tokenizer(writer, vocab_from)
+        copy_tokenizer(writer, vocab_from)
     if rope_scaling is not None:
         writer.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
         writer.add_float32(f"{arch}.rope.scaling.factor", rope_scaling[1])

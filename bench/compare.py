@@ -65,7 +65,11 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--c1-requests", type=int, default=8,
                         help="requests of the concurrency-1 workload")
     parser.add_argument("--requests", type=int, default=32,
-                        help="requests of the concurrency-16 workloads")
+                        help="requests of the concurrent workloads")
+    parser.add_argument("--concurrency", type=int, default=16,
+                        help="in-flight requests of the concurrent workloads (default: 16)")
+    parser.add_argument("--no-shared-prefix", action="store_true",
+                        help="leave out the shared-prefix workload")
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--question-len", type=int, default=32)
     parser.add_argument("--prefix-max-tokens", type=int, default=64)
@@ -74,16 +78,17 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def workloads(args: argparse.Namespace) -> list[Workload]:
-    io = f"{args.input_len}/{args.max_tokens}"
-    return [
+    io, c = f"{args.input_len}/{args.max_tokens}", args.concurrency
+    loads = [
         Workload(f"random {io} c1", "random", args.input_len, args.max_tokens, 1,
                  args.c1_requests),
-        Workload(f"random {io} c16", "random", args.input_len, args.max_tokens, 16,
+        Workload(f"random {io} c{c}", "random", args.input_len, args.max_tokens, c,
                  args.requests),
         Workload(f"shared-prefix {args.prefix_len}+{args.question_len}/"
-                 f"{args.prefix_max_tokens} c16", "shared-prefix", args.question_len,
-                 args.prefix_max_tokens, 16, args.requests, args.prefix_len),
+                 f"{args.prefix_max_tokens} c{c}", "shared-prefix", args.question_len,
+                 args.prefix_max_tokens, c, args.requests, args.prefix_len),
     ]
+    return loads[:2] if args.no_shared_prefix else loads
 
 
 def build_requests(workload: Workload, tokenizer) -> list[BenchRequest]:

@@ -24,10 +24,11 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Planning (scheduler.py): the batch caps; chunked prefill's step size (why 256:
     # docs/benchmarks.md, "Step budget"); while anything decodes, the forward time a step's
-    # prompt chunks may bring it to (step_time.py; 0 = the token budget alone).
+    # prompt chunks may bring it to (step_time.py; 0 = the token budget alone; why 60:
+    # docs/benchmarks.md, "Steps sized by time").
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 256
-    max_step_seconds: float = 0.1
+    max_step_seconds: float = 0.06
     enable_prefix_caching: bool = True
     # Speculative decoding (ngram_proposer.py): up to this many draft tokens per step, from
     # earlier matches of the last spec_ngram_max..spec_ngram_min tokens; 0 = off.

@@ -7,8 +7,10 @@ There is no prefill phase and no decode phase. Each request has tokens (prompt +
 output) and computed tokens (whose KV is in the cache); every step, computed tokens catch up
 with tokens under a token budget. Running requests go first, oldest first, so decodes never
 stall behind a long prompt; then waiting requests are admitted, a long prompt taking several
-steps (chunked prefill). A new request first reuses the longest cached prefix of full blocks.
-When a running request needs a block and none is free or evictable, the newest running
+steps (chunked prefill); while anything decodes, prompt chunks take only what keeps the
+step within its time target (step_time.py), so a long prompt is spread over as many steps as
+it takes and decodes keep their cadence. A new request first reuses the longest cached
+prefix of full blocks. When a running request needs a block and none is free or evictable, the newest running
 request is preempted: its blocks are freed and it returns to the front of the queue, to be
 recomputed later (cheaply, thanks to the prefix cache).
 

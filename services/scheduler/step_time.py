@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from llmbus.bus.messages import StepPlan
 
 WINDOW = 16  # observations kept per kind (steps with prompt tokens, steps of decodes only)
-DECAY = 0.8  # an observation's weight falls by this much with every step observed after it
+DECAY = 0.8  # an observation's weight is multiplied by this with every step observed after it
 STALE_WEIGHT = 0.01  # ... but never below this
 PREFILL_FLOOR_TOKENS = 32  # prompt tokens a step with decodes always takes, if any wait
 NUM_FEATURES = 4

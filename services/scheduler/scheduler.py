@@ -10,9 +10,9 @@ stall behind a long prompt; then waiting requests are admitted, a long prompt ta
 steps (chunked prefill); while anything decodes, prompt chunks take only what keeps the
 step within its time target (step_time.py), so a long prompt is spread over as many steps as
 it takes and decodes keep their cadence. A new request first reuses the longest cached
-prefix of full blocks. When a running request needs a block and none is free or evictable, the newest running
-request is preempted: its blocks are freed and it returns to the front of the queue, to be
-recomputed later (cheaply, thanks to the prefix cache).
+prefix of full blocks. When a running request needs a block and none is free or evictable,
+the newest running request is preempted: its blocks are freed and it returns to the front of
+the queue, to be recomputed later (cheaply, thanks to the prefix cache).
 
 The scheduler plans ahead: `schedule()` counts every token it asks the executor to sample as
 already there (pending), so step N+1 can be planned and sent while step N runs. `update()`

@@ -3,7 +3,7 @@ answers, that caps each step's prompt tokens so that running decodes keep their 
 ("stall-free batching", Sarathi-Serve, OSDI '24).
 
 A token budget costs the same tokens on every model and CPU, but 256 tokens take ~0.15 s of
-the default model and ~4 s of a 1B one on 2 cores, and every decode in the step waits for
+the default model and ~2 s of a 1B one on 2 Zen 4 cores, and every decode in the step waits for
 them. So each step's time is predicted from its shape,
 
     seconds ≈ c0 + c_rows · rows + c_tokens · tokens + c_keys · kilo_keys

@@ -79,7 +79,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 
 def workloads(args: argparse.Namespace) -> list[Workload]:
     io, c = f"{args.input_len}/{args.max_tokens}", args.concurrency
-    loads = [
+    return [
         Workload(f"random {io} c1", "random", args.input_len, args.max_tokens, 1,
                  args.c1_requests),
         Workload(f"random {io} c{c}", "random", args.input_len, args.max_tokens, c,
@@ -87,8 +87,7 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
         Workload(f"shared-prefix {args.prefix_len}+{args.question_len}/"
                  f"{args.prefix_max_tokens} c{c}", "shared-prefix", args.question_len,
                  args.prefix_max_tokens, c, args.requests, args.prefix_len),
-    ]
-    return loads[:2] if args.no_shared_prefix else loads
+    ][:2 if args.no_shared_prefix else 3]
 
 
 def build_requests(workload: Workload, tokenizer) -> list[BenchRequest]:

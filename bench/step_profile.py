@@ -6,7 +6,9 @@ bookkeeping).
     python -m llmbus.bench.step_profile [--batch 1,16] [--context 300,1060] [--exact] [--threads 2]
 
 Each case prefills `batch` requests of `context` tokens, then times decode steps of one token
-per request through `ModelRunner.step`, the executor service's whole per-step work.
+per request through `ModelRunner.step`, the executor service's whole per-step work: first as
+served (the integer kernel's layers and attention in one C++ call, step_layers.cpp, where the
+model takes it), then through the Python loop over layers, whose calls are timed one by one.
 """
 
 from __future__ import annotations
@@ -37,25 +39,15 @@ class _Timed:
 
 
 def profile(runner, batch: int, context: int, num_steps: int) -> dict[str, float]:
-    """ms per decode step: total, forward, dense work, attention."""
+    """ms per decode step: as served, and through the Python loop with its forward, dense work
+    and attention."""
     from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
     from llmbus.services.executor.engines import cpu_llama
 
     model = runner.model
-    graphs = list({id(g): g for g in model.graphs + model.single_thread_graphs}.values())
-    for graph in graphs:
-        graph.run = _Timed(graph.run)
-    kernel = model.int_step.lib if model.int_step else None
-    if kernel is not None:  # time the integer kernel's calls too
-        model.int_step.lib = types.SimpleNamespace(
-            int_boundary=_Timed(kernel.int_boundary), int_head=_Timed(kernel.int_head))
-        timers = [model.int_step.lib.int_boundary, model.int_step.lib.int_head]
-    else:
-        timers = []
-    model.attend = attend = _Timed(model.attend)
-    model.forward = forward = _Timed(model.forward)
-    params = SamplingParams(temperature=0.0, max_tokens=context + num_steps, ignore_eos=True)
-    blocks_each = -(-(context + num_steps) // runner.block_size)
+    assert isinstance(model, cpu_llama.CpuLlamaModel)
+    params = SamplingParams(temperature=0.0, max_tokens=context + 2 * num_steps, ignore_eos=True)
+    blocks_each = -(-(context + 2 * num_steps) // runner.block_size)
     ids = [f"p{batch}-{context}-{b}" for b in range(batch)]
     runner.step(StepPlan(step_id=0, new_requests=[
         NewRequestData(ids[b], [1000 + (b * 7 + i) % 40000 for i in range(context)], params)
@@ -63,26 +55,43 @@ def profile(runner, batch: int, context: int, num_steps: int) -> dict[str, float
         ScheduledRequest(ids[b], 0, context,
                          list(range(1 + b * blocks_each, 1 + (b + 1) * blocks_each)))
         for b in range(batch)]))
-    for timed in (*[g.run for g in graphs], *timers, attend, forward):
-        timed.total = 0.0
-    start = time.perf_counter()
-    for i in range(num_steps):
-        result = runner.step(StepPlan(step_id=1 + i, scheduled=[
-            ScheduledRequest(sequence_id, context + i, 1) for sequence_id in ids]))
-        if result.error:
-            raise RuntimeError(result.error)
-    total = time.perf_counter() - start
-    runner.step(StepPlan(step_id=num_steps + 1, finished_sequence_ids=ids))
-    dense_total = sum(t.total for t in [g.run for g in graphs] + timers)
+
+    def run_steps(first: int) -> float:
+        start = time.perf_counter()
+        for i in range(first, first + num_steps):
+            result = runner.step(StepPlan(step_id=1 + i, scheduled=[
+                ScheduledRequest(sequence_id, context + i, 1) for sequence_id in ids]))
+            if result.error:
+                raise RuntimeError(result.error)
+        return time.perf_counter() - start
+
+    served = run_steps(0)
+    # The Python loop over layers, every call timed.
+    graphs = list({id(g): g for g in model.graphs + model.single_thread_graphs}.values())
+    timers = []
+    for graph in graphs:
+        graph.run = _Timed(graph.run)
+        timers.append(graph.run)
+    kernel, fused = (model.int_step.lib if model.int_step else None), model.fused_layers
+    if kernel is not None:
+        model.int_step.lib = types.SimpleNamespace(
+            int_boundary=_Timed(kernel.int_boundary), int_head=_Timed(kernel.int_head))
+        timers += [model.int_step.lib.int_boundary, model.int_step.lib.int_head]
+    model.attend = attend = _Timed(model.attend)
+    model.forward = forward = _Timed(model.forward)
+    model.fused_layers = False
+    total = run_steps(num_steps)
+    model.fused_layers = fused
     for graph in graphs:
         graph.run = graph.run.fn
     if kernel is not None:
         model.int_step.lib = kernel
     del model.attend, model.forward  # back to the class's methods
-    assert isinstance(model, cpu_llama.CpuLlamaModel)
+    runner.step(StepPlan(step_id=2 * num_steps + 1, finished_sequence_ids=ids))
     per_step = 1000 / num_steps
-    return {"step": total * per_step, "forward": forward.total * per_step,
-            "dense": dense_total * per_step, "attention": attend.total * per_step}
+    return {"served": served * per_step, "step": total * per_step,
+            "forward": forward.total * per_step,
+            "dense": sum(t.total for t in timers) * per_step, "attention": attend.total * per_step}
 
 
 def main() -> int:
@@ -100,18 +109,20 @@ def main() -> int:
 
     batches = [int(b) for b in args.batch.split(",")]
     contexts = [int(c) for c in args.context.split(",")]
-    blocks = max(batches) * (-(-(max(contexts) + args.steps) // 16)) + 2
+    blocks = max(batches) * (-(-(max(contexts) + 2 * args.steps) // 16)) + 2
     runner = ModelRunner(default_model_path(), model_name="profile", num_threads=args.threads,
                          num_blocks=blocks, engine="auto", exact=args.exact)
     print(f"# {cpu_label()}; {args.threads} threads; "
           f"{'exact' if args.exact else 'fast'} mode; ms per decode step")
-    print("| batch | context | step | dense work (matmuls, norms, SwiGLU, head) | attention (RoPE, "
-          "KV write, attend) | rest of forward | outside forward (sampling, bookkeeping) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| batch | context | step as served | step, Python loop over layers | dense work "
+          "(matmuls, norms, SwiGLU, head) | attention (RoPE, KV write, attend) | rest of forward "
+          "| outside forward (sampling, bookkeeping) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch in batches:
         for context in contexts:
             p = profile(runner, batch, context, args.steps)
-            print(f"| {batch} | {context} | {p['step']:.1f} | {p['dense']:.1f} | "
+            print(f"| {batch} | {context} | {p['served']:.1f} | {p['step']:.1f} | "
+                  f"{p['dense']:.1f} | "
                   f"{p['attention']:.1f} | {p['forward'] - p['dense'] - p['attention']:.1f} | "
                   f"{p['step'] - p['forward']:.1f} |", flush=True)
     return 0

@@ -30,6 +30,12 @@ class PagedAttention:
                          torch.float16: lib.paged_attention_f16}
         self.num_threads = num_threads
 
+    @staticmethod
+    def takes_whole(meta: AttentionMetadata) -> bool:
+        """Whether every query of the step is the kernel's (none goes to SDPA)."""
+        return all(layout.query_gather.shape[1] <= KERNEL_MAX_QUERY_LEN
+                   for layout in meta.layouts)
+
     def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  num_heads: int, scale: float) -> torch.Tensor:

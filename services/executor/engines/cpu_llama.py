@@ -176,6 +176,10 @@ class CpuLlamaModel:
             self._build_graphs(config, dense, native, num_threads)
         self.embed = _Embedding(native.get("token_embd.weight"), dense.get("token_embd.weight"))
         self.qkv_biases = [qkv_bias(dense, i) for i in range(config.num_layers)]
+        # The integer kernel's layers and the attention in one C++ call (step_layers.cpp),
+        # where no QKV bias comes between them; tests turn it off to compare the two loops.
+        self.fused_layers = (self.int_step is not None and self.paged_attention is not None
+                             and all(b is None for b in self.qkv_biases))
         self.set_max_positions(max_positions)
         self.scale = config.head_dim ** -0.5
         _return_freed_memory()  # the load's temporaries: unpacked codes, dequantized blocks
@@ -262,7 +266,10 @@ class CpuLlamaModel:
 
         *layers, head = (self.single_thread_graphs if num_tokens <= SINGLE_THREAD_TOKENS
                          else self.graphs) or [None]
-        if self.int_step is not None:
+        if self.int_step is not None and self.fused_layers and PagedAttention.takes_whole(meta):
+            hidden = self.int_step.layers_with_attention(hidden, cos, sin, kv_cache, meta,
+                                                         self.scale)
+        elif self.int_step is not None:
             hidden = self.int_step.layers(hidden, attend)
         else:
             hidden = self._layers(layers, hidden, cos, sin, kv_cache, meta)

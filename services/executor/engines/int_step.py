@@ -18,6 +18,9 @@ from collections.abc import Callable
 
 import torch
 
+from llmbus.services.executor.attention.cpu_paged import KERNEL_MAX_QUERY_LEN, KV_DTYPES
+from llmbus.services.executor.attention.metadata import AttentionMetadata
+from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import LlamaConfig
 from llmbus.services.executor.weights.quant_parts import LayerParts, QuantPart
 
@@ -107,6 +110,8 @@ class IntStep:
         self.head_linear = IntLinear.of([head])
         self.output_norm = next(norms)
         self.qkv_width = sum(q.n for q in layers[0]["qkv"])
+        self._boundary_table = (ctypes.c_void_p * len(self.boundaries))(
+            *[ctypes.addressof(b) for b in self.boundaries])
 
     def layers(self, hidden: torch.Tensor,
                attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -124,6 +129,36 @@ class IntStep:
                 raise RuntimeError(f"int_boundary {index} failed ({status})")
             if index < cfg.num_layers:
                 attn = attend(index, qkv).contiguous()
+        return hidden
+
+    def layers_with_attention(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                              kv_cache: KVCache, meta: AttentionMetadata, scale: float,
+                              ) -> torch.Tensor:
+        """`layers` with every layer's attention in paged_attention.cpp, the whole loop one
+        C++ call (step_layers.cpp), the same bits: for models without QKV bias, on steps whose
+        queries the attention kernel takes whole (PagedAttention.takes_whole)."""
+        cfg = self.config
+        hidden = hidden.contiguous().clone()  # updated in place
+        tokens, head_dim = hidden.shape[0], cfg.head_dim
+        qkv = torch.empty(tokens, self.qkv_width)
+        attn = torch.empty(tokens, cfg.num_heads * head_dim)
+        q = torch.empty(tokens, cfg.num_heads, head_dim)
+        cos, sin, tables = cos.contiguous(), sin.contiguous(), meta.block_tables
+        k, v = kv_cache.k, kv_cache.v
+        if k.dtype not in KV_DTYPES or v.dtype != k.dtype or not (
+                k.is_contiguous() and v.is_contiguous()):
+            raise ValueError(f"expected a contiguous float32/float16 cache, got {k.dtype}")
+        status = self.lib.int_step_layers(
+            self._boundary_table, cfg.num_layers, tokens, cfg.hidden_size, cfg.rms_norm_eps,
+            hidden.data_ptr(), attn.data_ptr(), qkv.data_ptr(), int(k.dtype == torch.float16),
+            k.data_ptr(), v.data_ptr(), k.stride(0), cfg.num_heads, cfg.num_kv_heads, head_dim,
+            cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
+            tables.shape[1], meta.cu_seqlens_q.data_ptr(), meta.context_lens.data_ptr(),
+            tables.shape[0], meta.block_size, KERNEL_MAX_QUERY_LEN, scale, q.data_ptr(),
+            self.num_threads)
+        if status != 0:
+            what = "boundary" if status < 2000 else "attention of layer"
+            raise RuntimeError(f"int_step_layers: {what} {status % 1000} failed")
         return hidden
 
     def head(self, rows: torch.Tensor) -> torch.Tensor:

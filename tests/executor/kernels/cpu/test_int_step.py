@@ -219,3 +219,18 @@ def test_every_vector_build_computes_the_same_bits(default_model, isa):
     for bit: integer dot products are exact, and every float sum has one fixed order. (The
     plain-loop build has no FMA, so it rounds differently; it is checked per matmul above.)"""
     assert torch.equal(_kernel_steps(default_model, isa), _kernel_steps(default_model, "native"))
+
+
+@needs_compiler
+@pytest.mark.model
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
+def test_the_layers_in_one_call_compute_the_bits_of_the_python_loop(default_model, kv_dtype):
+    """step_layers.cpp makes the calls of IntStep.layers' Python loop in the same order, so
+    prompt and decode steps give the same logits, bit for bit."""
+    config, dense, native = default_model
+    model = CpuLlamaModel(config, dense, native, max_positions=64, integer_kernel=True,
+                          num_threads=2)
+    assert model.fused_layers
+    fused = _steps(model, config, kv_dtype)
+    model.fused_layers = False
+    assert torch.equal(fused, _steps(model, config, kv_dtype))

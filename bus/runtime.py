@@ -53,10 +53,23 @@ def new_instance_id() -> str:
 TLS_CA_VARIABLE = "LLMBUS_NATS_TLS_CA"
 
 
+def server_urls(nats_url: str) -> list[str]:
+    """The servers of a `--nats-url`: one URL, or a comma-separated list, the seeds of a NATS
+    cluster (the client tries them in turn, reconnects to any, and learns the cluster's other
+    servers from the one it reaches). ValueError for an empty entry, or tls:// mixed with
+    nats:// (the client applies one TLS setting to every server)."""
+    urls = [url.strip() for url in nats_url.split(",")]
+    if not all(urls):
+        raise ValueError(f"--nats-url {nats_url!r}: an empty server in the list")
+    if len({url.startswith("tls://") for url in urls}) > 1:
+        raise ValueError(f"--nats-url {nats_url!r}: every server tls://, or none")
+    return urls
+
+
 def tls_options(nats_url: str) -> dict[str, ssl.SSLContext]:
     """nats.connect's TLS options for `nats_url`: none for nats://; for tls://, a context that
     verifies the server against $LLMBUS_NATS_TLS_CA, or the system's CAs when unset."""
-    if not nats_url.startswith("tls://"):
+    if not server_urls(nats_url)[0].startswith("tls://"):
         return {}
     return {"tls": ssl.create_default_context(cafile=os.environ.get(TLS_CA_VARIABLE) or None)}
 
@@ -113,7 +126,7 @@ class ServiceRuntime:
             credentials = {"user": user, "password": os.environ.get("LLMBUS_NATS_PASSWORD", ""),
                            "inbox_prefix": subjects.inbox_prefix(user)}
         self.nc = await nats.connect(
-            self.nats_url, name=f"llmbus-{self.service}-{self.instance_id}",
+            server_urls(self.nats_url), name=f"llmbus-{self.service}-{self.instance_id}",
             error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
             **credentials, **tls_options(self.nats_url))
         await self.on_request(subjects.ping(self.service), Ping, self._pong)

@@ -41,8 +41,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, for_up: bool = Fals
     default_url = os.environ.get("LLMBUS_NATS_URL")
     parser.add_argument(
         "--nats-url", default=default_url if for_up else (default_url or "nats://127.0.0.1:4222"),
-        help=("NATS server to use instead of starting an embedded one" if for_up else
-              "NATS server URL (default: $LLMBUS_NATS_URL or nats://127.0.0.1:4222)"))
+        help=("NATS server to use instead of starting an embedded one; a comma-separated list "
+              "names several servers of one cluster" if for_up else
+              "NATS server URL, or a comma-separated list of a cluster's servers (default: "
+              "$LLMBUS_NATS_URL or nats://127.0.0.1:4222)"))
     parser.add_argument("--log-format", choices=("console", "json"), default="console",
                         help="log line format (default: console)")
     parser.add_argument("--log-level", default="info", help="log level (default: info)")
@@ -198,6 +200,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    if getattr(args, "nats_url", None):
+        from llmbus.bus.runtime import server_urls
+
+        try:
+            server_urls(args.nats_url)
+        except ValueError as exc:
+            print(f"llmbus: {exc}", file=sys.stderr)
+            return 2
     if args.command == "serve":
         return _serve(args)
     if args.command == "compose-env":

@@ -46,10 +46,10 @@ class StepShape:
     tokens: int = 0
     kilo_keys: float = 0.0
 
-    def add(self, start: int, num_tokens: int) -> None:
+    def add(self, start: int, num_tokens: int, new_row: bool = True) -> None:
         """A sequence whose tokens start..start+num_tokens are computed (each query attends
-        to the keys before it and itself)."""
-        self.rows += 1
+        to the keys before it and itself); `new_row=False`: more tokens of a counted one."""
+        self.rows += new_row
         self.tokens += num_tokens
         self.kilo_keys += num_tokens * (start + (num_tokens + 1) / 2) / 1000
 
@@ -157,8 +157,7 @@ class StepBudget:
 
     def add_drafts(self, start: int, num_drafts: int) -> None:
         """A decode (counted at the start as one token) verifies drafts too."""
-        self.shape.tokens += num_drafts
-        self.shape.kilo_keys += num_drafts * (start + 1 + (num_drafts + 1) / 2) / 1000
+        self.shape.add(start + 1, num_drafts, new_row=False)
 
 
 def fit_non_negative(rows: list[tuple[tuple[float, ...], float, float]]) -> tuple[float, ...]:

@@ -46,6 +46,7 @@
 #include <cstring>
 #include <vector>
 
+#include "entry_points.h"
 #include "exp_nonpositive.h"
 
 #if defined(__AVX2__)

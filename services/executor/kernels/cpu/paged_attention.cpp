@@ -39,6 +39,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "entry_points.h"
 #include "exp_nonpositive.h"
 
 #if defined(__AVX__)

@@ -13,26 +13,36 @@
 
 #include <cstdint>
 
+#include "entry_points.h"
+
+namespace {
+
+// The layer loop on caches of one type; `attend` is that type's paged_attention_*.
+template <typename Cache, typename Attend>
+int run_layers(Attend attend, const IntBoundary* const* boundaries, int64_t num_layers,
+               int64_t T, int64_t D, float eps, float* hidden, float* attn, float* qkv,
+               Cache* k_cache, Cache* v_cache, int64_t layer_stride, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, const float* cos, const float* sin,
+               const int64_t* slots, const int32_t* tables, int64_t max_blocks,
+               const int64_t* starts, const int64_t* ctx, int64_t num_seqs, int64_t block_size,
+               int64_t max_query_len, float scale, float* q_out, int num_threads) {
+    for (int64_t i = 0; i <= num_layers; ++i) {
+        if (int_boundary(boundaries[i], T, D, eps, hidden, i ? attn : nullptr, qkv,
+                         num_threads) != 0)
+            return 1000 + static_cast<int>(i);
+        if (i == num_layers) break;
+        if (attend(qkv, T, num_heads, num_kv_heads, head_dim, cos, sin,
+                   k_cache + i * layer_stride, v_cache + i * layer_stride, slots, tables,
+                   max_blocks, starts, ctx, num_seqs, block_size, max_query_len, scale, q_out,
+                   attn, num_threads) != 0)
+            return 2000 + static_cast<int>(i);
+    }
+    return 0;
+}
+
+}  // namespace
+
 extern "C" {
-
-struct IntBoundary;  // int_step.cpp's, built by int_step.py
-
-int int_boundary(const IntBoundary* b, int64_t T, int64_t D, float eps, float* hidden,
-                 const float* attn, float* qkv, int num_threads);
-int paged_attention_f32(const float* qkv, int64_t num_tokens, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, const float* cos,
-                        const float* sin, float* k_cache, float* v_cache, const int64_t* slots,
-                        const int32_t* tables, int64_t max_blocks, const int64_t* starts,
-                        const int64_t* ctx, int64_t num_seqs, int64_t block_size,
-                        int64_t max_query_len, float scale, float* q_out, float* out,
-                        int num_threads);
-int paged_attention_f16(const float* qkv, int64_t num_tokens, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, const float* cos,
-                        const float* sin, _Float16* k_cache, _Float16* v_cache,
-                        const int64_t* slots, const int32_t* tables, int64_t max_blocks,
-                        const int64_t* starts, const int64_t* ctx, int64_t num_seqs,
-                        int64_t block_size, int64_t max_query_len, float scale, float* q_out,
-                        float* out, int num_threads);
 
 // 0 on success; 1000 + i when boundary i refused, 2000 + i when layer i's attention did.
 int int_step_layers(const IntBoundary* const* boundaries, int64_t num_layers, int64_t T,
@@ -43,30 +53,17 @@ int int_step_layers(const IntBoundary* const* boundaries, int64_t num_layers, in
                     const int32_t* tables, int64_t max_blocks, const int64_t* starts,
                     const int64_t* ctx, int64_t num_seqs, int64_t block_size,
                     int64_t max_query_len, float scale, float* q_out, int num_threads) {
-    for (int64_t i = 0; i <= num_layers; ++i) {
-        if (int_boundary(boundaries[i], T, D, eps, hidden, i ? attn : nullptr, qkv,
-                         num_threads) != 0)
-            return 1000 + static_cast<int>(i);
-        if (i == num_layers) break;
-        int status;
-        if (kv_float16) {
-            _Float16* k = static_cast<_Float16*>(k_cache) + i * layer_stride;
-            _Float16* v = static_cast<_Float16*>(v_cache) + i * layer_stride;
-            status = paged_attention_f16(qkv, T, num_heads, num_kv_heads, head_dim, cos, sin, k,
-                                         v, slots, tables, max_blocks, starts, ctx, num_seqs,
-                                         block_size, max_query_len, scale, q_out, attn,
-                                         num_threads);
-        } else {
-            float* k = static_cast<float*>(k_cache) + i * layer_stride;
-            float* v = static_cast<float*>(v_cache) + i * layer_stride;
-            status = paged_attention_f32(qkv, T, num_heads, num_kv_heads, head_dim, cos, sin, k,
-                                         v, slots, tables, max_blocks, starts, ctx, num_seqs,
-                                         block_size, max_query_len, scale, q_out, attn,
-                                         num_threads);
-        }
-        if (status != 0) return 2000 + static_cast<int>(i);
-    }
-    return 0;
+    if (kv_float16)
+        return run_layers(paged_attention_f16, boundaries, num_layers, T, D, eps, hidden,
+                          attn, qkv, static_cast<_Float16*>(k_cache),
+                          static_cast<_Float16*>(v_cache), layer_stride, num_heads,
+                          num_kv_heads, head_dim, cos, sin, slots, tables, max_blocks, starts,
+                          ctx, num_seqs, block_size, max_query_len, scale, q_out, num_threads);
+    return run_layers(paged_attention_f32, boundaries, num_layers, T, D, eps, hidden, attn,
+                      qkv, static_cast<float*>(k_cache), static_cast<float*>(v_cache),
+                      layer_stride, num_heads, num_kv_heads, head_dim, cos, sin, slots, tables,
+                      max_blocks, starts, ctx, num_seqs, block_size, max_query_len, scale,
+                      q_out, num_threads);
 }
 
 }  // extern "C"

@@ -1,0 +1,29 @@
+// The C entry points that one kernel file calls in another (step_layers.cpp calls the integer
+// kernel's boundaries and the attention), declared once; the defining files include this too,
+// so the compiler checks that a declaration and its definition agree.
+#pragma once
+
+#include <cstdint>
+
+extern "C" {
+
+struct IntBoundary;  // int_step.cpp's, mirrored by int_step.py
+
+int int_boundary(const IntBoundary* b, int64_t T, int64_t D, float eps, float* hidden,
+                 const float* attn, float* qkv, int num_threads);
+int paged_attention_f32(const float* qkv, int64_t num_tokens, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, const float* cos,
+                        const float* sin, float* k_cache, float* v_cache, const int64_t* slots,
+                        const int32_t* tables, int64_t max_blocks, const int64_t* starts,
+                        const int64_t* ctx, int64_t num_seqs, int64_t block_size,
+                        int64_t max_query_len, float scale, float* q_out, float* out,
+                        int num_threads);
+int paged_attention_f16(const float* qkv, int64_t num_tokens, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, const float* cos,
+                        const float* sin, _Float16* k_cache, _Float16* v_cache,
+                        const int64_t* slots, const int32_t* tables, int64_t max_blocks,
+                        const int64_t* starts, const int64_t* ctx, int64_t num_seqs,
+                        int64_t block_size, int64_t max_query_len, float scale, float* q_out,
+                        float* out, int num_threads);
+
+}  // extern "C"

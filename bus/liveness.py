@@ -30,6 +30,13 @@ class Liveness:
         self.latest[heartbeat.instance_id] = heartbeat
         return fresh
 
+    def pardon(self, now: float) -> None:
+        """Our own bus connection was down: the others' silence meanwhile says nothing about
+        them, so each counts as heard from now (one that really died is reaped DEAD_AFTER
+        later)."""
+        for instance_id in self.last_seen:
+            self.last_seen[instance_id] = now
+
     def alive(self, now: float) -> list[Heartbeat]:
         return [self.latest[i] for i, t in sorted(self.last_seen.items())
                 if now - t <= self.dead_after]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import ssl
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -34,6 +33,12 @@ from llmbus.bus import subjects
 from llmbus.bus.codec import decode, encode
 from llmbus.bus.liveness import HEARTBEAT_INTERVAL
 from llmbus.bus.messages import Heartbeat, Ping, Pong
+from llmbus.bus.servers import (
+    MAX_OUTSTANDING_PINGS,
+    PING_INTERVAL,
+    server_urls,
+    tls_options,
+)
 from llmbus.bus.tracing import extract_context, inject_headers
 
 T = TypeVar("T", bound=msgspec.Struct)
@@ -46,32 +51,6 @@ DRAIN_TIMEOUT = 5.0  # seconds close() gives in-flight handlers before it cancel
 
 def new_instance_id() -> str:
     return uuid.uuid4().hex[:8]
-
-
-# Where a tls:// bus URL's server certificate is checked: a CA bundle, or the server's own
-# self-signed certificate (what `llmbus up --nats-tls-cert` sets for its services).
-TLS_CA_VARIABLE = "LLMBUS_NATS_TLS_CA"
-
-
-def server_urls(nats_url: str) -> list[str]:
-    """The servers of a `--nats-url`: one URL, or a comma-separated list, the seeds of a NATS
-    cluster (the client tries them in turn, reconnects to any, and learns the cluster's other
-    servers from the one it reaches). ValueError for an empty entry, or tls:// mixed with
-    nats:// (the client applies one TLS setting to every server)."""
-    urls = [url.strip() for url in nats_url.split(",")]
-    if not all(urls):
-        raise ValueError(f"--nats-url {nats_url!r}: an empty server in the list")
-    if len({url.startswith("tls://") for url in urls}) > 1:
-        raise ValueError(f"--nats-url {nats_url!r}: every server tls://, or none")
-    return urls
-
-
-def tls_options(nats_url: str) -> dict[str, ssl.SSLContext]:
-    """nats.connect's TLS options for `nats_url`: none for nats://; for tls://, a context that
-    verifies the server against $LLMBUS_NATS_TLS_CA, or the system's CAs when unset."""
-    if not server_urls(nats_url)[0].startswith("tls://"):
-        return {}
-    return {"tls": ssl.create_default_context(cafile=os.environ.get(TLS_CA_VARIABLE) or None)}
 
 
 class ServiceRuntime:
@@ -92,7 +71,10 @@ class ServiceRuntime:
         self._cancelling = False  # close() gave up waiting for them
         self.drain_timeout = DRAIN_TIMEOUT
         self._heartbeat_task: asyncio.Task | None = None
+        self._make_heartbeat: Callable[[], Heartbeat] | None = None
         self.num_handled = 0  # the service counts its work here; heartbeats report it
+        self.num_reconnects = 0  # heartbeats report it: see Heartbeat.num_reconnects
+        self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
 
     async def __aenter__(self) -> ServiceRuntime:
         await self.connect()
@@ -128,8 +110,34 @@ class ServiceRuntime:
         self.nc = await nats.connect(
             server_urls(self.nats_url), name=f"llmbus-{self.service}-{self.instance_id}",
             error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+            ping_interval=PING_INTERVAL, max_outstanding_pings=MAX_OUTSTANDING_PINGS,
+            disconnected_cb=self._disconnected, reconnected_cb=self._reconnected,
             **credentials, **tls_options(self.nats_url))
         await self.on_request(subjects.ping(self.service), Ping, self._pong)
+
+    @property
+    def connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """Call `callback()` each time the connection is back after a loss: what was sent to
+        or by this copy meanwhile may be lost (core NATS is at-most-once), and the service
+        decides what to recover. The subscriptions themselves are restored by nats-py."""
+        self._on_reconnect.append(callback)
+
+    async def _disconnected(self) -> None:
+        if self.ready:  # not while closing
+            log.warning("bus connection lost; reconnecting", service=self.service)
+    async def _reconnected(self) -> None:
+        self.num_reconnects += 1
+        url = self.nc.connected_url if self.nc is not None else None
+        log.warning("bus connection back", service=self.service, server=url and url.netloc)
+        await self._beat_now()  # announce ourselves before any watcher gives up on us
+        for callback in self._on_reconnect:
+            try:
+                await callback()
+            except Exception:
+                log.exception("reconnect handler failed")
 
     async def _pong(self, _: Ping, __: Msg) -> Pong:
         return Pong(service=self.service, instance_id=self.instance_id, ready=self.ready)
@@ -234,20 +242,28 @@ class ServiceRuntime:
 
     def start_heartbeat(self, make: Callable[[], Heartbeat] | None = None) -> None:
         """Publish a heartbeat every HEARTBEAT_INTERVAL while the service is ready."""
-        make = make or (lambda: Heartbeat(service=self.service, instance_id=self.instance_id,
-                                          num_handled=self.num_handled))
+        self._make_heartbeat = make or (lambda: Heartbeat(
+            service=self.service, instance_id=self.instance_id, num_handled=self.num_handled))
 
         async def beat() -> None:
             while not self.stop_event.is_set():
-                if self.ready and self.nc is not None and self.nc.is_connected:
-                    try:
-                        await self.nc.publish(subjects.heartbeat(self.service),
-                                              encode(make()))
-                    except Exception as exc:  # a hiccup of the bus must not end the beat
-                        log.warning("heartbeat failed", error=str(exc))
+                await self._beat_now()
                 await asyncio.sleep(HEARTBEAT_INTERVAL)
 
         self._heartbeat_task = asyncio.create_task(beat())
+
+    async def _beat_now(self) -> None:
+        """One heartbeat, if ready and connected (nothing is queued while disconnected, so a
+        copy that comes back is not announced by a burst of stale beats)."""
+        if not (self.ready and self._make_heartbeat is not None and self.connected):
+            return
+        heartbeat = self._make_heartbeat()
+        heartbeat.num_reconnects = self.num_reconnects
+        assert self.nc is not None
+        try:
+            await self.nc.publish(subjects.heartbeat(self.service), encode(heartbeat))
+        except Exception as exc:  # a hiccup of the bus must not end the beat
+            log.warning("heartbeat failed", error=str(exc))
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

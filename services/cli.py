@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "nats_url", None):
-        from llmbus.bus.runtime import server_urls
+        from llmbus.bus.servers import server_urls
 
         try:
             server_urls(args.nats_url)

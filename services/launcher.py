@@ -25,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmbus.bus.runtime import TLS_CA_VARIABLE
+from llmbus.bus.servers import TLS_CA_VARIABLE
 from llmbus.services.nats_auth import generate_passwords, server_config
 
 SERVICE_ORDER = ("executor", "scheduler", "tokenizer", "detokenizer", "api")

@@ -150,6 +150,7 @@ TEST_KINDS = {
     "test_e2e_speculation.py": "e2e",
     "test_e2e_structured_output.py": "e2e",
     "test_engine_moves.py": "e2e",
+    "test_migration.py": "e2e",
     "test_executor_hf_parity.py": "e2e",
     "test_fast_mode_quality.py": "e2e",
     "test_faults.py": "e2e",

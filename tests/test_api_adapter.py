@@ -72,7 +72,8 @@ class FakeStages:
         for step, (piece, reason) in enumerate(deltas):
             await self.nc.publish(request.reply_subject, encode(DeltaBatch(items=[TextDelta(
                 request_id=request.request_id, text=piece, num_new_tokens=1,
-                finish_reason=reason, num_prompt_tokens=3, num_output_tokens=step + 1)])))
+                finish_reason=reason, num_prompt_tokens=3, num_output_tokens=step + 1,
+                token_ids=[100 + step])])))
 
     async def on_model(self, msg) -> None:
         await msg.respond(encode(ModelInfo(model_name=MODEL, max_model_len=64, engine_id="e0")))

@@ -21,21 +21,24 @@ START = m.CompletionStart(reply_subject="api.x", num_prompt_tokens=2, stop=["x"]
                           replay_token_ids=[41])
 TOKENS = m.RequestTokens(
     request_id="r1", index=1, new_token_ids=[42], finish_reason=m.FinishReason.STOP,
-    error="e", step_id=3, logprobs=[LOGPROBS], queue_seconds=0.25, start=START)
+    error="e", step_id=3, logprobs=[LOGPROBS], queue_seconds=0.25, start=START, attempt=1,
+    num_before=4, resumable=True)
 TEXT_LOGPROB = m.TextLogprob(token="h", logprob=-0.5, top_tokens=["h", "y"],
                              top_logprobs=[-0.5, -1.5], token_bytes=b"h",
                              top_token_bytes=[b"h", b"y"])
 DELTA = m.TextDelta(request_id="r1", text="hé", num_new_tokens=1,
                     finish_reason=m.FinishReason.LENGTH, num_prompt_tokens=2,
                     num_output_tokens=3, error="e", step_id=3, index=1, logprobs=[TEXT_LOGPROB],
-                    queue_seconds=0.25)
+                    queue_seconds=0.25, token_ids=[42], attempt=1, resumable=True)
+RESUMED = m.ResumedCompletion(index=1, output_token_ids=[42])
 
 # One example of every message, every field set away from its default.
 EXAMPLES = [
     PARAMS, LOGPROBS, CHAT,
     m.GenerateRequest(request_id="r1", reply_subject="api.x", model="m", params=PARAMS,
                       messages=[CHAT], prompt="p", prompt_token_ids=[1],
-                      add_generation_prompt=False, n=2, tools_json="[]"),
+                      add_generation_prompt=False, n=2, tools_json="[]", attempt=1,
+                      resumed=[RESUMED], avoid_instance_id="s1"),
     m.Admission(num_prompt_tokens=3, error_code=m.ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 error_message="too long", error_param="messages", scheduler_instance_id="s1"),
     m.EncodeRequest(messages=[CHAT], prompt="p", add_generation_prompt=False,
@@ -45,8 +48,9 @@ EXAMPLES = [
     m.DecodeResult(text="t", error_message="e"),
     m.CacheEvent(engine_id="e0", stored=[11], removed=[12], cleared=True, instance_id="s1"),
     m.SubmitRequest(request_id="r1", reply_subject="api.x", prompt_token_ids=[1, 2],
-                    params=PARAMS, arrival_time=1.5, n=2),
-    m.AbortRequest(request_id="r1", index=1),
+                    params=PARAMS, arrival_time=1.5, n=2, attempt=1, resumed=[RESUMED]),
+    RESUMED,
+    m.AbortRequest(request_id="r1", index=1, up_to_attempt=2),
     m.UnknownCompletion(request_id="r1", index=1, instance_id="d1"),
     m.EngineStatsRequest(),
     m.EngineStats(engine_id="e0", num_steps=1, num_running=2, num_waiting=3, num_free_blocks=4,
@@ -63,7 +67,7 @@ EXAMPLES = [
     m.GrammarRequest(structured=m.StructuredOutput(kind="json_object")),
     m.GrammarReply(error="e"),
     m.NewRequestData(sequence_id="r1", prompt_token_ids=[1, 2], params=PARAMS,
-                     traceparent="00-t-s-01"),
+                     traceparent="00-t-s-01", output_token_ids=[3]),
     m.ScheduledRequest(sequence_id="r1", start=0, num_tokens=2, new_block_ids=[5],
                        sample=False, draft_token_ids=[9], num_steps=3),
     m.BlockCopy(src=1, dst=2),
@@ -83,7 +87,7 @@ EXAMPLES = [
     m.ApiMetricsSnapshot(replica="a1", exposition="x 1\n"),
     m.Heartbeat(service="scheduler", instance_id="s1", engine_id="e0", num_running=1,
                 num_waiting=2, num_free_blocks=3, num_total_blocks=4, block_size=16,
-                num_handled=5),
+                num_handled=5, num_reconnects=6),
     m.Ping(),
     m.Pong(service="api", instance_id="a1", ready=False),
 ]
@@ -99,10 +103,10 @@ GOLDEN = {
     "TokenLogprobs": "93cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000",
     "ChatMessage": "94a475736572a26869a25b5da26331",
     "GenerateRequest": (
-        "9aa27231a56170692e78a16ddc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10a"
+        "9da27231a56170692e78a16ddc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10a"
         "c3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cb"
         "bff000000000000093a57265676578a65b302d395d2bac6775696465645f72656765789194a475736572"
-        "a26869a25b5da26331a1709101c202a25b5d"),
+        "a26869a25b5da26331a1709101c202a25b5d01919201912aa27331"),
     "Admission": "950302a8746f6f206c6f6e67a86d65737361676573a27331",
     "EncodeRequest": "949194a475736572a26869a25b5da26331a170c2c2",
     "EncodeResult": "92920102a165",
@@ -110,11 +114,12 @@ GOLDEN = {
     "DecodeResult": "92a174a165",
     "CacheEvent": "95a26530910b910cc3a27331",
     "SubmitRequest": (
-        "96a27231a56170692e78920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a1"
+        "98a27231a56170692e78920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a1"
         "0ac3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105"
         "cbbff000000000000093a57265676578a65b302d395d2bac6775696465645f7265676578cb3ff8000000"
-        "00000002"),
-    "AbortRequest": "92a2723101",
+        "0000000201919201912a"),
+    "ResumedCompletion": "9201912a",
+    "AbortRequest": "93a272310102",
     "UnknownCompletion": "93a2723101a26431",
     "EngineStatsRequest": "90",
     "EngineStats": (
@@ -127,16 +132,16 @@ GOLDEN = {
     "GrammarRequest": "9193ab6a736f6e5f6f626a656374a0af726573706f6e73655f666f726d6174",
     "GrammarReply": "91a165",
     "NewRequestData": (
-        "94a27231920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999"
+        "95a27231920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999"
         "999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff0000000"
-        "00000093a57265676578a65b302d395d2bac6775696465645f7265676578a930302d742d732d3031"),
+        "00000093a57265676578a65b302d395d2bac6775696465645f7265676578a930302d742d732d30319103"),
     "ScheduledRequest": "97a2723100029105c2910903",
     "BlockCopy": "920102",
     "StepPlan": (
-        "96039194a272319101dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3f"
+        "96039195a272319101dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3f"
         "a999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff000"
-        "000000000093a57265676578a65b302d395d2bac6775696465645f7265676578a09197a27231000190c3"
-        "900191a2723091a2723991920102"),
+        "000000000093a57265676578a65b302d395d2bac6775696465645f7265676578a0909197a27231000190"
+        "c3900191a2723091a2723991920102"),
     "StepResult": (
         "9903912acb3f847ae147ae147b0102a165cb3fe00000000000009293cbbfe0000000000000922a0792cb"
         "bfe0000000000000cbbff8000000000000c09101"),
@@ -144,25 +149,26 @@ GOLDEN = {
     # constants moved into CompletionStart, sent once per detokenizer copy.
     "CompletionStart": "96a56170692e780291a178c3a930302d742d732d30319129",
     "RequestTokens": (
-        "99a2723101912a01a165039193cbbfe0000000000000922a0792cbbfe0000000000000cbbff800000000"
-        "0000cb3fd000000000000096a56170692e780291a178c3a930302d742d732d30319129"),
+        "9ca2723101912a01a165039193cbbfe0000000000000922a0792cbbfe0000000000000cbbff800000000"
+        "0000cb3fd000000000000096a56170692e780291a178c3a930302d742d732d303191290104c3"),
     "TokenBatch": (
-        "92a265309199a2723101912a01a165039193cbbfe0000000000000922a0792cbbfe0000000000000cbbf"
-        "f8000000000000cb3fd000000000000096a56170692e780291a178c3a930302d742d732d30319129"),
+        "92a26530919ca2723101912a01a165039193cbbfe0000000000000922a0792cbbfe0000000000000cbbf"
+        "f8000000000000cb3fd000000000000096a56170692e780291a178c3a930302d742d732d303191290104"
+        "c3"),
     "TextLogprob": (
         "96a168cbbfe000000000000092a168a17992cbbfe0000000000000cbbff8000000000000c4016892c401"
         "68c40179"),
     "TextDelta": (
-        "9ba27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe000000000"
-        "0000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000"),
+        "9ea27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe000000000"
+        "0000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000912a01c3"),
     "DeltaBatch": (
-        "91919ba27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe00000"
-        "00000000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000"),
+        "91919ea27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe00000"
+        "00000000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000912a01c3"),
     "ApiMetricsRequest": "90",
     # retyped from sample lines by metric name to one exposition text (prometheus-client),
     # which only api copies of one version exchange
     "ApiMetricsSnapshot": "92a26131a47820310a",
-    "Heartbeat": "99a97363686564756c6572a27331a26530010203041005",
+    "Heartbeat": "9aa97363686564756c6572a27331a2653001020304100506",
     "Ping": "90",
     "Pong": "93a3617069a26131c2",
 }
@@ -208,7 +214,7 @@ def test_field_order_is_the_wire_format():
     assert msgspec.msgpack.decode(encode(m.ScheduledRequest(sequence_id="r1", start=4,
                                                             num_tokens=1))) == [
         "r1", 4, 1, [], True, [], 1]
-    assert encode(m.AbortRequest(request_id="r1")).hex() == "92a27231c0"
+    assert encode(m.AbortRequest(request_id="r1")).hex() == "93a27231c0c0"
 
 
 def test_schema_mismatch_is_rejected():

@@ -9,7 +9,8 @@ import pytest
 from llmbus.bus import subjects
 from llmbus.bus.codec import decode, encode
 from llmbus.bus.messages import Ping, Pong
-from llmbus.bus.runtime import ServiceRuntime, server_urls, tls_options
+from llmbus.bus.runtime import ServiceRuntime
+from llmbus.bus.servers import server_urls, tls_options
 from llmbus.services.launcher import free_port
 
 TIMEOUT = 30.0  # a busy 2-core box

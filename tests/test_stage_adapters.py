@@ -106,7 +106,8 @@ async def test_the_detokenizer_streams_text_and_aborts_at_a_stop_string(bus):
         for step, piece in enumerate((ids[:2], ids[2:])):  # the stop string spans both steps
             await client.publish(subjects.DETOKENIZER_TOKENS, encode(TokenBatch(
                 engine_id="e0", items=[RequestTokens(request_id="r", new_token_ids=piece,
-                                                     start=None if step else start)])))
+                                                     start=None if step else start,
+                                                     num_before=2 * step)])))
             await client.flush()
             async with asyncio.timeout(TIMEOUT):  # one step after the other, as an engine
                 while runtime.num_handled <= step:

@@ -56,14 +56,15 @@ def test_tokenization_refuses_what_the_model_cannot_take():
 def _tokens(text_ids: list[int], *, index: int = 0, finish=FinishReason.NONE,
             reply: str | None = "api", stop: tuple[str, ...] = (), traceparent: str = "",
             logprobs: list[TokenLogprobs] = (), replay: list[int] = (),
-            error: str = "") -> RequestTokens:
-    """A completion's tokens; with its start (its constants) unless `reply` is None."""
+            error: str = "", before: int | None = None) -> RequestTokens:
+    """A completion's tokens; with its start (its constants) unless `reply` is None. `before`:
+    its tokens before these (default: those replayed)."""
     start = None if reply is None else CompletionStart(
         reply_subject=reply, stop=list(stop), traceparent=traceparent,
         replay_token_ids=list(replay))
     return RequestTokens(request_id="r", index=index, new_token_ids=text_ids,
                          finish_reason=finish, logprobs=list(logprobs), start=start,
-                         error=error)
+                         error=error, num_before=len(replay) if before is None else before)
 
 
 def test_detokenization_streams_each_completion_to_its_api():
@@ -77,7 +78,8 @@ def test_detokenization_streams_each_completion_to_its_api():
     assert [d.index for d in first.deltas["api.b"]] == [1]  # n > 1: decoded apart
     assert first.ended == [] and first.newly_stopped == []
     last = detok.process(TokenBatch(engine_id="e", items=[
-        _tokens(ids[3:], index=0, reply=None, finish=FinishReason.LENGTH)]), now_ns=25)
+        _tokens(ids[3:], index=0, reply=None, finish=FinishReason.LENGTH, before=3)]),
+        now_ns=25)
     text = "".join(d.text for d in first.deltas["api.a"] + last.deltas["api.a"])
     assert text == "hello wörld"
     [ended] = last.ended
@@ -94,7 +96,7 @@ def test_a_stop_string_ends_the_completion_and_later_tokens_are_dropped():
     out = detok.process(TokenBatch(engine_id="e", items=[_tokens(ids, stop=(", w",))]))
     [delta] = out.deltas["api"]
     assert (delta.text, delta.finish_reason) == ("hello", FinishReason.STOP)
-    assert out.newly_stopped == [("r", 0)] and out.ended[0].reason == FinishReason.STOP
+    assert out.newly_stopped == [(("r", 0), 0)] and out.ended[0].reason == FinishReason.STOP
     late = detok.process(TokenBatch(engine_id="e", items=[_tokens(tok.encode("more"),
                                                                   reply=None)]))
     assert late.deltas == {} and late.unknown == []  # in flight when the stop was found

@@ -51,6 +51,7 @@ from llmbus.bus.messages.to_scheduler import (
     EngineStatsRequest,
     ModelInfo,
     ModelInfoRequest,
+    ResumedCompletion,
     SubmitRequest,
     UnknownCompletion,
 )
@@ -70,7 +71,7 @@ __all__ = [
     "EncodeRequest", "EncodeResult", "EngineStats", "EngineStatsRequest", "ErrorCode",
     "ExecutorInfo", "ExecutorInfoRequest", "FinishReason", "GenerateRequest", "GrammarReply",
     "GrammarRequest", "Heartbeat", "ModelInfo", "ModelInfoRequest", "NewRequestData", "Ping",
-    "Pong", "RequestTokens", "SamplingParams", "ScheduledRequest", "StepPlan", "StepResult",
-    "StructuredOutput", "SubmitRequest", "TextDelta", "TextLogprob", "TokenBatch", "TokenLogprobs",
-    "UnknownCompletion",
+    "Pong", "RequestTokens", "ResumedCompletion", "SamplingParams", "ScheduledRequest", "StepPlan",
+    "StepResult", "StructuredOutput", "SubmitRequest", "TextDelta", "TextLogprob", "TokenBatch",
+    "TokenLogprobs", "UnknownCompletion",
 ]

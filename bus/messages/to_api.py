@@ -28,6 +28,12 @@ class TextDelta(Message):
     index: int = 0  # which of the request's n completions
     logprobs: list[TextLogprob] = []  # one per token of this delta, when asked for
     queue_seconds: float = 0.0  # with the first delta: time waiting for the first step
+    # Migration (services/api/migration.py): the token ids of this delta (its text may hold
+    # some back for a stop string), the attempt they belong to, and whether an error is the
+    # pipeline's (an engine or the bus failed), so that another engine may resume it.
+    token_ids: list[int] = []
+    attempt: int = 0
+    resumable: bool = False
 
 
 class DeltaBatch(Message):

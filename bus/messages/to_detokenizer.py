@@ -36,6 +36,12 @@ class RequestTokens(Message):
     logprobs: list[TokenLogprobs] = []  # parallel to new_token_ids, when asked for
     queue_seconds: float = 0.0  # with a request's first update: its wait for its first step
     start: CompletionStart | None = None  # see CompletionStart: only when this copy needs it
+    # The request's attempt (a migrated request is resumed as the next one; older attempts'
+    # tokens are dropped), the completion's output tokens before these (a copy that has fewer
+    # lost a batch), and whether `error` is the pipeline's own, which a migration may repair.
+    attempt: int = 0
+    num_before: int = 0
+    resumable: bool = False
 
 
 class TokenBatch(Message):

@@ -17,6 +17,9 @@ class Heartbeat(Message):
     num_total_blocks: int = 0
     block_size: int = 0
     num_handled: int = 0  # work done so far (requests, batches or steps): who did what
+    # Times this copy's bus connection was re-established: a watcher that sees it grow knows
+    # that messages to and from it may have been lost meanwhile.
+    num_reconnects: int = 0
 
 
 class Ping(Message):

@@ -38,6 +38,9 @@ class NewRequestData(Message):
     prompt_token_ids: list[int]
     params: SamplingParams
     traceparent: str = ""  # W3C trace context of the request: executor step spans link to it
+    # A resumed request (migrated mid-stream): the output it already has. They follow the
+    # prompt in the sequence and count as output for penalties, min_tokens and its grammar.
+    output_token_ids: list[int] = []
 
 
 class ScheduledRequest(Message):

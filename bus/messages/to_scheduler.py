@@ -5,6 +5,15 @@ from __future__ import annotations
 from llmbus.bus.messages.common import Message, SamplingParams
 
 
+class ResumedCompletion(Message):
+    """A completion that moves to another engine mid-stream: the tokens it already streamed.
+    The engine computes prompt + these, goes on sampling from there, and counts them as output
+    (penalties, min_tokens, max_tokens, the grammar, a seed's position)."""
+
+    index: int
+    output_token_ids: list[int] = []
+
+
 class SubmitRequest(Message):
     request_id: str
     reply_subject: str
@@ -12,11 +21,16 @@ class SubmitRequest(Message):
     params: SamplingParams
     arrival_time: float = 0.0  # the tokenizer's clock, for its logs; engines use their own
     n: int = 1  # completions of this prompt; they share its KV blocks
+    # A migrated request: its attempt (0 the first time), and, when it resumes, each unfinished
+    # completion with what it already streamed (empty: all n start afresh).
+    attempt: int = 0
+    resumed: list[ResumedCompletion] = []
 
 
 class AbortRequest(Message):
     request_id: str
     index: int | None = None  # one of the n completions; None = all of them
+    up_to_attempt: int | None = None  # only attempts up to this one (None: every attempt)
 
 
 class UnknownCompletion(Message):

@@ -4,6 +4,7 @@ its replies."""
 from __future__ import annotations
 
 from llmbus.bus.messages.common import ChatMessage, ErrorCode, Message, SamplingParams
+from llmbus.bus.messages.to_scheduler import ResumedCompletion
 
 
 class GenerateRequest(Message):
@@ -21,6 +22,11 @@ class GenerateRequest(Message):
     # Function definitions for the chat template (OpenAI's `tools` list as JSON text), when
     # the model is to see them; see services/tool_calls.py.
     tools_json: str = ""
+    # A migration (services/api/migration.py): the attempt, the completions it resumes, and
+    # the scheduler copy not to route to (the one that failed; empty: any).
+    attempt: int = 0
+    resumed: list[ResumedCompletion] = []
+    avoid_instance_id: str = ""
 
 
 class Admission(Message):

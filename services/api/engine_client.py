@@ -1,4 +1,7 @@
-"""The api's side of the bus: submit requests, receive their text deltas, abort them.
+# Over 300 lines: every exchange of the api with the pipeline, and the migration of requests
+# that rides on them (the pure rules are migration.py's).
+"""The api's side of the bus: submit requests, receive their text deltas, abort them, and move
+them to another engine when theirs fails or the bus loses their messages (migration.py).
 
 Each api copy subscribes to its own deltas subject (`reply_subject` in every request), so the
 detokenizer sends a client's text straight to the copy that holds the client's connection.
@@ -8,9 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 import nats.errors
@@ -43,31 +45,28 @@ from llmbus.bus.messages import (
 )
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.api.errors import OpenAIError
+from llmbus.services.api.migration import DEFAULT_MIGRATION_LIMIT, Placement, Verdict
 
 log = structlog.get_logger()
 
 R = TypeVar("R", bound=msgspec.Struct)
 
 
-@dataclass
-class _Placement:
-    scheduler_instance_id: str  # the scheduler process holding the request
-    request: GenerateRequest  # kept to move it if that engine dies before any output
-    queue: asyncio.Queue
-    got_output: bool = False
-
-
 PIPELINE_STAGES = ("tokenizer", "scheduler", "executor", "detokenizer")
 
 
 class EngineClient:
-    def __init__(self, runtime: ServiceRuntime, request_timeout: float) -> None:
+    def __init__(self, runtime: ServiceRuntime, request_timeout: float,
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT) -> None:
         self.runtime = runtime
         self.request_timeout = request_timeout
+        self.migration_limit = migration_limit
+        self.num_migrations = 0
         self.reply_subject = subjects.api_deltas(runtime.instance_id)
         self._streams: dict[str, asyncio.Queue[TextDelta]] = {}
-        # Where each request runs, to notice when its engine dies: request id -> placement.
-        self._placements: dict[str, _Placement] = {}
+        # Each request in flight: where it runs and what its client has (migration.py).
+        self._placements: dict[str, Placement] = {}
+        self._tasks: set[asyncio.Task] = set()  # migrations and aborts under way
         self._model: ModelInfo | None = None
         self._health: tuple[float, dict[str, bool]] = (0.0, {})
         self.copies = {stage: Liveness() for stage in (*PIPELINE_STAGES, "api")}
@@ -79,15 +78,79 @@ class EngineClient:
             await self.runtime.on_message(subjects.heartbeat(stage), Heartbeat,
                                           self._on_heartbeat)
         self._watchdog = asyncio.create_task(self._watch_engines())
+        self.runtime.on_reconnect(self._on_reconnect)
 
     async def _on_deltas(self, batch: DeltaBatch, _: Msg) -> None:
         for delta in batch.items:
-            queue = self._streams.get(delta.request_id)
-            if queue is not None:
-                queue.put_nowait(delta)
-                placement = self._placements.get(delta.request_id)
-                if placement is not None:
-                    placement.got_output = True
+            placement = self._placements.get(delta.request_id)
+            if placement is None:
+                continue  # it ended (or its client left)
+            verdict = placement.judge(delta)
+            if verdict is Verdict.FORWARD:
+                placement.queue.put_nowait(delta)
+            elif verdict is Verdict.STALE and delta.attempt not in placement.aborted_attempts:
+                placement.aborted_attempts.add(delta.attempt)  # a partitioned engine is back
+                self._spawn(self.runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(
+                    delta.request_id, up_to_attempt=delta.attempt)))
+            elif verdict is Verdict.RESUME:
+                self._migrate(placement, delta.error or
+                              f"tokens {len(placement.received.get(delta.index, []))}+ of "
+                              "its stream were lost on the bus")
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _migrate(self, placement: Placement, reason: str, avoid_instance_id: str = "") -> None:
+        """Resume the request as its next attempt on an engine (another one than
+        `avoid_instance_id` if any is alive), or end it with an explicit error once it has
+        moved `migration_limit` times or no engine takes it."""
+        if placement.moving:
+            return
+        placement.moving = True
+        self._spawn(self._resume(placement, reason, avoid_instance_id))
+
+    async def _resume(self, placement: Placement, reason: str, avoid_instance_id: str) -> None:
+        request_id = placement.request.request_id
+        if placement.attempt >= self.migration_limit:
+            log.warning("migration limit reached", request_id=request_id, reason=reason)
+            placement.end_with_error(f"{reason}; gave up after {placement.attempt} "
+                                     "migrations (--migration-limit)")
+            self._placements.pop(request_id, None)
+            return
+        old = placement.attempt
+        request = placement.next_attempt(avoid_instance_id)
+        placement.aborted_attempts.add(old)
+        try:
+            await self.runtime.publish(subjects.SCHEDULER_ABORT,
+                                       AbortRequest(request_id, up_to_attempt=old))
+            admission = await self._admit(request)
+        except OpenAIError as exc:
+            placement.end_with_error(f"{reason}, and no engine could resume it: {exc.message}")
+            self._placements.pop(request_id, None)
+            return
+        except Exception as exc:  # the bus went away meanwhile: the reconnect tries again
+            log.warning("migration failed", request_id=request_id, error=str(exc))
+            placement.attempt = old
+            placement.moving = False
+            return
+        placement.scheduler_instance_id = admission.scheduler_instance_id
+        placement.moving = False
+        self.num_migrations += 1
+        log.info("request migrated", request_id=request_id, attempt=placement.attempt,
+                 reason=reason, scheduler=admission.scheduler_instance_id,
+                 resumed_tokens=[len(c.output_token_ids) for c in request.resumed])
+
+    async def _on_reconnect(self) -> None:
+        """Back on the bus: deltas sent to this copy meanwhile are lost, and so was its view
+        of the others (they were silent only to us). Every request in flight resumes from what
+        its client has; prefix caching makes that cheap where it lands on the same engine."""
+        now = time.monotonic()
+        for liveness in self.copies.values():
+            liveness.pardon(now)
+        for placement in list(self._placements.values()):
+            self._migrate(placement, "the api lost its bus connection")
 
     async def _on_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
         self.copies[heartbeat.service].seen(heartbeat, time.monotonic())
@@ -97,39 +160,29 @@ class EngineClient:
         return {stage: len(liveness.alive(now)) for stage, liveness in self.copies.items()}
 
     async def _watch_engines(self) -> None:
-        """When an engine falls silent, its requests move to another engine if nothing was
-        sent to their clients yet, and end with an explicit error otherwise."""
+        """When an engine falls silent, its requests resume on another engine (migration).
+        Nothing is judged while this copy is off the bus: the silence is ours."""
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL)
+            if not self.runtime.connected:
+                continue
             now = time.monotonic()
-            dead = {h.instance_id for h in self.copies["scheduler"].reap(now)}
+            dead = {h.instance_id: h for h in self.copies["scheduler"].reap(now)}
             # Every detokenizer copy gone: no text can reach any client until one is back.
             detokenizers = self.copies["detokenizer"]
             no_detokenizer = bool(detokenizers.last_seen) and not detokenizers.alive(now)
             for request_id, placement in list(self._placements.items()):
                 if no_detokenizer:
                     self._placements.pop(request_id, None)
-                    placement.queue.put_nowait(TextDelta(
-                        request_id=request_id, text="", finish_reason=FinishReason.ERROR,
-                        error="no detokenizer is running"))
+                    placement.end_with_error(
+                        f"no detokenizer copy is alive (none heard from for "
+                        f"{detokenizers.dead_after:g} s)")
                     continue
-                if placement.scheduler_instance_id not in dead:
-                    continue
-                log.warning("engine gone", request_id=request_id,
-                            scheduler=placement.scheduler_instance_id)
-                if not placement.got_output:
-                    try:
-                        await self._admit(placement.request, placement.queue)
-                        log.info("request moved to another engine", request_id=request_id)
-                        continue
-                    except OpenAIError as exc:
-                        reason = f"its engine stopped and no other took it: {exc.message}"
-                else:
-                    reason = "its engine stopped responding"
-                self._placements.pop(request_id, None)
-                placement.queue.put_nowait(TextDelta(
-                    request_id=request_id, text="", finish_reason=FinishReason.ERROR,
-                    error=reason))
+                gone = dead.get(placement.scheduler_instance_id)
+                if gone is not None:
+                    log.warning("engine gone", request_id=request_id, engine=gone.engine_id)
+                    self._migrate(placement, f"engine {gone.engine_id} stopped answering",
+                                  avoid_instance_id=gone.instance_id)
 
     async def model_info(self) -> ModelInfo:
         if self._model is None:
@@ -179,33 +232,37 @@ class EngineClient:
     async def submit(self, request: GenerateRequest, queue: asyncio.Queue) -> Admission:
         """Send a request into the pipeline, its deltas to `queue`; raises OpenAIError when
         it is refused. Several requests may share one queue (batched prompts)."""
-        self._streams[request.request_id] = queue  # before sending: deltas may come fast
-        return await self._admit(request, queue)
+        # Before sending: deltas may come before the admission does.
+        self._streams[request.request_id] = queue
+        placement = self._placements[request.request_id] = Placement(request, queue)
+        try:
+            admission = await self._admit(request)
+        except OpenAIError:
+            self._streams.pop(request.request_id, None)
+            self._placements.pop(request.request_id, None)
+            raise
+        placement.scheduler_instance_id = admission.scheduler_instance_id
+        return admission
 
-    async def _admit(self, request: GenerateRequest, queue: asyncio.Queue) -> Admission:
+    async def _admit(self, request: GenerateRequest) -> Admission:
         try:
             # Tokenizing and admission take milliseconds; 8 s means the tokenizer copy died.
             admission = await self.runtime.request(subjects.TOKENIZER_GENERATE, request,
                                                    Admission, timeout=8.0)
         except nats.errors.NoRespondersError:
-            self._streams.pop(request.request_id, None)
             raise OpenAIError(503, "the tokenizer stage is not available; retry shortly",
                               headers={"Retry-After": "1"}) from None
         except nats.errors.TimeoutError:
-            self._streams.pop(request.request_id, None)
             await self.abort(request.request_id)
             raise OpenAIError(503, "the pipeline did not admit the request in time",
                               headers={"Retry-After": "1"}) from None
         if admission.error_code:
-            self._streams.pop(request.request_id, None)
             status = {ErrorCode.OVERLOADED: 503, ErrorCode.INTERNAL: 500}.get(
                 ErrorCode(admission.error_code), 400)
             code = ("context_length_exceeded"
                     if admission.error_code == ErrorCode.CONTEXT_LENGTH_EXCEEDED else None)
             raise OpenAIError(status, admission.error_message, param=admission.error_param,
                               code=code, headers={"Retry-After": "1"} if status == 503 else None)
-        self._placements[request.request_id] = _Placement(admission.scheduler_instance_id,
-                                                          request, queue)
         return admission
 
     async def deltas(self, queue: asyncio.Queue, num_choices: int,

@@ -17,9 +17,17 @@ from llmbus.bus.messages import ApiMetricsRequest, ApiMetricsSnapshot
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.api.app import ApiSettings, create_app
 from llmbus.services.api.engine_client import EngineClient
+from llmbus.services.api.migration import DEFAULT_MIGRATION_LIMIT
 from llmbus.services.api.schemas import Limits
 
 log = structlog.get_logger()
+
+
+def _migration_limit(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds without progress after which a request ends with an "
                              "error (default: 600)")
+    parser.add_argument("--migration-limit", type=_migration_limit,
+                        default=DEFAULT_MIGRATION_LIMIT,
+                        help="times a request may move to another engine when its engine "
+                             "fails or the bus loses its messages mid-stream; it resumes from "
+                             "the tokens already streamed. Past it the client gets the error "
+                             f"(default: {DEFAULT_MIGRATION_LIMIT}; 0: never move)")
     parser.add_argument("--max-tokens-cap", type=int, default=8192,
                         help="largest max_tokens a client may ask for (default: 8192)")
     parser.add_argument("--max-n", type=int, default=16,
@@ -89,7 +103,8 @@ async def main(args: argparse.Namespace) -> None:
     # uvicorn takes SIGINT/SIGTERM itself: stops accepting, finishes streams, then returns.
     async with ServiceRuntime("api", args.nats_url, args.instance_id,
                               handle_signals=False) as runtime:
-        engine = EngineClient(runtime, request_timeout=args.request_timeout)
+        engine = EngineClient(runtime, request_timeout=args.request_timeout,
+                              migration_limit=args.migration_limit)
         await engine.start()
         app = create_app(engine, ApiSettings(
             limits=Limits(max_tokens=args.max_tokens_cap, max_n=args.max_n,

@@ -43,7 +43,7 @@ class Processed:
     completions this copy cannot decode (it never got their start; the scheduler is told)."""
 
     deltas: dict[str, list[TextDelta]]
-    newly_stopped: list[Key]
+    newly_stopped: list[tuple[Key, int]]  # with the attempt a stop string ended
     ended: list[EndedCompletion]
     unknown: list[Key] = field(default_factory=list)
 
@@ -53,6 +53,7 @@ class _Completion:
     decoder: IncrementalDetokenizer
     start: CompletionStart  # its constants
     started_ns: int  # when this copy took it up, for its span
+    attempt: int = 0  # tokens of an older attempt are stale: dropped
 
 
 class TokenTexts:
@@ -94,7 +95,9 @@ class Detokenization:
         self.token_texts = TokenTexts(tokenizer)
         # n > 1 completions decode separately.
         self.completions: dict[Key, _Completion] = {}
-        self.stopped: dict[Key, None] = {}  # insertion-ordered sets
+        # Ended here (a stop string, lost tokens) before their engine said so: their attempt,
+        # whose further tokens are dropped. Insertion-ordered, like `reported`.
+        self.stopped: dict[Key, int] = {}
         self.reported: dict[Key, None] = {}
 
     def process(self, batch: TokenBatch, now_ns: int = 0) -> Processed:
@@ -105,27 +108,60 @@ class Detokenization:
         An item with a `start` sets its completion up afresh; an item of a completion this copy
         holds nothing of, without a start, gives no text (it could only be wrong: its start
         and first tokens were lost): the completion is reported once, and the scheduler ends
-        it with an error, sent with its start."""
+        it with an error, sent with its start. Items of an attempt older than the one held are
+        dropped. An item that does not follow the tokens held (a batch between was lost) ends
+        the completion with a resumable error: its owner resumes it from what it received."""
         out: dict[str, list[TextDelta]] = defaultdict(list)
         processed = Processed(out, [], [])
         for item in batch.items:
             key = (item.request_id, item.index)
-            if key in self.stopped:
-                if item.finish_reason != FinishReason.NONE:
-                    del self.stopped[key]
+            stopped_attempt = self.stopped.get(key)
+            if stopped_attempt is not None:
+                if item.attempt <= stopped_attempt:
+                    if item.finish_reason != FinishReason.NONE and item.attempt == stopped_attempt:
+                        del self.stopped[key]
+                    continue
+                del self.stopped[key]  # a later attempt: it starts afresh
+            completion = self.completions.get(key)
+            if completion is not None and item.attempt < completion.attempt:
                 continue
-            completion = (self._start(key, item.start, now_ns) if item.start is not None
-                          else self.completions.get(key))
+            if item.start is not None:
+                completion = self._start(key, item.start, item.attempt, now_ns)
+            elif completion is not None and item.attempt > completion.attempt:
+                completion = None  # a later attempt whose start was lost
             if completion is None:
                 if key not in self.reported:
                     processed.unknown.append(key)
                     _remember(self.reported, key)
                 continue
-            delta = self._decode(key, completion, item, now_ns, processed)
+            if item.num_before != completion.decoder.num_tokens:
+                delta = self._end_lost(key, completion, f"the detokenizer missed tokens of "
+                                       f"this completion (it holds {completion.decoder.num_tokens}"
+                                       f", the next batch starts after {item.num_before})")
+            else:
+                delta = self._decode(key, completion, item, now_ns, processed)
             out[completion.start.reply_subject].append(delta)
         return processed
 
-    def _start(self, key: Key, start: CompletionStart, now_ns: int) -> _Completion:
+    def end_all(self, error: str) -> dict[str, list[TextDelta]]:
+        """End every completion held with a resumable error (this copy's bus connection dropped:
+        tokens sent to it meanwhile are lost), grouped by api reply subject."""
+        out: dict[str, list[TextDelta]] = defaultdict(list)
+        for key, completion in list(self.completions.items()):
+            out[completion.start.reply_subject].append(self._end_lost(key, completion, error))
+        return out
+
+    def _end_lost(self, key: Key, completion: _Completion, error: str) -> TextDelta:
+        del self.completions[key]
+        _remember(self.stopped, key, completion.attempt)
+        return TextDelta(
+            request_id=key[0], text="", finish_reason=FinishReason.ERROR, error=error,
+            index=key[1], num_prompt_tokens=completion.start.num_prompt_tokens,
+            num_output_tokens=completion.decoder.num_tokens, attempt=completion.attempt,
+            resumable=True)
+
+    def _start(self, key: Key, start: CompletionStart, attempt: int,
+               now_ns: int) -> _Completion:
         decoder = IncrementalDetokenizer(
             self.tokenizer.decode, stop=start.stop,
             include_stop_str_in_output=start.include_stop_str_in_output)
@@ -133,7 +169,7 @@ class Detokenization:
             # already; decoding its tokens again restores what it held back for a stop string
             # (or, had they ended it, keeps the completion stopped)
             decoder.step(start.replay_token_ids)
-        completion = self.completions[key] = _Completion(decoder, start, now_ns)
+        completion = self.completions[key] = _Completion(decoder, start, now_ns, attempt)
         self.reported.pop(key, None)
         return completion
 
@@ -146,8 +182,8 @@ class Detokenization:
         if delta.stopped:
             reason = FinishReason.STOP
             if item.finish_reason == FinishReason.NONE:
-                processed.newly_stopped.append(key)
-                _remember(self.stopped, key)
+                processed.newly_stopped.append((key, completion.attempt))
+                _remember(self.stopped, key, completion.attempt)
         elif reason != FinishReason.NONE:
             flushed = decoder.finish()
             text += flushed.text
@@ -164,10 +200,11 @@ class Detokenization:
             num_output_tokens=decoder.num_tokens, error=item.error, step_id=item.step_id,
             index=item.index, logprobs=self.token_texts.logprobs(
                 item.logprobs, item.new_token_ids) if item.logprobs else [],
-            queue_seconds=item.queue_seconds)
+            queue_seconds=item.queue_seconds, token_ids=list(item.new_token_ids),
+            attempt=item.attempt, resumable=item.resumable)
 
 
-def _remember(keys: dict[Key, None], key: Key) -> None:
-    keys[key] = None
+def _remember(keys: dict, key: Key, value: object = None) -> None:
+    keys[key] = value
     while len(keys) > _MAX_REMEMBERED:
         del keys[next(iter(keys))]

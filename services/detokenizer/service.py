@@ -57,8 +57,9 @@ async def subscribe(runtime: ServiceRuntime, detokenization: Detokenization) -> 
         processed = detokenization.process(batch, time.time_ns())
         for ended in processed.ended:
             _record_span(ended)
-        for request_id, index in processed.newly_stopped:  # free its KV blocks now
-            await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id, index))
+        for (request_id, index), attempt in processed.newly_stopped:  # free its blocks now
+            await runtime.publish(subjects.SCHEDULER_ABORT,
+                                  AbortRequest(request_id, index, up_to_attempt=attempt))
         for reply_subject, deltas in processed.deltas.items():
             await runtime.publish(reply_subject, DeltaBatch(items=deltas))
         for request_id, index in processed.unknown:  # its engine ends it with an error
@@ -66,6 +67,14 @@ async def subscribe(runtime: ServiceRuntime, detokenization: Detokenization) -> 
             await runtime.publish(subjects.engine_unknown_completion(batch.engine_id),
                                   UnknownCompletion(request_id, index, runtime.instance_id))
 
+    async def on_reconnect() -> None:
+        """Tokens sent to this copy while it was off the bus are lost: each completion it holds
+        ends with a resumable error, and its api resumes it from the text it has."""
+        error = f"detokenizer {runtime.instance_id} lost its bus connection"
+        for reply_subject, deltas in detokenization.end_all(error).items():
+            await runtime.publish(reply_subject, DeltaBatch(items=deltas))
+
+    runtime.on_reconnect(on_reconnect)
     # Our own subject: the scheduler sends each completion to one copy (sticky decode state).
     await runtime.on_message(subjects.detokenizer_tokens(runtime.instance_id), TokenBatch,
                              on_tokens)

@@ -61,6 +61,17 @@ class _RequestState:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
+def _seed_positions(states: list[_RequestState]) -> None:
+    """Seed each seeded request's generator for the output position it samples now: its draws
+    depend on (seed, position) alone, so a request resumed at position k on another engine
+    (migrated) goes on exactly as it would have, and so does one sharing a batch."""
+    for state in states:
+        if state.generator is not None:
+            seed = state.params.seed or 0
+            state.generator.manual_seed((seed * 1_000_003 + state.num_output_tokens)
+                                        % (1 << 63))
+
+
 # A step this small (a few decodes) is short and memory-bound. When the executor shares a small
 # machine with the rest of the stack, a thread of its parallel matmuls that gets descheduled
 # stalls the whole step at the next barrier; leaving a core to the other services costs such
@@ -179,17 +190,20 @@ class ModelRunner:
     def _register(self, new: NewRequestData) -> None:
         self._forget(new.sequence_id)
         generator = None
-        if new.params.seed is not None:
+        if new.params.seed is not None:  # seeded at each position: see _seed_positions
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(new.params.seed)
         sampling = RequestSampling.from_params(new.params, self.config.eos_token_ids,
                                                self.config.vocab_size)
         matcher = (self.grammars.matcher(new.params.structured)  # may raise: before the slot
                    if new.params.structured is not None else None)
-        slot = self.token_counts.add(new.prompt_token_ids) if sampling.has_penalties else None
+        output = new.output_token_ids  # a resumed request's: output it already has
+        if matcher is not None and output:  # the grammar is where those tokens took it
+            matcher.consume_tokens(list(output))
+        slot = (self.token_counts.add(new.prompt_token_ids, output) if sampling.has_penalties
+                else None)
         self.requests[new.sequence_id] = _RequestState(
-            list(new.prompt_token_ids), len(new.prompt_token_ids), new.params, sampling,
-            generator, slot, matcher=matcher)
+            list(new.prompt_token_ids) + list(output), len(new.prompt_token_ids), new.params,
+            sampling, generator, slot, matcher=matcher)
 
     def _apply_plan_changes(self, plan: StepPlan) -> None:
         """What the plan changes before its forward: forgotten, preempted and new requests,
@@ -347,6 +361,7 @@ class ModelRunner:
                 seen = dict(zip(token_ids[0].tolist(), output_counts[0].tolist(), strict=True))
             tensors = position_tensors(state.sampling, state.num_output_tokens, drafts, seen,
                                        self.device)
+            _seed_positions([state])
             tokens = verify(rows, drafts, tensors, state.generator or self.shared_generator)
             for token in tokens:
                 state.token_ids.append(token)
@@ -370,6 +385,7 @@ class ModelRunner:
             num_output_tokens=[s.num_output_tokens for s in states],
             penalty_counts=self.token_counts.gather(slots) if slots else None)
         constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        _seed_positions(states)
         allowed_logits = logits if not constrained else apply_masks(
             logits, constrained, self.grammars.bitmask([states[i].matcher for i in constrained]))
         sampled = sample(allowed_logits, tensors, [s.generator for s in states],

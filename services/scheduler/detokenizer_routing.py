@@ -62,8 +62,10 @@ class DetokenizerRouting:
         out: dict[str, list[RequestTokens]] = defaultdict(list)
         for update in updates:
             key = (update.request_id, update.index)
-            if update.start is not None:
+            if update.start is not None:  # a completion's first update (a new attempt's too)
                 self.starts[key] = update.start
+                self.assigned.pop(key, None)
+                self.sent[key] = list(update.start.replay_token_ids)
             holder = self.assigned.get(key)
             instance = holder if holder in alive else (
                 max(alive, key=lambda i: _weight(f"{key[0]}#{key[1]}", i)) if alive else None)
@@ -111,7 +113,7 @@ class DetokenizerRouting:
         del self.ended[key]
         return subjects.detokenizer_tokens(instance_id), RequestTokens(
             request_id=key[0], index=key[1], finish_reason=FinishReason.ERROR, error=error,
-            start=found[1])
+            start=found[1], resumable=True)
 
     def _remember_ended(self, key: Key, instance: str | None, start: CompletionStart) -> None:
         self.ended[key] = (instance, start)

@@ -11,7 +11,10 @@ one at a time, in order. The rules:
   the round trip on their own, and a request that arrives meanwhile then waits for one such
   plan, not two;
 - when a step fails (the executor answered an error, timed out, or fell silent), cancel the
-  other steps in flight and end every request with an explicit error: never hang;
+  other steps in flight and end every request with an explicit error: never hang. The same
+  when the service interrupts the loop (its bus connection, or its executor's, dropped: step
+  results and token batches may be lost). These errors are resumable: the api moves the
+  requests to an engine that resumes them;
 - when idle, publish what ended and sleep until woken (a submit, an abort) or a second passes
   (to expire requests queued too long).
 
@@ -43,22 +46,33 @@ class EngineLoop:
                  publish: Callable[[list[RequestTokens], bool], Awaitable[None]],
                  expired: Callable[[float], list[RequestTokens]],
                  executor_silent: Callable[[], bool] = lambda: False,
-                 depth: int = 2, clock: Callable[[], float] = time.time) -> None:
+                 depth: int = 2, clock: Callable[[], float] = time.time,
+                 name: str = "the engine") -> None:
         """`publish(updates, cache_cleared)` sends token updates; `expired(now)` ends the
         requests queued too long; `executor_silent()` says the executor stopped sending
-        heartbeats."""
-        self.scheduler, self.depth, self.clock = scheduler, depth, clock
+        heartbeats. `name` ("engine e1") names the engine in the errors clients get."""
+        self.scheduler, self.depth, self.clock, self.name = scheduler, depth, clock, name
         self.execute, self.publish, self.expired = execute, publish, expired
         self.executor_silent = executor_silent
         self.wakeup = asyncio.Event()
         self.busy_seconds = 0.0  # the executor's forward time
         self.idle_seconds = 0.0  # the executor waiting for a plan while the engine was busy
+        self._interrupted = ""  # why every request must end now (interrupt)
+
+    def interrupt(self, reason: str) -> None:
+        """End every request held with a resumable error, from the loop, as soon as it looks:
+        a step awaited fails at once."""
+        self._interrupted = reason
+        self.wakeup.set()
 
     async def run(self) -> None:
         scheduler = self.scheduler
         in_flight: deque[tuple[StepPlan, asyncio.Task, bool]] = deque()
         continuing = False  # was the engine busy right before this step? (idle accounting)
         while True:
+            if self._interrupted:
+                await self._fail(in_flight, self._interrupted)
+                self._interrupted = ""
             continuing = self._send_plans(in_flight, continuing)
             if not in_flight:
                 await self._idle()
@@ -69,12 +83,9 @@ class EngineLoop:
                 result = await self._await_step(task)
             except Exception as exc:  # executor gone, timed out or failed: fail, never hang
                 log.error("step failed", step_id=plan.step_id, error=str(exc))
-                for _, other, _ in in_flight:
-                    other.cancel()
-                in_flight.clear()
-                updates = scheduler.take_ended_updates() + scheduler.fail_all(
-                    f"the executor failed: {exc or type(exc).__name__}")
-                await self.publish(updates, True)
+                await self._fail(in_flight, self._interrupted or
+                                 f"{self.name}'s executor failed: {exc or type(exc).__name__}")
+                self._interrupted = ""
                 continuing = False
                 continue
             self.busy_seconds += result.forward_seconds
@@ -83,6 +94,14 @@ class EngineLoop:
             now = self.clock()
             await self.publish(scheduler.update(plan, result, now) + self.expired(now), False)
             await asyncio.sleep(0)  # let submits and aborts in between steps
+
+    async def _fail(self, in_flight: deque[tuple[StepPlan, asyncio.Task, bool]],
+                    reason: str) -> None:
+        for _, task, _ in in_flight:
+            task.cancel()
+        in_flight.clear()
+        scheduler = self.scheduler
+        await self.publish(scheduler.take_ended_updates() + scheduler.fail_all(reason), True)
 
     def _send_plans(self, in_flight: deque[tuple[StepPlan, asyncio.Task, bool]],
                     continuing: bool) -> bool:
@@ -119,7 +138,10 @@ class EngineLoop:
                 return result
             if self.executor_silent():
                 task.cancel()
-                raise RuntimeError("the executor stopped responding")
+                raise RuntimeError("it stopped responding")
+            if self._interrupted:
+                task.cancel()
+                raise RuntimeError(self._interrupted)
 
 
 def _multi_step(plan: StepPlan) -> bool:

@@ -24,33 +24,44 @@ def stop_reason(request: Request, token_id: int, eos_token_ids: Sequence[int]) -
 
 
 def token_update(request: Request, step_id: int, error: str = "",
-                 index: int | None = None) -> RequestTokens:
+                 index: int | None = None, resumable: bool = False) -> RequestTokens:
     """The tokens not sent yet (marks them sent). The first update of a completion also
     carries its start (the constants a detokenizer copy needs; the routing sends it again when
-    the completion moves to another copy) and the request's queue time."""
-    first = request.num_sent_tokens == 0
-    new_token_ids = request.output_token_ids[request.num_sent_tokens:]
-    new_logprobs = request.output_logprobs[request.num_sent_tokens:]
+    the completion moves to another copy) and the request's queue time. A resumed request's
+    start replays the tokens it streamed before it moved here."""
+    first = not request.start_sent
+    num_before = request.num_sent_tokens
+    new_token_ids = request.output_token_ids[num_before:]
+    new_logprobs = request.output_logprobs[num_before:]
     request.num_sent_tokens = len(request.output_token_ids)
+    request.start_sent = True
     queued = ((request.first_scheduled_time or request.arrival_time) - request.arrival_time
               if first else 0.0)
     return RequestTokens(
         request_id=request.request_id, index=request.index if index is None else index,
         new_token_ids=new_token_ids, finish_reason=request.finish_reason, error=error,
         step_id=step_id, logprobs=new_logprobs, queue_seconds=max(queued, 0.0),
-        start=completion_start(request) if first else None)
+        start=completion_start(request, request.output_token_ids[:num_before])
+        if first else None,
+        attempt=request.attempt, num_before=num_before, resumable=resumable)
 
 
-def completion_start(request: Request) -> CompletionStart:
+def completion_start(request: Request, replay_token_ids: list[int]) -> CompletionStart:
     return CompletionStart(
         reply_subject=request.reply_subject, num_prompt_tokens=request.num_prompt_tokens,
         stop=request.params.stop,
         include_stop_str_in_output=request.params.include_stop_str_in_output,
-        traceparent=request.traceparent)
+        traceparent=request.traceparent, replay_token_ids=replay_token_ids)
 
 
-def end_updates(request: Request, step_id: int, error: str = "") -> list[RequestTokens]:
-    """The final update(s) of an ended request: a parent ends all n completions."""
+def end_updates(request: Request, step_id: int, error: str = "",
+                resumable: bool = False) -> list[RequestTokens]:
+    """The final update(s) of an ended request: a parent ends all n completions. `resumable`:
+    the error is the pipeline's, and the request's owner may resume it on another engine."""
     if not request.is_parent:
-        return [token_update(request, step_id, error)]
-    return [token_update(request, step_id, error, index=i) for i in range(request.num_forks)]
+        return [token_update(request, step_id, error, resumable=resumable)]
+    updates, started = [], request.start_sent
+    for i in range(request.num_forks):  # none of the n has had its start: each gets it
+        request.start_sent = started
+        updates.append(token_update(request, step_id, error, index=i, resumable=resumable))
+    return updates

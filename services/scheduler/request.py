@@ -41,6 +41,8 @@ class Request:
     known_to_executor: bool = False
     num_blocks_sent: int = 0  # leading blocks of block_table the executor already has
     num_sent_tokens: int = 0  # output tokens already sent to the detokenizer
+    start_sent: bool = False  # its first update (with the CompletionStart) went out
+    attempt: int = 0  # a migrated request's attempt (bus/messages/to_scheduler.py)
     num_preemptions: int = 0
     # For traces and metrics; times are whatever clock the caller passes (no clock here).
     traceparent: str = ""

@@ -20,7 +20,8 @@ class RequestTable:
     def __init__(self) -> None:
         self.sequences: dict[str, Request] = {}
         self.families: dict[str, list[str]] = {}  # request_id -> its sequence_ids
-        self._withdrawn: dict[str, None] = {}  # withdrawn before they arrived (ordered set)
+        # withdrawn before they arrived: request id -> up to which attempt (ordered)
+        self._withdrawn: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -64,21 +65,21 @@ class RequestTable:
         """The requests one api copy (its reply subject) owns."""
         return {r.request_id for r in self.sequences.values() if r.reply_subject == reply_subject}
 
-    def withdraw(self, request_id: str) -> list[Request]:
-        """The request's sequences, to drop; none yet: it is remembered (`take_withdrawn`)."""
-        family = self.family(request_id)
-        if not family:
-            self._withdrawn[request_id] = None
+    def withdraw(self, request_id: str, attempt: int = 0) -> list[Request]:
+        """The sequences of that attempt of the request (or an earlier one), to drop; none
+        yet: it is remembered (`take_withdrawn`)."""
+        family = [r for r in self.family(request_id) if r.attempt <= attempt]
+        if not family and not self.holds(request_id):
+            self._withdrawn[request_id] = attempt
             while len(self._withdrawn) > MAX_WITHDRAWN_REMEMBERED:
                 del self._withdrawn[next(iter(self._withdrawn))]
         return family
 
-    def take_withdrawn(self, request_id: str) -> bool:
-        """Whether this request, arriving now, was withdrawn before (and forget that)."""
-        if request_id not in self._withdrawn:
-            return False
-        del self._withdrawn[request_id]
-        return True
+    def take_withdrawn(self, request_id: str, attempt: int = 0) -> bool:
+        """Whether this attempt of the request, arriving now, was withdrawn before (and
+        forget that). A later attempt is not: it is the request moving on."""
+        withdrawn = self._withdrawn.pop(request_id, None)
+        return withdrawn is not None and attempt <= withdrawn
 
 
 @dataclass

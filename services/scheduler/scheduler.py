@@ -29,12 +29,14 @@ No I/O, no clock, no torch.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 from llmbus.bus.messages import (
     BlockCopy,
     FinishReason,
     NewRequestData,
     RequestTokens,
+    ResumedCompletion,
     SamplingParams,
     ScheduledRequest,
     StepPlan,
@@ -79,51 +81,82 @@ class Scheduler:
 
     def add_request(self, request_id: str, reply_subject: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float = 0.0, n: int = 1,
-                    traceparent: str = "") -> None:
+                    traceparent: str = "", attempt: int = 0,
+                    resumed: Sequence[ResumedCompletion] = ()) -> None:
         """Queue a request (n completions of it), or raise AdmissionError if it can never run
-        (or was withdrawn before it arrived)."""
-        if self.table.holds(request_id):
-            raise AdmissionError(f"duplicate request id {request_id}")
-        if self.table.take_withdrawn(request_id):
+        (or was withdrawn before it arrived).
+
+        A migrated request comes as a later `attempt`, which supersedes (aborts) an earlier one
+        held here; with `resumed`, each of those completions continues from the tokens it
+        already streamed (computed again with the prompt, counted as output)."""
+        held = self.table.family(request_id)
+        if held and held[0].attempt >= attempt:
+            raise AdmissionError(f"duplicate request id {request_id}" if held[0].attempt
+                                 == attempt else f"request {request_id}: attempt {attempt} "
+                                 f"is stale (attempt {held[0].attempt} runs here)")
+        if self.table.take_withdrawn(request_id, attempt):
             raise AdmissionError(f"request {request_id} was withdrawn (admitted elsewhere)")
         max_tokens = resolve_max_tokens(self.config, self.kv.num_usable,
                                         len(prompt_token_ids), params, n)
+        self.abort_request(request_id)  # an earlier attempt: its owner moved on
+        # The executor's sequences of each attempt are distinct: a step of the old attempt
+        # still in flight can never feed the new one.
+        base = request_id if attempt == 0 else f"{request_id}~{attempt}"
 
-        def make(sequence_id: str, index: int, num_forks: int = 1) -> Request:
-            return Request(sequence_id, request_id, index, reply_subject,
-                           list(prompt_token_ids), params_for(params, index),
-                           max_tokens=max_tokens, arrival_time=arrival_time,
-                           num_forks=num_forks, traceparent=traceparent)
+        def make(sequence_id: str, index: int, num_forks: int = 1,
+                 output_token_ids: Sequence[int] = ()) -> Request:
+            request = Request(sequence_id, request_id, index, reply_subject,
+                              list(prompt_token_ids), params_for(params, index),
+                              max_tokens=max_tokens, arrival_time=arrival_time,
+                              num_forks=num_forks, traceparent=traceparent,
+                              output_token_ids=list(output_token_ids), attempt=attempt)
+            request.num_sent_tokens = len(output_token_ids)  # the new detokenizer replays them
+            return request
 
-        if n == 1:
-            family = [make(request_id, 0)]
+        if resumed:
+            family = [make(base if n == 1 else f"{base}#{c.index}", c.index,
+                           output_token_ids=c.output_token_ids) for c in resumed]
+        elif n == 1:
+            family = [make(base, 0)]
         elif len(prompt_token_ids) == 1:  # nothing to share: n independent completions
-            family = [make(f"{request_id}#{i}", i) for i in range(n)]
+            family = [make(f"{base}#{i}", i) for i in range(n)]
         else:
-            family = [make(f"{request_id}#prompt", 0, num_forks=n)]
+            family = [make(f"{base}#prompt", 0, num_forks=n)]
         self.table.add(family)
-        self.waiting.extend(family)
+        for request in family:
+            last = request.output_token_ids[-1:]
+            reason = (stop_reason(request, last[0], self.config.eos_token_ids) if last
+                      else FinishReason.NONE)
+            if reason is FinishReason.NONE:
+                self.waiting.append(request)
+            else:  # it had ended, and only the message saying so was lost
+                self._finish(request, reason)
+                self._ended_updates.extend(end_updates(request, self.num_steps))
 
     def abort_request(self, request_id: str, index: int | None = None,
-                      error: str = "") -> bool:
+                      error: str = "", up_to_attempt: int | None = None,
+                      resumable: bool = False) -> bool:
         """End a request (or one of its completions) wherever it is; blocks are freed now.
-        With an `error` it ends as failed (ERROR), not aborted. False: nothing of it is here."""
+        With an `error` it ends as failed (ERROR), not aborted. `up_to_attempt` spares a later
+        attempt. False: nothing of it is here."""
         reason = FinishReason.ERROR if error else FinishReason.ABORT
         ended = False
         for request in self.table.family(request_id):
             if index is not None and request.index != index and not request.is_parent:
                 continue
+            if up_to_attempt is not None and request.attempt > up_to_attempt:
+                continue
             self._remove(request)
             self._finish(request, reason)
-            self._ended_updates.extend(end_updates(request, self.num_steps, error))
+            self._ended_updates.extend(end_updates(request, self.num_steps, error, resumable))
             ended = True
         return ended
 
-    def withdraw(self, request_id: str) -> None:
+    def withdraw(self, request_id: str, attempt: int = 0) -> None:
         """The router gave up waiting for this engine's admission and sent the request to
         another engine: drop it without a word downstream (the other engine's output is the
         one the client gets), or, not here yet, refuse it when it comes."""
-        for request in self.table.withdraw(request_id):
+        for request in self.table.withdraw(request_id, attempt):
             self._remove(request)
             self._drop(request, FinishReason.ABORT)  # never served: no spans, no counts
 
@@ -152,8 +185,9 @@ class Scheduler:
                 f"the request waited more than {timeout:.0f} s in the queue"))
         return updates
 
-    def fail_all(self, error: str) -> list[RequestTokens]:
-        """End every request with an error (the executor failed); returns their updates.
+    def fail_all(self, error: str, resumable: bool = True) -> list[RequestTokens]:
+        """End every request with an error (the executor failed, the bus lost messages); returns
+        their updates. The error is the engine's, not the requests': by default resumable.
 
         The prefix cache is emptied too: blocks planned in the failed step may never have
         been written.
@@ -162,7 +196,7 @@ class Scheduler:
         for request in list(self.running) + list(self.waiting):
             self._remove(request)
             self._finish(request, FinishReason.ERROR)
-            updates.extend(end_updates(request, self.num_steps, error))
+            updates.extend(end_updates(request, self.num_steps, error, resumable))
         self.kv.clear_cache()
         return updates
 
@@ -301,9 +335,9 @@ class Scheduler:
                    num_steps: int = 1) -> ScheduledRequest:
         if not request.known_to_executor:
             request.known_to_executor = True
-            plan.new_requests.append(NewRequestData(
+            plan.new_requests.append(NewRequestData(  # a resumed request's output with it
                 request.sequence_id, request.prompt_token_ids, request.params,
-                request.traceparent))
+                request.traceparent, output_token_ids=list(request.output_token_ids)))
         start = request.num_computed_tokens
         end = start + num_new
         drafts = request.draft_token_ids

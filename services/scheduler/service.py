@@ -75,6 +75,7 @@ class SchedulerService:
         self.apis = Liveness()
         self.executor = Liveness()
         self.draining = False  # SIGTERM: finish what is held, take nothing new
+        self._executor_reconnects: dict[str, int] = {}  # by executor instance
         self._next_expiry_check = 0.0
         self._compiling_ids: dict[str, bool] = {}  # request id -> aborted meanwhile
 
@@ -89,7 +90,8 @@ class SchedulerService:
 
         self.loop = EngineLoop(self.scheduler, execute=execute, publish=self._publish,
                                expired=self._expired, executor_silent=self.executor_silent,
-                               depth=self.config.pipeline_depth)
+                               depth=self.config.pipeline_depth, name=f"engine {self.engine_id}")
+        self.runtime.on_reconnect(self.on_reconnect)
         runtime, group = self.runtime, subjects.queue_group("scheduler")
         await runtime.on_request(subjects.engine_submit(self.engine_id), SubmitRequest,
                                  self.on_submit, concurrency=MAX_SUBMITS_IN_FLIGHT)
@@ -144,6 +146,10 @@ class SchedulerService:
         if self.draining:
             return Admission(error_code=ErrorCode.OVERLOADED,
                              error_message="this engine is shutting down; retry shortly")
+        if self.executor_silent():  # another engine may take it
+            return Admission(error_code=ErrorCode.OVERLOADED,
+                             error_message=f"engine {self.engine_id}'s executor is not "
+                                           "responding")
         if (len(scheduler.waiting) >= self.config.max_queued_requests
                 or scheduler.num_queued_tokens + len(submit.prompt_token_ids)
                 > self.config.max_queued_tokens):
@@ -170,7 +176,8 @@ class SchedulerService:
             # timeout must not fire (or never fire) because of it.
             self.scheduler.add_request(submit.request_id, submit.reply_subject,
                                        submit.prompt_token_ids, submit.params, time.time(),
-                                       n=submit.n, traceparent=current_traceparent())
+                                       n=submit.n, traceparent=current_traceparent(),
+                                       attempt=submit.attempt, resumed=submit.resumed)
         except AdmissionError as exc:
             code = (ErrorCode.CONTEXT_LENGTH_EXCEEDED if exc.context_length
                     else ErrorCode.INVALID_REQUEST)
@@ -181,15 +188,17 @@ class SchedulerService:
 
     async def on_abort(self, abort: AbortRequest, _: Msg) -> None:
         assert self.scheduler is not None
-        if abort.request_id in self._compiling_ids and abort.index is None:
+        if (abort.request_id in self._compiling_ids and abort.index is None
+                and abort.up_to_attempt is None):  # not a migration's (of an older attempt)
             self._compiling_ids[abort.request_id] = True  # refused once it has compiled
-        if self.scheduler.abort_request(abort.request_id, abort.index):
+        if self.scheduler.abort_request(abort.request_id, abort.index,
+                                        up_to_attempt=abort.up_to_attempt):
             log.info("aborted", request_id=abort.request_id, index=abort.index)
             self.loop.wakeup.set()
 
     async def on_withdraw(self, withdrawal: AbortRequest, _: Msg) -> None:
         assert self.scheduler is not None
-        self.scheduler.withdraw(withdrawal.request_id)
+        self.scheduler.withdraw(withdrawal.request_id, withdrawal.up_to_attempt or 0)
         log.info("withdrawn: admitted elsewhere", request_id=withdrawal.request_id)
 
     async def on_unknown_completion(self, report: UnknownCompletion, _: Msg) -> None:
@@ -202,7 +211,8 @@ class SchedulerService:
         log.warning("detokenizer lost a completion", request_id=report.request_id,
                     index=report.index, instance=report.instance_id)
         if self.detokenizers.lost(key, report.instance_id):
-            if self.scheduler.abort_request(report.request_id, report.index, error=error):
+            if self.scheduler.abort_request(report.request_id, report.index, error=error,
+                                            resumable=True):
                 self.loop.wakeup.set()
             return
         ended = self.detokenizers.ended_error(key, report.instance_id, error)
@@ -228,8 +238,24 @@ class SchedulerService:
             self.loop.wakeup.set()
 
     async def on_executor_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
-        if heartbeat.engine_id == self.engine_id:
-            self.executor.seen(heartbeat, time.monotonic())
+        if heartbeat.engine_id != self.engine_id:
+            return
+        self.executor.seen(heartbeat, time.monotonic())
+        before = self._executor_reconnects.get(heartbeat.instance_id, heartbeat.num_reconnects)
+        self._executor_reconnects[heartbeat.instance_id] = heartbeat.num_reconnects
+        if heartbeat.num_reconnects > before and self.loop is not None:
+            log.warning("executor reconnected: its step results may be lost")
+            self.loop.interrupt(f"engine {self.engine_id}'s executor lost its bus connection")
+
+    async def on_reconnect(self) -> None:
+        """Back on the bus: step results and token batches of the gap may be lost, so every
+        request held ends with a resumable error (the api resumes them, here or elsewhere);
+        the copies watched were silent only to us."""
+        now = time.monotonic()
+        for liveness in (self.apis, self.executor, self.detokenizers.liveness):
+            liveness.pardon(now)
+        assert self.loop is not None
+        self.loop.interrupt(f"engine {self.engine_id} lost its bus connection")
 
     def executor_silent(self) -> bool:
         """Heard from our executor before, but not lately (it died mid-step)."""

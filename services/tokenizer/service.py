@@ -57,17 +57,23 @@ MAX_ADMISSIONS_IN_FLIGHT = 64
 
 
 async def submit_to_an_engine(runtime: ServiceRuntime, router: Router, submit: SubmitRequest,
-                              timeout: float = ADMISSION_TIMEOUT) -> Admission:
+                              timeout: float = ADMISSION_TIMEOUT,
+                              avoid_instance_id: str = "") -> Admission:
     """Route to the best engine; on a dead or silent one, try the next. Never hangs.
 
     An engine that did not answer in time may still admit the request later (a stalled
-    process): it is told to withdraw it, so that it never runs on two engines.
+    process): it is told to withdraw it, so that it never runs on two engines. A migrated
+    request avoids the engine that failed it while another is alive, and is routed by its
+    prompt and the output it resumes from (what an engine may have cached).
     """
     tried: set[str] = set()
     refused: Admission | None = None
+    routed_ids = submit.prompt_token_ids + (submit.resumed[0].output_token_ids
+                                            if submit.resumed else [])
     while True:
-        chosen = router.choose(submit.prompt_token_ids, time.monotonic(),
-                               exclude=frozenset(tried))
+        now = time.monotonic()
+        chosen = (router.choose(routed_ids, now, exclude=frozenset(tried | {avoid_instance_id}))
+                  or router.choose(routed_ids, now, exclude=frozenset(tried)))
         subject = (subjects.engine_submit(chosen.engine_id) if chosen is not None
                    else subjects.ENGINE_SUBMIT)  # no heartbeat yet: any engine
         try:
@@ -84,7 +90,8 @@ async def submit_to_an_engine(runtime: ServiceRuntime, router: Router, submit: S
                 break
             if isinstance(exc, nats.errors.TimeoutError):
                 await runtime.publish(subjects.engine_withdraw(chosen.engine_id),
-                                      AbortRequest(submit.request_id))
+                                      AbortRequest(submit.request_id,
+                                                   up_to_attempt=submit.attempt))
             tried.add(chosen.instance_id)
     return refused or Admission(error_code=ErrorCode.OVERLOADED,
                                 error_message="no engine is available; retry shortly")
@@ -99,6 +106,11 @@ class TokenizerService:
 
     async def subscribe(self) -> None:
         runtime, group = self.runtime, subjects.queue_group("tokenizer")
+
+        async def pardon_engines() -> None:  # their silence was ours
+            self.router.liveness.pardon(time.monotonic())
+
+        runtime.on_reconnect(pardon_engines)
         await runtime.on_message(subjects.heartbeat("scheduler"), Heartbeat,
                                  self.on_engine_heartbeat)
         await runtime.on_message(subjects.ENGINE_CACHE_EVENTS, CacheEvent, self.on_cache_event)
@@ -140,8 +152,10 @@ class TokenizerService:
         submit = SubmitRequest(request_id=request.request_id,
                                reply_subject=request.reply_subject,
                                prompt_token_ids=token_ids, params=request.params,
-                               arrival_time=time.time(), n=request.n)
-        admission = await submit_to_an_engine(self.runtime, self.router, submit)
+                               arrival_time=time.time(), n=request.n, attempt=request.attempt,
+                               resumed=request.resumed)
+        admission = await submit_to_an_engine(self.runtime, self.router, submit,
+                                              avoid_instance_id=request.avoid_instance_id)
         # the engine names the chat's field; a plain prompt's is `prompt`
         if admission.error_code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and request.messages:
             admission.error_param = admission.error_param or "messages"

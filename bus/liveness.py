@@ -12,7 +12,11 @@ from dataclasses import dataclass, field
 from llmbus.bus.messages import Heartbeat
 
 HEARTBEAT_INTERVAL = 0.5  # seconds
-DEAD_AFTER = 2.5  # seconds of silence
+# Seconds of silence: more than a hung server takes to be noticed (2-3 s, bus/servers.py) plus
+# a reconnect and a heartbeat, so a copy whose connection is being re-established is not
+# taken for dead. What a watcher misses while its own connection hangs does not count at all
+# (ServiceRuntime.bus_time).
+DEAD_AFTER = 4.0
 
 
 @dataclass

@@ -1,3 +1,5 @@
+# Over 300 lines: the one connection every service has, with what it must do for the others
+# (handlers, heartbeats, its own bus health, reconnects, drain).
 """The service runtime: one NATS connection, typed handlers, readiness, graceful drain.
 
 Every service has the same skeleton:
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -75,6 +78,10 @@ class ServiceRuntime:
         self.num_handled = 0  # the service counts its work here; heartbeats report it
         self.num_reconnects = 0  # heartbeats report it: see Heartbeat.num_reconnects
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
+        # When a round trip to the server last succeeded (monotonic): the clock by which this
+        # copy judges the others' silence (see bus_time).
+        self.bus_alive_at = 0.0
+        self._probe_task: asyncio.Task | None = None
 
     async def __aenter__(self) -> ServiceRuntime:
         await self.connect()
@@ -114,10 +121,31 @@ class ServiceRuntime:
             disconnected_cb=self._disconnected, reconnected_cb=self._reconnected,
             **credentials, **tls_options(self.nats_url))
         await self.on_request(subjects.ping(self.service), Ping, self._pong)
+        self.bus_alive_at = time.monotonic()
+        self._probe_task = asyncio.create_task(self._probe())
 
     @property
     def connected(self) -> bool:
         return self.nc is not None and self.nc.is_connected
+
+    def bus_time(self) -> float:
+        """The time to judge other copies' silence by: the last successful round trip to the
+        server (at most a probe, HEARTBEAT_INTERVAL, behind now while the bus works). A
+        connection that hangs (its server paused or cut off, no RST) takes seconds to be
+        noticed, and the others were silent only to us meanwhile: they must not be reaped
+        for it."""
+        return self.bus_alive_at
+
+    async def _probe(self) -> None:
+        while not self.stop_event.is_set():
+            if self.connected:
+                try:
+                    assert self.nc is not None
+                    await self.nc.flush(timeout=1)  # one PING/PONG: seconds, as an int
+                    self.bus_alive_at = time.monotonic()
+                except Exception:  # timed out or dropped: the clock stays where it was
+                    pass
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
 
     def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:
         """Call `callback()` each time the connection is back after a loss: what was sent to
@@ -274,8 +302,9 @@ class ServiceRuntime:
         """Stop taking messages, let in-flight handlers finish (their requests and replies
         still travel) for up to `drain_timeout`, cancel the rest, then drain and close."""
         self.ready = False
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
+        for task in (self._heartbeat_task, self._probe_task):
+            if task is not None:
+                task.cancel()
         if self.nc is None or self.nc.is_closed:
             return
         if self.nc.is_connected:  # else no reply could leave: nothing to wait for

@@ -8,11 +8,13 @@ import ssl
 
 # A server that dies with its host, or a partition (no RST), is noticed only by unanswered
 # pings: nats-py's default (a ping every 120 s, 2 outstanding) takes minutes. One a second, and
-# the connection counts as stale when 3 are unanswered: noticed within 3-4 s, while an event
-# loop held up for under 3 s (a long step's planning, a GC pause) is not taken for a dead
-# server. The client then reconnects to another server of the cluster at once.
-PING_INTERVAL = 1.0
-MAX_OUTSTANDING_PINGS = 3
+# the connection is stale when a third goes out with two unanswered: noticed 2-3 s after the
+# last answer, while an event loop held up for under 2 s is not taken for a dead server. The
+# client then reconnects to another server of the cluster at once (a killed server's RST is
+# noticed at once). bus/liveness.py's DEAD_AFTER is longer than that detection plus the
+# reconnect, so a copy whose server died is not given up on while it reconnects.
+PING_INTERVAL = 1
+MAX_OUTSTANDING_PINGS = 2
 
 # Where a tls:// bus URL's server certificate is checked: a CA bundle, or the server's own
 # self-signed certificate (what `llmbus up --nats-tls-cert` sets for its services).

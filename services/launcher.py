@@ -1,3 +1,5 @@
+# Over 300 lines: the stack of processes a launch is (one nats-server or a cluster, the
+# services, their output and their order of stopping), and the wait until it is ready.
 """`llmbus up`: a local nats-server plus one OS process per service, supervised together.
 
 Every child's output is prefixed with its name. The launcher waits until the api reports every
@@ -12,6 +14,7 @@ import collections
 import ctypes
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmbus.bus.servers import TLS_CA_VARIABLE
-from llmbus.services.nats_auth import generate_passwords, server_config
+from llmbus.services.nats_auth import ClusterRoutes, generate_passwords, server_config
 
 SERVICE_ORDER = ("executor", "scheduler", "tokenizer", "detokenizer", "api")
 STOP_ORDER = (("api",), ("tokenizer",), ("scheduler",), ("executor", "detokenizer"), ("nats",))
@@ -116,6 +119,26 @@ class Stack:
         if not wait_for_port(host, port, timeout=10):
             raise RuntimeError("nats-server did not start listening within 10 s")
         return f"{'tls' if tls else 'nats'}://{host}:{port}"
+
+    def start_nats_cluster(self, size: int = 3, host: str = "127.0.0.1",
+                           auth: bool = True) -> list[str]:
+        """`size` nats-servers on `host` that form one cluster (child `nats.i` each, so that
+        one can be killed alone); their client URLs."""
+        if auth:
+            self.passwords = generate_passwords()
+        ports = [(free_port(host), free_port(host)) for _ in range(size)]
+        route_password = secrets.token_hex(16)
+        for i, (port, route_port) in enumerate(ports):
+            routes = [f"{host}:{r}" for j, (_, r) in enumerate(ports) if j != i]
+            config = Path(self._tmpdir.name) / f"nats-{i}.conf"
+            config.touch(mode=0o600)
+            config.write_text(server_config(host, port, self.passwords, cluster=ClusterRoutes(
+                f"n{i}", route_port, routes, route_password)))
+            self._spawn(f"nats.{i}", [nats_server_binary(), "-c", str(config)])
+        for port, _ in ports:
+            if not wait_for_port(host, port, timeout=10):
+                raise RuntimeError("a nats-server did not start listening within 10 s")
+        return [f"nats://{host}:{port}" for port, _ in ports]
 
     def observer_url(self, url: str) -> str:
         """The NATS URL with the read-mostly observer's credentials (for tests, dashboards)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from dataclasses import dataclass
 
 from llmbus.bus import subjects as S
 
@@ -102,11 +103,33 @@ def compose_env() -> str:
     return "\n".join([*lines, f"LLMBUS_API_KEY={secrets.token_urlsafe(32)}"]) + "\n"
 
 
+@dataclass(frozen=True)
+class ClusterRoutes:
+    """One server's part in a NATS cluster: where it listens for the other servers, where they
+    are, and the password of the route user they share (servers authenticate each other)."""
+
+    server_name: str  # unique in the cluster
+    port: int  # this server's route port
+    routes: list[str]  # the other servers, as host:port of their route ports
+    password: str
+    name: str = "llmbus"
+
+
 def server_config(host: str, port: int, passwords: dict[str, str] | None,
-                  tls: tuple[str, str] | None = None) -> str:
+                  tls: tuple[str, str] | None = None,
+                  cluster: ClusterRoutes | None = None) -> str:
     """A nats-server configuration (JSON is valid NATS config): with `passwords`, one user per
-    service; with `tls` (certificate file, key file), TLS required of every client."""
+    service; with `tls` (certificate file, key file), TLS required of every client; with
+    `cluster`, routes to the cluster's other servers. Each server tells its clients of the
+    others (`connect_urls`), so a client given one server reconnects to any."""
     text = f"host: {json.dumps(host)}\nport: {port}\n"
+    if cluster is not None:
+        auth = f"route:{cluster.password}@"
+        text += f"server_name: {json.dumps(cluster.server_name)}\n"
+        text += "cluster: " + json.dumps({
+            "name": cluster.name, "host": host, "port": cluster.port,
+            "authorization": {"user": "route", "password": cluster.password},
+            "routes": [f"nats-route://{auth}{route}" for route in cluster.routes]}) + "\n"
     if passwords:
         users = [{"user": user, "password": passwords[user], "permissions": {
             "publish": {"allow": perms["publish"]}, "subscribe": {"allow": perms["subscribe"]},

@@ -91,6 +91,7 @@ TEST_KINDS = {
     # pure code: scheduler, tokenizer and detokenizer cores, messages, executor on tiny files
     "test_bench_serve.py": "unit",
     "test_bus_messages.py": "unit",
+    "test_bus_cluster.py": "adapter",
     "test_bus_servers.py": "adapter",
     "test_code_shape.py": "unit",
     "test_constraints.py": "unit",

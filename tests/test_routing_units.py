@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from llmbus.bus import subjects
 from llmbus.bus.block_hash import block_hashes
-from llmbus.bus.liveness import Liveness
+from llmbus.bus.liveness import DEAD_AFTER, Liveness
 from llmbus.bus.messages import CacheEvent, Heartbeat, SamplingParams
 from llmbus.services.scheduler.config import SchedulerConfig
 from llmbus.services.scheduler.scheduler import Scheduler
@@ -62,10 +62,11 @@ def test_router_follows_the_cache_then_balances_load():
 def test_router_skips_dead_and_excluded_engines():
     router = Router()
     router.on_heartbeat(beat("e0"), now=0.0)
-    router.on_heartbeat(beat("e1"), now=2.0)
-    assert router.choose([1, 2, 3, 4], now=3.0).instance_id == "e1"  # e0 silent for 3 s
-    assert router.choose([1, 2, 3, 4], now=3.0, exclude=frozenset({"e1"})) is None
-    assert [h.instance_id for h in router.forget_dead(3.0)] == ["e0"]
+    now = DEAD_AFTER + 0.5  # e0 silent for longer than DEAD_AFTER, e1 heard just now
+    router.on_heartbeat(beat("e1"), now=now)
+    assert router.choose([1, 2, 3, 4], now=now).instance_id == "e1"
+    assert router.choose([1, 2, 3, 4], now=now, exclude=frozenset({"e1"})) is None
+    assert [h.instance_id for h in router.forget_dead(now)] == ["e0"]
 
 
 async def test_an_engine_too_slow_to_admit_is_told_to_withdraw():

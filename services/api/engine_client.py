@@ -156,7 +156,7 @@ class EngineClient:
         self.copies[heartbeat.service].seen(heartbeat, time.monotonic())
 
     def num_copies(self) -> dict[str, int]:
-        now = time.monotonic()
+        now = self.runtime.bus_time()
         return {stage: len(liveness.alive(now)) for stage, liveness in self.copies.items()}
 
     async def _watch_engines(self) -> None:
@@ -166,7 +166,7 @@ class EngineClient:
             await asyncio.sleep(HEARTBEAT_INTERVAL)
             if not self.runtime.connected:
                 continue
-            now = time.monotonic()
+            now = self.runtime.bus_time()
             dead = {h.instance_id: h for h in self.copies["scheduler"].reap(now)}
             # Every detokenizer copy gone: no text can reach any client until one is back.
             detokenizers = self.copies["detokenizer"]
@@ -215,7 +215,7 @@ class EngineClient:
     async def engine_stats(self, timeout: float = 0.25) -> list[EngineStats]:
         """Counters of every engine: one request, every scheduler answers (scatter-gather);
         done once every engine heard of lately has, else at `timeout`."""
-        expected = max(len(self.copies["scheduler"].alive(time.monotonic())), 1)
+        expected = max(len(self.copies["scheduler"].alive(self.runtime.bus_time())), 1)
         replies = await self.runtime.gather(subjects.ENGINE_STATS, EngineStatsRequest(),
                                             EngineStats, expected=expected, timeout=timeout)
         return sorted(replies, key=lambda s: s.engine_id)
@@ -223,7 +223,7 @@ class EngineClient:
     async def api_metrics(self, timeout: float = 0.25) -> list[ApiMetricsSnapshot]:
         """Request metrics of every api copy, this one included (they share the port, so a
         scrape reaches any one of them)."""
-        expected = max(len(self.copies["api"].alive(time.monotonic())), 1)
+        expected = max(len(self.copies["api"].alive(self.runtime.bus_time())), 1)
         replies = await self.runtime.gather(subjects.API_METRICS, ApiMetricsRequest(),
                                             ApiMetricsSnapshot, expected=expected,
                                             timeout=timeout)

@@ -222,15 +222,13 @@ class SchedulerService:
                                                            items=[update]))
 
     async def on_detokenizer_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
-        now = time.monotonic()
-        self.detokenizers.liveness.seen(heartbeat, now)
-        for dead in self.detokenizers.liveness.reap(now):
+        self.detokenizers.liveness.seen(heartbeat, time.monotonic())
+        for dead in self.detokenizers.liveness.reap(self.runtime.bus_time()):
             log.warning("detokenizer gone; its requests move", instance=dead.instance_id)
 
     async def on_api_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
-        now = time.monotonic()
-        self.apis.seen(heartbeat, now)
-        for dead in self.apis.reap(now):
+        self.apis.seen(heartbeat, time.monotonic())
+        for dead in self.apis.reap(self.runtime.bus_time()):
             assert self.scheduler is not None
             num = self.scheduler.abort_for_reply_subject(subjects.api_deltas(dead.instance_id))
             log.warning("api copy gone; its requests aborted", instance=dead.instance_id,
@@ -259,7 +257,7 @@ class SchedulerService:
 
     def executor_silent(self) -> bool:
         """Heard from our executor before, but not lately (it died mid-step)."""
-        return bool(self.executor.last_seen) and not self.executor.alive(time.monotonic())
+        return bool(self.executor.last_seen) and not self.executor.alive(self.runtime.bus_time())
 
     async def on_model_info(self, _: ModelInfoRequest, __: Msg) -> ModelInfo:
         assert self.info is not None
@@ -298,7 +296,7 @@ class SchedulerService:
         assert scheduler is not None
         for request in scheduler.take_finished():
             record_request_spans(request, time.time())
-        for subject, items in self.detokenizers.route(updates, time.monotonic()).items():
+        for subject, items in self.detokenizers.route(updates, self.runtime.bus_time()).items():
             await self.runtime.publish(subject, TokenBatch(engine_id=self.engine_id,
                                                            items=items))
         if scheduler.kv.tree is not None:

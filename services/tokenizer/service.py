@@ -71,7 +71,7 @@ async def submit_to_an_engine(runtime: ServiceRuntime, router: Router, submit: S
     routed_ids = submit.prompt_token_ids + (submit.resumed[0].output_token_ids
                                             if submit.resumed else [])
     while True:
-        now = time.monotonic()
+        now = runtime.bus_time()
         chosen = (router.choose(routed_ids, now, exclude=frozenset(tried | {avoid_instance_id}))
                   or router.choose(routed_ids, now, exclude=frozenset(tried)))
         subject = (subjects.engine_submit(chosen.engine_id) if chosen is not None
@@ -164,9 +164,8 @@ class TokenizerService:
         return admission
 
     async def on_engine_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
-        now = time.monotonic()
-        self.router.on_heartbeat(heartbeat, now)
-        for dead in self.router.forget_dead(now):
+        self.router.on_heartbeat(heartbeat, time.monotonic())
+        for dead in self.router.forget_dead(self.runtime.bus_time()):
             log.warning("engine gone", engine=dead.engine_id, instance=dead.instance_id)
 
     async def on_cache_event(self, event: CacheEvent, _: Msg) -> None:

@@ -110,6 +110,7 @@ TEST_KINDS = {
     "test_kv_manager.py": "unit",
     "test_lint.py": "unit",
     "test_model_families.py": "unit",
+    "test_migration_rules.py": "unit",
     "test_model_files.py": "unit",
     "test_ngram_proposer.py": "unit",
     "test_packaging.py": "unit",

@@ -29,7 +29,8 @@ TEXT_LOGPROB = m.TextLogprob(token="h", logprob=-0.5, top_tokens=["h", "y"],
 DELTA = m.TextDelta(request_id="r1", text="hé", num_new_tokens=1,
                     finish_reason=m.FinishReason.LENGTH, num_prompt_tokens=2,
                     num_output_tokens=3, error="e", step_id=3, index=1, logprobs=[TEXT_LOGPROB],
-                    queue_seconds=0.25, token_ids=[42], attempt=1, resumable=True)
+                    queue_seconds=0.25, token_ids=[42], attempt=1, resumable=True,
+                    detokenizer_id="d1")
 RESUMED = m.ResumedCompletion(index=1, output_token_ids=[42])
 
 # One example of every message, every field set away from its default.
@@ -159,11 +160,11 @@ GOLDEN = {
         "96a168cbbfe000000000000092a168a17992cbbfe0000000000000cbbff8000000000000c4016892c401"
         "68c40179"),
     "TextDelta": (
-        "9ea27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe000000000"
-        "0000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000912a01c3"),
+        "9fa27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe000000000"
+        "0000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000912a01c3a26431"),
     "DeltaBatch": (
-        "91919ea27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe00000"
-        "00000000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000912a01c3"),
+        "91919fa27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe00000"
+        "00000000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000912a01c3a26431"),
     "ApiMetricsRequest": "90",
     # retyped from sample lines by metric name to one exposition text (prometheus-client),
     # which only api copies of one version exchange

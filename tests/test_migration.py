@@ -19,10 +19,11 @@ from llmbus.bus import subjects
 from llmbus.bus.codec import decode, encode
 from llmbus.bus.messages import EngineStats, EngineStatsRequest
 from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
+from llmbus.services.scheduler.detokenizer_routing import preferred_copy
 from tests.stack import MODEL_NAME, needs_default_model
 
 pytestmark = [pytest.mark.model, needs_default_model()]
-ENGINES = {"api": 1, "tokenizer": 1, "detokenizer": 1, "engine": 2}
+ENGINES = {"api": 1, "tokenizer": 1, "detokenizer": 2, "engine": 2}
 MAX_TOKENS = 64
 # Greedy, and seeded sampling (its draws depend on the seed and the position alone).
 REQUESTS = {
@@ -45,9 +46,9 @@ def two_engines():
 
 
 async def _stream(http: httpx.AsyncClient, base_url: str, sampling: dict,
-                  chunks: list[str] | None = None) -> dict:
+                  chunks: list[str] | None = None, ids: list[str] | None = None) -> dict:
     """One streamed chat: its text, finish reason, token count and any error event; each
-    content chunk is appended to `chunks` as it comes."""
+    content chunk is appended to `chunks` as it comes, and its id to `ids`."""
     body = {"model": MODEL_NAME, "stream": True, "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
@@ -63,6 +64,8 @@ async def _stream(http: httpx.AsyncClient, base_url: str, sampling: dict,
             if "error" in event:
                 result["error"] = event["error"]["message"]
                 continue
+            if ids is not None and not ids:
+                ids.append(event["id"])
             for choice in event["choices"]:
                 if choice["delta"].get("content"):
                     chunks.append(choice["delta"]["content"])
@@ -86,31 +89,47 @@ async def _engine_holding(nats_url: str) -> str | None:
         await nc.close()
 
 
-@pytest.mark.parametrize("victim", ["scheduler", "executor"])
+def _replica(child) -> str:
+    """A service process's instance id, from its log lines."""
+    return next(line.split("replica=")[1].split()[0] for line in child.tail
+                if "replica=" in line)
+
+
+@pytest.mark.parametrize("victim", ["scheduler", "executor", "detokenizer"])
 @pytest.mark.parametrize("kind", list(REQUESTS))
 async def test_a_stream_whose_engine_dies_resumes_on_the_other_engine(two_engines, victim,
                                                                       kind):
+    """The detokenizer's case: the engine moves the stream to the other copy, which never
+    got the tokens the dead copy lost; the api sees the gap and resumes the request from what
+    its client has."""
     stack, base_url, url, argv, health = two_engines
     observer = stack.observer_url(url)
     async with httpx.AsyncClient(timeout=120) as http:
         undisturbed = await _stream(http, base_url, REQUESTS[kind])
         chunks: list[str] = []
-        stream = asyncio.create_task(_stream(http, base_url, REQUESTS[kind], chunks))
+        stream_ids: list[str] = []
+        stream = asyncio.create_task(_stream(http, base_url, REQUESTS[kind], chunks,
+                                             stream_ids))
         async with asyncio.timeout(60):  # mid-stream: some text out, most still to come
             while len(chunks) < 8 and not stream.done():
                 await asyncio.sleep(0.02)
-        engine = await _engine_holding(observer)
-        assert engine is not None and not stream.done(), "the stream ended before the kill"
-        index = engine[-1]
-        [child] = [c for c in stack.children if c.name == f"{victim}.{index}"]
+        if victim == "detokenizer":  # the copy the engine sends this stream to
+            copies = {_replica(c): c for c in stack.children if c.name.startswith(victim)}
+            child = copies[preferred_copy((stream_ids[0], 0), set(copies))]
+            victim_argv = ["--nats-url", url]
+        else:
+            engine = await _engine_holding(observer)
+            assert engine is not None, "the stream ended before the kill"
+            [child] = [c for c in stack.children if c.name == f"{victim}.{engine[-1]}"]
+            victim_argv = ["--nats-url", url, "--engine-id", engine, *argv.get(victim, [])]
+        assert not stream.done(), "the stream ended before the kill"
         os.kill(child.process.pid, signal.SIGKILL)
         moved = await asyncio.wait_for(stream, timeout=60)
     assert undisturbed["error"] is None and undisturbed["completion_tokens"] == MAX_TOKENS
     assert moved["error"] is None, moved
     assert moved["text"] == undisturbed["text"]  # nothing repeated, nothing lost
     assert (moved["finish_reason"], moved["completion_tokens"]) == ("length", MAX_TOKENS)
-    # Back to two engines for the next test.
+    # Back to two copies for the next test.
     stack.children.remove(child)
-    engine_argv = ["--nats-url", url, "--engine-id", engine, *argv.get(victim, [])]
-    stack.start_service(victim, engine_argv, f"{victim}.{index}")
+    stack.start_service(victim, victim_argv, child.name)
     assert wait_until_ready(stack, health, 300, {victim: 2}) is None

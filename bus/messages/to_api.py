@@ -34,6 +34,7 @@ class TextDelta(Message):
     token_ids: list[int] = []
     attempt: int = 0
     resumable: bool = False
+    detokenizer_id: str = ""  # the copy that sent it: if it dies, what it held is lost
 
 
 class DeltaBatch(Message):

@@ -171,18 +171,25 @@ class EngineClient:
             # Every detokenizer copy gone: no text can reach any client until one is back.
             detokenizers = self.copies["detokenizer"]
             no_detokenizer = bool(detokenizers.last_seen) and not detokenizers.alive(now)
-            for request_id, placement in list(self._placements.items()):
-                if no_detokenizer:
+            if no_detokenizer:
+                for request_id, placement in list(self._placements.items()):
                     self._placements.pop(request_id, None)
                     placement.end_with_error(
                         f"no detokenizer copy is alive (none heard from for "
                         f"{detokenizers.dead_after:g} s)")
-                    continue
+                continue
+            # A dead copy took with it the text it held, and tokens sent to it since: its
+            # requests resume (those with no text yet may have been its too).
+            lost_copies = {h.instance_id for h in detokenizers.reap(now)}
+            for request_id, placement in list(self._placements.items()):
                 gone = dead.get(placement.scheduler_instance_id)
                 if gone is not None:
                     log.warning("engine gone", request_id=request_id, engine=gone.engine_id)
                     self._migrate(placement, f"engine {gone.engine_id} stopped answering",
                                   avoid_instance_id=gone.instance_id)
+                elif lost_copies and placement.detokenizer_id in lost_copies | {""}:
+                    self._migrate(placement, "detokenizer "
+                                  f"{placement.detokenizer_id or 'copy'} stopped answering")
 
     async def model_info(self) -> ModelInfo:
         if self._model is None:

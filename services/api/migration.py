@@ -45,6 +45,7 @@ class Placement:
     received: dict[int, list[int]] = field(default_factory=dict)  # completion -> token ids
     finished: set[int] = field(default_factory=set)  # completions that ended
     moving: bool = False  # a migration is on its way
+    detokenizer_id: str = ""  # the copy its text comes from (if it dies, what it held is lost)
     aborted_attempts: set[int] = field(default_factory=set)  # stale ones already told
 
     def judge(self, delta: TextDelta) -> Verdict:
@@ -60,6 +61,7 @@ class Placement:
         if delta.num_output_tokens - len(delta.token_ids) != len(got):
             return Verdict.RESUME
         got.extend(delta.token_ids)
+        self.detokenizer_id = delta.detokenizer_id
         if delta.finish_reason != FinishReason.NONE:
             self.finished.add(delta.index)
         return Verdict.FORWARD

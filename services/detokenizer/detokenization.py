@@ -90,8 +90,9 @@ class TokenTexts:
 class Detokenization:
     """All in-flight completions' decode states; pure (no bus), driven by TokenBatches."""
 
-    def __init__(self, tokenizer: GGUFTokenizer) -> None:
+    def __init__(self, tokenizer: GGUFTokenizer, instance_id: str = "") -> None:
         self.tokenizer = tokenizer
+        self.instance_id = instance_id  # named in every delta (TextDelta.detokenizer_id)
         self.token_texts = TokenTexts(tokenizer)
         # n > 1 completions decode separately.
         self.completions: dict[Key, _Completion] = {}
@@ -158,7 +159,7 @@ class Detokenization:
             request_id=key[0], text="", finish_reason=FinishReason.ERROR, error=error,
             index=key[1], num_prompt_tokens=completion.start.num_prompt_tokens,
             num_output_tokens=completion.decoder.num_tokens, attempt=completion.attempt,
-            resumable=True)
+            resumable=True, detokenizer_id=self.instance_id)
 
     def _start(self, key: Key, start: CompletionStart, attempt: int,
                now_ns: int) -> _Completion:
@@ -201,7 +202,7 @@ class Detokenization:
             index=item.index, logprobs=self.token_texts.logprobs(
                 item.logprobs, item.new_token_ids) if item.logprobs else [],
             queue_seconds=item.queue_seconds, token_ids=list(item.new_token_ids),
-            attempt=item.attempt, resumable=item.resumable)
+            attempt=item.attempt, resumable=item.resumable, detokenizer_id=self.instance_id)
 
 
 def _remember(keys: dict, key: Key, value: object = None) -> None:

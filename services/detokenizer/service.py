@@ -83,7 +83,7 @@ async def subscribe(runtime: ServiceRuntime, detokenization: Detokenization) -> 
 
 
 async def main(args: argparse.Namespace) -> None:
-    detokenization = Detokenization(GGUFTokenizer.from_gguf(resolve_model(args.model)))
+    tokenizer = GGUFTokenizer.from_gguf(resolve_model(args.model))
     async with ServiceRuntime("detokenizer", args.nats_url, args.instance_id) as runtime:
-        await subscribe(runtime, detokenization)
+        await subscribe(runtime, Detokenization(tokenizer, runtime.instance_id))
         await runtime.serve()

@@ -43,6 +43,11 @@ def _weight(key: str, instance_id: str) -> int:
                                           digest_size=8).digest(), "little")
 
 
+def preferred_copy(key: Key, alive: set[str]) -> str:
+    """The live copy a completion goes to while the set of copies stays as it is."""
+    return max(alive, key=lambda i: _weight(f"{key[0]}#{key[1]}", i))
+
+
 @dataclass
 class DetokenizerRouting:
     liveness: Liveness = field(default_factory=Liveness)
@@ -68,7 +73,7 @@ class DetokenizerRouting:
                 self.sent[key] = list(update.start.replay_token_ids)
             holder = self.assigned.get(key)
             instance = holder if holder in alive else (
-                max(alive, key=lambda i: _weight(f"{key[0]}#{key[1]}", i)) if alive else None)
+                preferred_copy(key, alive) if alive else None)
             start = self.starts.get(key)
             if instance is not None and instance == holder:
                 update.start = None  # that copy has it

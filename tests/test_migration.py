@@ -25,11 +25,15 @@ from tests.stack import MODEL_NAME, needs_default_model
 pytestmark = [pytest.mark.model, needs_default_model()]
 ENGINES = {"api": 1, "tokenizer": 1, "detokenizer": 2, "engine": 2}
 MAX_TOKENS = 64
-# Greedy, and seeded sampling (its draws depend on the seed and the position alone).
+# Greedy, seeded sampling (its draws depend on the seed and the position alone), and a
+# constrained request (the new engine's matcher replays the tokens already streamed).
 REQUESTS = {
     "greedy": {"temperature": 0},
     "seeded": {"temperature": 1.0, "seed": 11, "frequency_penalty": 0.5},
+    "grammar": {"temperature": 0, "guided_regex": "Once upon a time, ([a-z]+[,.]? ){1,100}"},
 }
+CASES = [(kind, victim) for victim in ("scheduler", "executor", "detokenizer")
+         for kind in ("greedy", "seeded")] + [("grammar", "scheduler")]
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +99,7 @@ def _replica(child) -> str:
                 if "replica=" in line)
 
 
-@pytest.mark.parametrize("victim", ["scheduler", "executor", "detokenizer"])
-@pytest.mark.parametrize("kind", list(REQUESTS))
+@pytest.mark.parametrize(("kind", "victim"), CASES)
 async def test_a_stream_whose_engine_dies_resumes_on_the_other_engine(two_engines, victim,
                                                                       kind):
     """The detokenizer's case: the engine moves the stream to the other copy, which never

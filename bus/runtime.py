@@ -118,6 +118,7 @@ class ServiceRuntime:
             server_urls(self.nats_url), name=f"llmbus-{self.service}-{self.instance_id}",
             error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
             ping_interval=PING_INTERVAL, max_outstanding_pings=MAX_OUTSTANDING_PINGS,
+            dont_randomize=True,  # the list's order is the user's: its own host's server first
             disconnected_cb=self._disconnected, reconnected_cb=self._reconnected,
             **credentials, **tls_options(self.nats_url))
         await self.on_request(subjects.ping(self.service), Ping, self._pong)

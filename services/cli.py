@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "compose-env", help="print a .env for compose.yaml: random bus passwords, an API key",
         description="Print a .env file for `docker compose`: a random password for every bus "
-        "user of deploy/nats.conf and an API key. Use: llmbus compose-env > .env")
+        "user of deploy/nats.conf, one for the route user of compose.cluster.yaml's servers, and "
+        "an API key. Use: llmbus compose-env > .env")
 
     # Parsed by llmbus.bench.cli (see main), so its imports stay out of every other command.
     commands.add_parser("bench", add_help=False,

@@ -71,10 +71,14 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
 }
 
 
-def generate_passwords() -> dict[str, str]:
-    """192 random bits each, as a letter then hex digits: deploy/nats.conf takes them from the
+def new_password() -> str:
+    """192 random bits, as a letter then hex digits: deploy/nats.conf takes passwords from the
     environment unquoted, where NATS would read `-…` or digits alone as a number."""
-    return {user: "p" + secrets.token_hex(24) for user in PERMISSIONS}
+    return "p" + secrets.token_hex(24)
+
+
+def generate_passwords() -> dict[str, str]:
+    return {user: new_password() for user in PERMISSIONS}
 
 
 def password_variable(user: str) -> str:
@@ -82,25 +86,72 @@ def password_variable(user: str) -> str:
     return f"LLMBUS_NATS_PASSWORD_{user.upper()}"
 
 
+# compose.cluster.yaml's servers, nats0, nats1, ...: their ports, and the variables holding the
+# route user's password and each route's URL. NATS resolves `$NAME` only as a whole value, never
+# inside a string, so a route's URL (password in) is a variable of its own, which compose builds.
+COMPOSE_CLIENT_PORT, COMPOSE_ROUTE_PORT = 4222, 6222
+ROUTE_PASSWORD_VARIABLE = "LLMBUS_NATS_ROUTE_PASSWORD"
+
+
+def route_variable(host: str) -> str:
+    """Where compose.cluster.yaml keeps the URL of the route to server `host`, password in."""
+    return f"LLMBUS_NATS_ROUTE_{host.upper()}"
+
+
+def _marker(variable: str) -> str:
+    return f"@{variable}@"
+
+
+def _compose_config(cluster: ClusterRoutes | None = None,
+                    variables: dict[str, str] | None = None) -> str:
+    """server_config() with the secrets left to the environment: each user's password is
+    $LLMBUS_NATS_PASSWORD_<USER> (NATS configuration resolves `$NAME` from the environment), and
+    each other string value in `variables` becomes the variable it names."""
+    passwords = {user: _marker(password_variable(user)) for user in PERMISSIONS}
+    text = server_config("0.0.0.0", COMPOSE_CLIENT_PORT, passwords, cluster=cluster)
+    names = {marker: password_variable(user) for user, marker in passwords.items()}
+    for value, variable in (names | (variables or {})).items():
+        assert json.dumps(value) in text, value  # else a secret would stay a placeholder
+        text = text.replace(json.dumps(value), "$" + variable)
+    return text
+
+
 def compose_server_config() -> str:
     """deploy/nats.conf, the compose stack's nats-server configuration: the same users and
-    permissions as `llmbus up`'s, each password read from $LLMBUS_NATS_PASSWORD_<USER> (NATS
-    configuration resolves `$NAME` from the environment)."""
-    markers = {user: f"@{password_variable(user)}@" for user in PERMISSIONS}
-    text = server_config("0.0.0.0", 4222, markers)
-    for user, marker in markers.items():
-        text = text.replace(json.dumps(marker), "$" + password_variable(user))
+    permissions as `llmbus up`'s, each password read from $LLMBUS_NATS_PASSWORD_<USER>."""
     return ("# The compose stack's nats-server configuration (compose.yaml). Generated from\n"
             "# services/nats_auth.py by `python -m llmbus.services.nats_auth`; a test keeps it\n"
             "# current.\n"
-            + text)
+            + _compose_config())
+
+
+def compose_cluster_config(index: int, size: int = 3) -> str:
+    """deploy/nats-cluster-<index>.conf, server `nats<index>` of compose.cluster.yaml's cluster
+    of `size`: deploy/nats.conf's users, and routes to the other servers as the `route` user,
+    whose password is $LLMBUS_NATS_ROUTE_PASSWORD; the route to `nats<j>` is read whole from
+    $LLMBUS_NATS_ROUTE_NATS<j>, which must be `route_url("nats<j>:6222", that password)`."""
+    if not 0 <= index < size:
+        raise ValueError(f"no server {index} in a cluster of {size}")
+    others = [f"nats{i}" for i in range(size) if i != index]
+    password = _marker(ROUTE_PASSWORD_VARIABLE)
+    cluster = ClusterRoutes(f"nats{index}", COMPOSE_ROUTE_PORT,
+                            [f"{host}:{COMPOSE_ROUTE_PORT}" for host in others], password)
+    variables = {password: ROUTE_PASSWORD_VARIABLE} | {
+        route_url(f"{host}:{COMPOSE_ROUTE_PORT}", password): route_variable(host)
+        for host in others}
+    return (f"# Server nats{index} of compose.cluster.yaml's NATS cluster; the routes' URLs come\n"
+            "# from the environment. Generated from services/nats_auth.py by\n"
+            f"# `python -m llmbus.services.nats_auth cluster {index}`; a test keeps it current.\n"
+            + _compose_config(cluster, variables))
 
 
 def compose_env() -> str:
-    """A .env file for compose.yaml: a random password for every bus user and an API key."""
+    """A .env file for compose.yaml and compose.cluster.yaml: a random password for every bus
+    user and for the cluster's route user, and an API key."""
     lines = [f"{password_variable(user)}={password}"
              for user, password in generate_passwords().items()]
-    return "\n".join([*lines, f"LLMBUS_API_KEY={secrets.token_urlsafe(32)}"]) + "\n"
+    return "\n".join([*lines, f"{ROUTE_PASSWORD_VARIABLE}={new_password()}",
+                      f"LLMBUS_API_KEY={secrets.token_urlsafe(32)}"]) + "\n"
 
 
 @dataclass(frozen=True)
@@ -124,12 +175,12 @@ def server_config(host: str, port: int, passwords: dict[str, str] | None,
     others (`connect_urls`), so a client given one server reconnects to any."""
     text = f"host: {json.dumps(host)}\nport: {port}\n"
     if cluster is not None:
-        auth = f"route:{cluster.password}@"
         text += f"server_name: {json.dumps(cluster.server_name)}\n"
         text += "cluster: " + json.dumps({
             "name": cluster.name, "host": host, "port": cluster.port,
             "authorization": {"user": "route", "password": cluster.password},
-            "routes": [f"nats-route://{auth}{route}" for route in cluster.routes]}) + "\n"
+            "routes": [route_url(route, cluster.password) for route in cluster.routes]},
+            indent=2) + "\n"
     if passwords:
         users = [{"user": user, "password": passwords[user], "permissions": {
             "publish": {"allow": perms["publish"]}, "subscribe": {"allow": perms["subscribe"]},
@@ -141,5 +192,18 @@ def server_config(host: str, port: int, passwords: dict[str, str] | None,
     return text
 
 
-if __name__ == "__main__":
-    print(compose_server_config(), end="")
+def route_url(route: str, password: str) -> str:
+    """How a server reaches another's route port, `host:port`: as the `route` user."""
+    return f"nats-route://route:{password}@{route}"
+
+
+if __name__ == "__main__":  # deploy/nats.conf; with `cluster N`, deploy/nats-cluster-N.conf
+    import sys
+
+    match sys.argv[1:]:
+        case []:
+            print(compose_server_config(), end="")
+        case ["cluster", index]:
+            print(compose_cluster_config(int(index)), end="")
+        case _:
+            sys.exit("usage: python -m llmbus.services.nats_auth [cluster N]")

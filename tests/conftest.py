@@ -139,6 +139,7 @@ TEST_KINDS = {
     # a real nats-server: stage adapters with fake neighbours, the launcher without the model
     "test_api_adapter.py": "adapter",
     "test_concurrent_handlers.py": "adapter",
+    "test_compose_cluster.py": "adapter",
     "test_launcher.py": "adapter",
     "test_routing_units.py": "adapter",
     "test_scheduler_adapter.py": "adapter",

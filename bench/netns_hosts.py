@@ -1,0 +1,72 @@
+"""Hosts on one machine: network namespaces, each with its own address on a bridge.
+
+Each host is a namespace with a veth pair: one end inside (its address), the other on a bridge
+in the root namespace, which has an address too, so that this machine reaches every host (the
+load generator runs here). A partition takes a host's link down from inside: its packets are
+dropped, no RST is sent, as when a cable is pulled. Names carry a tag unique to the run, and
+`remove` deletes everything made, also after a failure. Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass, field
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@dataclass
+class Hosts:
+    count: int = 3
+    tag: str = field(default_factory=lambda: f"lb{os.getpid() % 100000}")
+    subnet: str = field(default_factory=lambda: f"10.213.{os.getpid() % 200 + 20}")
+    made: list[tuple[str, str]] = field(default_factory=list)  # (kind, name), to remove
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.tag}br"
+
+    def namespace(self, host: int) -> str:
+        return f"{self.tag}h{host}"
+
+    def address(self, host: int) -> str:
+        """Host 1, 2, ... (0: this machine, on the bridge)."""
+        return f"{self.subnet}.{host if host else 254}"
+
+    def _link(self, host: int) -> str:
+        return f"{self.tag}n{host}"  # inside the host; its peer on the bridge is ...b<host>
+
+    def create(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self.made.append(("link", self.bridge))
+        _ip("addr", "add", f"{self.address(0)}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for host in range(1, self.count + 1):
+            ns, inner, outer = self.namespace(host), self._link(host), f"{self.tag}b{host}"
+            _ip("netns", "add", ns)
+            self.made.append(("netns", ns))
+            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            self.made.append(("link", outer))
+            _ip("link", "set", outer, "master", self.bridge)
+            _ip("link", "set", outer, "up")
+            _ip("link", "set", inner, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", inner)
+            _ip("-n", ns, "link", "set", inner, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def command(self, host: int, argv: list[str]) -> list[str]:
+        """`argv` run inside the host (`ip netns exec` execs it: the pid is the process's)."""
+        return ["ip", "netns", "exec", self.namespace(host), *argv]
+
+    def partition(self, host: int, cut: bool) -> None:
+        """Cut the host off (its link down: silence, no RST), or join it again."""
+        _ip("-n", self.namespace(host), "link", "set", self._link(host),
+            "down" if cut else "up")
+
+    def remove(self) -> None:
+        for kind, name in reversed(self.made):
+            subprocess.run(["ip", kind, "del", name], capture_output=True)
+        self.made.clear()

@@ -195,7 +195,8 @@ def test_a_copy_taking_over_keeps_the_text_held_back_for_a_stop_string(tokenizer
         start = CompletionStart(reply_subject="api", stop=["Paris"],
                                 replay_token_ids=list(replay))
         return TokenBatch(engine_id="e0", items=[RequestTokens(
-            request_id="r", new_token_ids=new, finish_reason=finish, start=start)])
+            request_id="r", new_token_ids=new, finish_reason=finish, start=start,
+            num_before=len(replay))])
 
     def text(deltas: dict) -> str:
         return "".join(d.text for d in deltas.get("api", []))

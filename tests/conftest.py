@@ -147,6 +147,7 @@ TEST_KINDS = {
     # the default model, or a whole stack serving it
     "test_api_errors.py": "e2e",
     "test_api_features.py": "e2e",
+    "test_cluster_check.py": "e2e",
     "test_e2e.py": "e2e",
     "test_e2e_model_families.py": "e2e",
     "test_e2e_preemption.py": "e2e",

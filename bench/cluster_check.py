@@ -317,9 +317,19 @@ def summarize(cluster: Cluster, fault: str, load: dict, reference: list[str]) ->
         "itl_p99_ms": round(percentile(gaps, 99) * 1000, 1) if gaps else None,
         "migrated": sum("request migrated" in line for _, name, line in lines
                         if name == "api"),
+        # Copies some stage took for dead: only the victim (or the cut-off host's) belong here.
+        "reaped": sorted({_named(line) for _, _, line in lines if " gone" in line}),
         "longest_end_after_fault_s": round(max(s.ended for s in streams) - t0, 2),
         "chunks_after_fault": len(after),
     }
+
+
+def _named(line: str) -> str:
+    """The copy a "... gone" log line names."""
+    for key in ("instance=", "engine="):
+        if key in line:
+            return line.split(key, 1)[1].split()[0]
+    return "?"
 
 
 async def main_async(args: argparse.Namespace) -> int:

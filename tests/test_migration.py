@@ -93,6 +93,13 @@ async def _engine_holding(nats_url: str) -> str | None:
         await nc.close()
 
 
+async def _migrations(http: httpx.AsyncClient, base_url: str) -> float:
+    """The api's count of migrations (/metrics)."""
+    text = (await http.get(base_url.removesuffix("/v1") + "/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("llmbus:request_migrations_total"))
+
+
 def _replica(child) -> str:
     """A service process's instance id, from its log lines."""
     return next(line.split("replica=")[1].split()[0] for line in child.tail
@@ -126,8 +133,10 @@ async def test_a_stream_whose_engine_dies_resumes_on_the_other_engine(two_engine
             [child] = [c for c in stack.children if c.name == f"{victim}.{engine[-1]}"]
             victim_argv = ["--nats-url", url, "--engine-id", engine, *argv.get(victim, [])]
         assert not stream.done(), "the stream ended before the kill"
+        migrations = await _migrations(http, base_url)
         os.kill(child.process.pid, signal.SIGKILL)
         moved = await asyncio.wait_for(stream, timeout=60)
+        assert await _migrations(http, base_url) > migrations
     assert undisturbed["error"] is None and undisturbed["completion_tokens"] == MAX_TOKENS
     assert moved["error"] is None, moved
     assert moved["text"] == undisturbed["text"]  # nothing repeated, nothing lost

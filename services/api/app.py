@@ -152,6 +152,7 @@ async def detokenize(request: Request, state: State) -> dict:
 def _metrics(state: State, model: str) -> ApiMetrics:
     if state.get("metrics") is None:
         state.metrics = ApiMetrics(model, state.engine.runtime.instance_id)
+        state.engine.on_migrated = state.metrics.migrations.labels(*state.metrics.labels).inc
     return state.metrics
 
 

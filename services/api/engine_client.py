@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 import msgspec
@@ -61,7 +61,7 @@ class EngineClient:
         self.runtime = runtime
         self.request_timeout = request_timeout
         self.migration_limit = migration_limit
-        self.num_migrations = 0
+        self.on_migrated: Callable[[], object] = lambda: None  # the metrics' counter
         self.reply_subject = subjects.api_deltas(runtime.instance_id)
         self._streams: dict[str, asyncio.Queue[TextDelta]] = {}
         # Each request in flight: where it runs and what its client has (migration.py).
@@ -137,7 +137,7 @@ class EngineClient:
             return
         placement.scheduler_instance_id = admission.scheduler_instance_id
         placement.moving = False
-        self.num_migrations += 1
+        self.on_migrated()
         log.info("request migrated", request_id=request_id, attempt=placement.attempt,
                  reason=reason, scheduler=admission.scheduler_instance_id,
                  resumed_tokens=[len(c.output_token_ids) for c in request.resumed])

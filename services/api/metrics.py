@@ -77,6 +77,9 @@ class ApiMetrics:
         self.finished = Counter("llmbus:request_success",
                                 "Finished completions by finish reason.",
                                 (*R, "finished_reason"), registry=reg)
+        self.migrations = Counter("llmbus:request_migrations",
+                                  "Requests resumed on an engine mid-stream (one per move).", R,
+                                  registry=reg)
         self.engine_stats: list[EngineStats] = []
 
     def observe_request(self, *, ttft: float | None, itls: list[float], e2e: float,

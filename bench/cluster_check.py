@@ -340,6 +340,10 @@ async def main_async(args: argparse.Namespace) -> int:
         print("the default model is not pulled (`llmbus model pull`)", file=sys.stderr)
         return 2
     faults = FAULTS if args.faults == "all" else args.faults.split(",")
+    if args.fast:
+        for _, _, _, extra in LAYOUT:
+            if "--exact" in extra:
+                extra.remove("--exact")
     hosts = Hosts()
     work = Path(tempfile.mkdtemp(prefix="llmbus-cluster-"))
     cluster = Cluster(hosts, work)
@@ -400,6 +404,11 @@ def main() -> None:
     parser.add_argument("--faults", default="all",
                         help=f"comma-separated, of {', '.join(FAULTS)} (default: all)")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--fast", action="store_true",
+                        help="engines in the default fast mode, not exact: a resumed request's "
+                             "tokens are then computed again with other kernels (a prompt's), "
+                             "and an answer may part from the undisturbed one where two "
+                             "tokens were nearly tied")
     sys.exit(asyncio.run(main_async(parser.parse_args())))
 
 

@@ -25,6 +25,7 @@ from llmbus.bus.messages import (
     ModelInfo,
     Ping,
     Pong,
+    ResumedCompletion,
     TextDelta,
 )
 from llmbus.bus.runtime import ServiceRuntime
@@ -68,6 +69,16 @@ class FakeStages:
                 error_message="this model's maximum context length is 64 tokens")))
             return
         await msg.respond(encode(Admission(num_prompt_tokens=3, scheduler_instance_id="s")))
+        if "keeps failing" in text:  # one token, then its engine fails it, every attempt
+            items = [TextDelta(request_id=request.request_id, text="Hello", token_ids=[100],
+                               num_new_tokens=1, num_output_tokens=1)] if not request.attempt \
+                else []
+            items.append(TextDelta(request_id=request.request_id, text="",
+                                   finish_reason=FinishReason.ERROR, resumable=True,
+                                   error="engine e0's executor failed: boom",
+                                   attempt=request.attempt, num_output_tokens=1))
+            await self.nc.publish(request.reply_subject, encode(DeltaBatch(items=items)))
+            return
         deltas = [("Hello", FinishReason.NONE), (" world", FinishReason.LENGTH)]
         for step, (piece, reason) in enumerate(deltas):
             await self.nc.publish(request.reply_subject, encode(DeltaBatch(items=[TextDelta(
@@ -182,6 +193,22 @@ async def test_the_key_is_required_on_v1(client):
     assert (await client.post("/v1/chat/completions", json=body, headers=AUTH)).status_code \
         == 200
     assert client.stages.requests[-1].messages[0].content == "hello"
+
+
+@pytest.mark.asyncio
+async def test_a_request_its_engines_keep_failing_moves_up_to_the_migration_limit(client):
+    """Each attempt fails with a resumable error: the api resumes it (from the one token its
+    client has) as attempts 1, 2 and 3, then gives the client the error, naming what failed
+    and that it gave up."""
+    response = await client.post("/v1/completions", headers=AUTH,
+                                 json={"model": MODEL, "prompt": "keeps failing"})
+    assert response.status_code == 500, response.text
+    message = response.json()["error"]["message"]
+    assert "engine e0's executor failed: boom" in message
+    assert "gave up after 3 migrations" in message
+    requests = client.stages.requests
+    assert [r.attempt for r in requests] == [0, 1, 2, 3]
+    assert all(r.resumed == [ResumedCompletion(0, [100])] for r in requests[1:])
 
 
 @pytest.mark.asyncio

@@ -106,7 +106,8 @@ class EngineClient:
         """Resume the request as its next attempt on an engine (another one than
         `avoid_instance_id` if any is alive), or end it with an explicit error once it has
         moved `migration_limit` times or no engine takes it."""
-        if placement.moving:
+        if placement.moving:  # the new attempt failed before its admission came back
+            placement.failed_meanwhile = reason
             return
         placement.moving = True
         self._spawn(self._resume(placement, reason, avoid_instance_id))
@@ -126,14 +127,16 @@ class EngineClient:
             await self.runtime.publish(subjects.SCHEDULER_ABORT,
                                        AbortRequest(request_id, up_to_attempt=old))
             admission = await self._admit(request)
-        except OpenAIError as exc:
-            placement.end_with_error(f"{reason}, and no engine could resume it: {exc.message}")
-            self._placements.pop(request_id, None)
-            return
-        except Exception as exc:  # the bus went away meanwhile: the reconnect tries again
-            log.warning("migration failed", request_id=request_id, error=str(exc))
-            placement.attempt = old
+        except Exception as exc:
             placement.moving = False
+            if placement.failed_meanwhile or not self.runtime.connected:
+                # This copy's bus dropped meanwhile: its reconnect resumes the request again
+                # (or already asked to, below).
+                self._move_again(placement)
+                return
+            why = exc.message if isinstance(exc, OpenAIError) else str(exc) or repr(exc)
+            placement.end_with_error(f"{reason}, and no engine could resume it: {why}")
+            self._placements.pop(request_id, None)
             return
         placement.scheduler_instance_id = admission.scheduler_instance_id
         placement.moving = False
@@ -141,6 +144,13 @@ class EngineClient:
         log.info("request migrated", request_id=request_id, attempt=placement.attempt,
                  reason=reason, scheduler=admission.scheduler_instance_id,
                  resumed_tokens=[len(c.output_token_ids) for c in request.resumed])
+        self._move_again(placement)
+
+    def _move_again(self, placement: Placement) -> None:
+        """The attempt just admitted failed before its admission came back: it moves too."""
+        if placement.failed_meanwhile:
+            reason, placement.failed_meanwhile = placement.failed_meanwhile, ""
+            self._migrate(placement, reason)
 
     async def _on_reconnect(self) -> None:
         """Back on the bus: deltas sent to this copy meanwhile are lost, and so was its view

@@ -45,6 +45,9 @@ class Placement:
     received: dict[int, list[int]] = field(default_factory=dict)  # completion -> token ids
     finished: set[int] = field(default_factory=set)  # completions that ended
     moving: bool = False  # a migration is on its way
+    # Why the attempt being admitted failed already (it may fail before its admission is
+    # back): it moves again once it is.
+    failed_meanwhile: str = ""
     detokenizer_id: str = ""  # the copy its text comes from (if it dies, what it held is lost)
     aborted_attempts: set[int] = field(default_factory=set)  # stale ones already told
 

@@ -41,7 +41,8 @@ EXAMPLES = [
                       add_generation_prompt=False, n=2, tools_json="[]", attempt=1,
                       resumed=[RESUMED], avoid_instance_id="s1"),
     m.Admission(num_prompt_tokens=3, error_code=m.ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                error_message="too long", error_param="messages", scheduler_instance_id="s1"),
+                error_message="too long", error_param="messages", scheduler_instance_id="s1",
+                scheduler_reconnects=2),
     m.EncodeRequest(messages=[CHAT], prompt="p", add_generation_prompt=False,
                     add_special_tokens=False),
     m.EncodeResult(token_ids=[1, 2], error_message="e"),
@@ -108,7 +109,7 @@ GOLDEN = {
         "c3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cb"
         "bff000000000000093a57265676578a65b302d395d2bac6775696465645f72656765789194a475736572"
         "a26869a25b5da26331a1709101c202a25b5d01919201912aa27331"),
-    "Admission": "950302a8746f6f206c6f6e67a86d65737361676573a27331",
+    "Admission": "960302a8746f6f206c6f6e67a86d65737361676573a2733102",
     "EncodeRequest": "949194a475736572a26869a25b5da26331a170c2c2",
     "EncodeResult": "92920102a165",
     "DecodeRequest": "91920102",

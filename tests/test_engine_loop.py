@@ -199,3 +199,30 @@ async def test_a_silent_executor_fails_the_requests_instead_of_hanging():
         assert "stopped responding" in published.updates[-1].error
     finally:
         task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_an_interrupt_ends_what_was_held_and_spares_what_came_after():
+    """The bus dropped (the scheduler's connection, or its executor's): the request held
+    then, whose step's result may be lost, ends with a resumable error; a request admitted
+    after the interrupt (a migration's next attempt, say) is served."""
+    executor = FakeExecutor()
+    loop, published = _engine(executor)
+    task = asyncio.create_task(loop.run())
+    try:
+        _add(loop, "held")
+        await _until(lambda: executor.plans, "a step in flight")
+        loop.interrupt("engine e0 lost its bus connection")
+        _add(loop, "after")
+        await _until(lambda: "held" in published.finished(), "the held request ended")
+        for step in range(1, 20):
+            executor.gate(step).set()
+        await _until(lambda: "after" in published.finished(), "the later request ended")
+        [end] = [u for u in published.updates if u.request_id == "held" and u.finish_reason]
+        assert (end.finish_reason, end.resumable) == (FinishReason.ERROR, True)
+        assert end.error == "engine e0 lost its bus connection"
+        assert published.finished()["after"] == FinishReason.LENGTH
+        assert published.cache_cleared == 1  # its step was lost: cached blocks may be unwritten
+        loop.scheduler.check_invariants()
+    finally:
+        task.cancel()

@@ -222,7 +222,7 @@ async def test_a_request_aborted_while_its_grammar_compiles_never_runs(engine):
     runtime, executor, _, service = engine
     submitting = await _submit_while_compiling(runtime, executor, "c3", "[a-z]+")
     await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id="c3"))
-    await _until(lambda: service._compiling_ids.get("c3"), "the scheduler took the abort")
+    await _until(lambda: service._compiling_ids.get(("c3", 0)), "the scheduler took the abort")
     executor.compiled.set()
     admission = await submitting
     assert admission.error_code == ErrorCode.INVALID_REQUEST and "aborted" in (

@@ -36,8 +36,10 @@ class Admission(Message):
     error_code: ErrorCode = ErrorCode.NONE
     error_message: str = ""
     error_param: str | None = None
-    # The scheduler process that holds the request (the api watches its heartbeats).
+    # The scheduler process that holds the request (the api watches its heartbeats), and how
+    # often it had reconnected when it took it: a later reconnect may have lost its messages.
     scheduler_instance_id: str = ""
+    scheduler_reconnects: int = 0
 
 
 class EncodeRequest(Message):

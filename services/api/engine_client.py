@@ -52,6 +52,7 @@ log = structlog.get_logger()
 R = TypeVar("R", bound=msgspec.Struct)
 
 
+RESUME_PATIENCE = 3.0  # seconds a resumed request may wait for an engine to take it
 PIPELINE_STAGES = ("tokenizer", "scheduler", "executor", "detokenizer")
 
 
@@ -106,6 +107,8 @@ class EngineClient:
         """Resume the request as its next attempt on an engine (another one than
         `avoid_instance_id` if any is alive), or end it with an explicit error once it has
         moved `migration_limit` times or no engine takes it."""
+        if not placement.unfinished():  # it ended; its client is still reading it
+            return
         if placement.moving:  # the new attempt failed before its admission came back
             placement.failed_meanwhile = reason
             return
@@ -126,7 +129,7 @@ class EngineClient:
         try:
             await self.runtime.publish(subjects.SCHEDULER_ABORT,
                                        AbortRequest(request_id, up_to_attempt=old))
-            admission = await self._admit(request)
+            admission = await self._admit_soon(request)
         except Exception as exc:
             placement.moving = False
             if placement.failed_meanwhile or not self.runtime.connected:
@@ -138,13 +141,29 @@ class EngineClient:
             placement.end_with_error(f"{reason}, and no engine could resume it: {why}")
             self._placements.pop(request_id, None)
             return
+        if self._placements.get(request_id) is not placement:  # its client left meanwhile
+            await self.abort(request_id)
+            return
         placement.scheduler_instance_id = admission.scheduler_instance_id
+        placement.scheduler_reconnects = admission.scheduler_reconnects
         placement.moving = False
         self.on_migrated()
         log.info("request migrated", request_id=request_id, attempt=placement.attempt,
                  reason=reason, scheduler=admission.scheduler_instance_id,
                  resumed_tokens=[len(c.output_token_ids) for c in request.resumed])
         self._move_again(placement)
+
+    async def _admit_soon(self, request: GenerateRequest) -> Admission:
+        """Admit a resumed request, retrying for a few seconds while no engine takes it (503):
+        after a bus outage the stages reconnect one by one, and this copy may be first."""
+        deadline = time.monotonic() + RESUME_PATIENCE
+        while True:
+            try:
+                return await self._admit(request)
+            except OpenAIError as exc:
+                if exc.status_code != 503 or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.5)
 
     def _move_again(self, placement: Placement) -> None:
         """The attempt just admitted failed before its admission came back: it moves too."""
@@ -163,7 +182,22 @@ class EngineClient:
             self._migrate(placement, "the api lost its bus connection")
 
     async def _on_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
-        self.copies[heartbeat.service].seen(heartbeat, time.monotonic())
+        liveness = self.copies[heartbeat.service]
+        before = liveness.latest.get(heartbeat.instance_id)
+        liveness.seen(heartbeat, time.monotonic())
+        if before is not None and heartbeat.num_reconnects > before.num_reconnects:
+            self._recover_from(heartbeat)
+
+    def _recover_from(self, copy: Heartbeat) -> None:
+        """An engine reconnected: what it sent while its connection was down may be lost (a
+        request's last tokens, its end, which no gap would show), so the requests it held
+        from before resume. (A detokenizer copy ends those it holds itself, on_reconnect.)"""
+        if copy.service != "scheduler":
+            return
+        for placement in list(self._placements.values()):
+            if (placement.scheduler_instance_id == copy.instance_id
+                    and placement.scheduler_reconnects < copy.num_reconnects):
+                self._migrate(placement, f"engine {copy.engine_id} lost its bus connection")
 
     def num_copies(self) -> dict[str, int]:
         now = self.runtime.bus_time()
@@ -197,9 +231,9 @@ class EngineClient:
                     log.warning("engine gone", request_id=request_id, engine=gone.engine_id)
                     self._migrate(placement, f"engine {gone.engine_id} stopped answering",
                                   avoid_instance_id=gone.instance_id)
-                elif lost_copies and placement.detokenizer_id in lost_copies | {""}:
-                    self._migrate(placement, "detokenizer "
-                                  f"{placement.detokenizer_id or 'copy'} stopped answering")
+                elif lost_copies and placement.decoded_by(lost_copies):
+                    self._migrate(placement, f"detokenizer {', '.join(sorted(lost_copies))} "
+                                  "stopped answering")
 
     async def model_info(self) -> ModelInfo:
         if self._model is None:
@@ -258,7 +292,9 @@ class EngineClient:
             self._streams.pop(request.request_id, None)
             self._placements.pop(request.request_id, None)
             raise
-        placement.scheduler_instance_id = admission.scheduler_instance_id
+        if placement.attempt == request.attempt:  # else a migration moved it meanwhile
+            placement.scheduler_instance_id = admission.scheduler_instance_id
+            placement.scheduler_reconnects = admission.scheduler_reconnects
         return admission
 
     async def _admit(self, request: GenerateRequest) -> Admission:
@@ -269,8 +305,8 @@ class EngineClient:
         except nats.errors.NoRespondersError:
             raise OpenAIError(503, "the tokenizer stage is not available; retry shortly",
                               headers={"Retry-After": "1"}) from None
-        except nats.errors.TimeoutError:
-            await self.abort(request.request_id)
+        except nats.errors.TimeoutError:  # that attempt, if an engine takes it late
+            await self.abort(request.request_id, up_to_attempt=request.attempt)
             raise OpenAIError(503, "the pipeline did not admit the request in time",
                               headers={"Retry-After": "1"}) from None
         if admission.error_code:
@@ -329,9 +365,10 @@ class EngineClient:
             raise OpenAIError(503, "the tokenizer stage is not available; retry shortly",
                               headers={"Retry-After": "1"}) from None
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, up_to_attempt: int | None = None) -> None:
         try:
-            await self.runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id))
+            await self.runtime.publish(subjects.SCHEDULER_ABORT,
+                                       AbortRequest(request_id, up_to_attempt=up_to_attempt))
             log.info("abort sent", request_id=request_id)
         except Exception as exc:  # the bus is gone; nothing left to free
             log.warning("abort failed", request_id=request_id, error=str(exc))

@@ -41,6 +41,7 @@ class Placement:
     request: GenerateRequest
     queue: asyncio.Queue  # its deltas go there, for the HTTP handler
     scheduler_instance_id: str = ""  # the engine holding the current attempt
+    scheduler_reconnects: int = 0  # its reconnects when it took it (Admission)
     attempt: int = 0
     received: dict[int, list[int]] = field(default_factory=dict)  # completion -> token ids
     finished: set[int] = field(default_factory=set)  # completions that ended
@@ -48,7 +49,8 @@ class Placement:
     # Why the attempt being admitted failed already (it may fail before its admission is
     # back): it moves again once it is.
     failed_meanwhile: str = ""
-    detokenizer_id: str = ""  # the copy its text comes from (if it dies, what it held is lost)
+    # The copy each completion's text comes from (if it dies, what it held is lost).
+    detokenizer_ids: dict[int, str] = field(default_factory=dict)
     aborted_attempts: set[int] = field(default_factory=set)  # stale ones already told
 
     def judge(self, delta: TextDelta) -> Verdict:
@@ -64,13 +66,18 @@ class Placement:
         if delta.num_output_tokens - len(delta.token_ids) != len(got):
             return Verdict.RESUME
         got.extend(delta.token_ids)
-        self.detokenizer_id = delta.detokenizer_id
+        self.detokenizer_ids[delta.index] = delta.detokenizer_id
         if delta.finish_reason != FinishReason.NONE:
             self.finished.add(delta.index)
         return Verdict.FORWARD
 
     def unfinished(self) -> list[int]:
         return [i for i in range(self.request.n) if i not in self.finished]
+
+    def decoded_by(self, copies: set[str]) -> bool:
+        """Whether an unfinished completion's text comes, or may come, from one of these
+        detokenizer copies (one with no text yet may have gone to any)."""
+        return any(self.detokenizer_ids.get(i, "") in copies | {""} for i in self.unfinished())
 
     def next_attempt(self, avoid_instance_id: str = "") -> GenerateRequest:
         """The request as its next attempt, resuming each unfinished completion from what its

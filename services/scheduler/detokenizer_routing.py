@@ -56,7 +56,8 @@ class DetokenizerRouting:
     sent: dict[Key, list[int]] = field(default_factory=dict)  # tokens so far
     starts: dict[Key, CompletionStart] = field(default_factory=dict)
     # Ended completions: the copy that had each, and its start (insertion-ordered, bounded).
-    ended: dict[Key, tuple[str | None, CompletionStart]] = field(default_factory=dict)
+    ended: dict[Key, tuple[str | None, CompletionStart, int]] = field(default_factory=dict)
+    #                      (the copy, the start, the attempt)
 
     def route(self, updates: list[RequestTokens], now: float) -> dict[str, list[RequestTokens]]:
         """Updates grouped by the subject of the detokenizer copy each completion goes to.
@@ -86,7 +87,7 @@ class DetokenizerRouting:
                 self.sent.pop(key, None)
                 self.starts.pop(key, None)
                 if start is not None:
-                    self._remember_ended(key, instance, start)
+                    self._remember_ended(key, instance, start, update.attempt)
             else:
                 self.assigned[key] = instance
                 self.sent.setdefault(key, []).extend(update.new_token_ids)
@@ -118,9 +119,11 @@ class DetokenizerRouting:
         del self.ended[key]
         return subjects.detokenizer_tokens(instance_id), RequestTokens(
             request_id=key[0], index=key[1], finish_reason=FinishReason.ERROR, error=error,
-            start=found[1], resumable=True)
+            start=found[1], resumable=True, attempt=found[2],
+            num_before=len(found[1].replay_token_ids))
 
-    def _remember_ended(self, key: Key, instance: str | None, start: CompletionStart) -> None:
-        self.ended[key] = (instance, start)
+    def _remember_ended(self, key: Key, instance: str | None, start: CompletionStart,
+                        attempt: int) -> None:
+        self.ended[key] = (instance, start, attempt)
         while len(self.ended) > MAX_ENDED_REMEMBERED:
             del self.ended[next(iter(self.ended))]

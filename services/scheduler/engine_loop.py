@@ -57,12 +57,15 @@ class EngineLoop:
         self.wakeup = asyncio.Event()
         self.busy_seconds = 0.0  # the executor's forward time
         self.idle_seconds = 0.0  # the executor waiting for a plan while the engine was busy
-        self._interrupted = ""  # why every request must end now (interrupt)
+        self._interrupted = ""  # why the requests held at the interrupt must end now
+        self._held: set[tuple[str, int]] = set()  # those, as (request id, attempt)
 
     def interrupt(self, reason: str) -> None:
-        """End every request held with a resumable error, from the loop, as soon as it looks:
-        a step awaited fails at once."""
+        """End every request held now, and every one in a step in flight, with a resumable
+        error, from the loop, as soon as it looks (a step awaited fails at once). Attempts
+        admitted after this (a migration's) go on."""
         self._interrupted = reason
+        self._held |= {(r.request_id, r.attempt) for r in self.scheduler.table}
         self.wakeup.set()
 
     async def run(self) -> None:
@@ -71,8 +74,7 @@ class EngineLoop:
         continuing = False  # was the engine busy right before this step? (idle accounting)
         while True:
             if self._interrupted:
-                await self._fail(in_flight, self._interrupted)
-                self._interrupted = ""
+                await self._fail_held(in_flight)
             continuing = self._send_plans(in_flight, continuing)
             if not in_flight:
                 await self._idle()
@@ -83,9 +85,12 @@ class EngineLoop:
                 result = await self._await_step(task)
             except Exception as exc:  # executor gone, timed out or failed: fail, never hang
                 log.error("step failed", step_id=plan.step_id, error=str(exc))
-                await self._fail(in_flight, self._interrupted or
-                                 f"{self.name}'s executor failed: {exc or type(exc).__name__}")
-                self._interrupted = ""
+                if self._interrupted:
+                    in_flight.appendleft((plan, task, counted))
+                    await self._fail_held(in_flight)
+                else:
+                    await self._fail(in_flight, f"{self.name}'s executor failed: "
+                                     f"{exc or type(exc).__name__}")
                 continuing = False
                 continue
             self.busy_seconds += result.forward_seconds
@@ -102,6 +107,26 @@ class EngineLoop:
         in_flight.clear()
         scheduler = self.scheduler
         await self.publish(scheduler.take_ended_updates() + scheduler.fail_all(reason), True)
+
+    async def _fail_held(self, in_flight: deque[tuple[StepPlan, asyncio.Task, bool]]) -> None:
+        """The interrupt's: the requests held at it and those of the steps in flight end; the
+        prefix cache is emptied if a step was lost (its blocks may never have been written)."""
+        scheduler, reason = self.scheduler, self._interrupted
+        held, self._held, self._interrupted = self._held, set(), ""
+        for plan, task, _ in in_flight:
+            task.cancel()
+            for item in plan.scheduled:
+                request = scheduler.table.get(item.sequence_id)
+                if request is not None:
+                    held.add((request.request_id, request.attempt))
+        lost_a_step = bool(in_flight)
+        in_flight.clear()
+        for request_id, attempt in held:
+            scheduler.abort_request(request_id, error=reason, up_to_attempt=attempt,
+                                    resumable=True)
+        if lost_a_step:
+            scheduler.kv.clear_cache()
+        await self.publish(scheduler.take_ended_updates(), lost_a_step)
 
     def _send_plans(self, in_flight: deque[tuple[StepPlan, asyncio.Task, bool]],
                     continuing: bool) -> bool:

@@ -410,9 +410,10 @@ class Scheduler:
         """Replace a prefilled parent by its n completions, sharing its blocks."""
         position = self.running.index(parent)
         children = []
+        base = parent.sequence_id.removesuffix("#prompt")  # the attempt's, as add_request's
         for i in range(parent.num_forks):
             child = Request(
-                f"{parent.request_id}#{i}", parent.request_id, i, parent.reply_subject,
+                f"{base}#{i}", parent.request_id, i, parent.reply_subject,
                 parent.prompt_token_ids, params_for(parent.params, i),
                 max_tokens=parent.max_tokens, arrival_time=parent.arrival_time,
                 num_computed_tokens=parent.num_computed_tokens,
@@ -420,7 +421,7 @@ class Scheduler:
                 num_cached_blocks=parent.num_cached_blocks, status=RequestStatus.RUNNING,
                 traceparent=parent.traceparent,
                 first_scheduled_time=parent.first_scheduled_time,
-                prefill_chunks=list(parent.prefill_chunks))
+                prefill_chunks=list(parent.prefill_chunks), attempt=parent.attempt)
             self.kv.lock(child.block_table)
             children.append(child)
         self.running[position:position + 1] = children

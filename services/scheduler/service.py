@@ -77,7 +77,8 @@ class SchedulerService:
         self.draining = False  # SIGTERM: finish what is held, take nothing new
         self._executor_reconnects: dict[str, int] = {}  # by executor instance
         self._next_expiry_check = 0.0
-        self._compiling_ids: dict[str, bool] = {}  # request id -> aborted meanwhile
+        # (request id, attempt) -> aborted meanwhile
+        self._compiling_ids: dict[tuple[str, int], bool] = {}
 
     async def start(self) -> None:
         self.info = await self._wait_for_executor()
@@ -157,12 +158,13 @@ class SchedulerService:
                              error_message="the server is busy (its queue is full); retry "
                                            "shortly")
         if submit.params.structured is not None:
-            self._compiling_ids[submit.request_id] = False
+            compiling = (submit.request_id, submit.attempt)
+            self._compiling_ids[compiling] = False
             try:
                 refused = await compile_constraint(self.runtime, self.engine_id,
                                                    submit.params.structured)
             finally:
-                aborted = self._compiling_ids.pop(submit.request_id)
+                aborted = self._compiling_ids.pop(compiling)
             if refused is not None:
                 return refused
             if aborted:  # its client went away while it compiled: not to be tried elsewhere
@@ -184,13 +186,16 @@ class SchedulerService:
             return Admission(error_code=code, error_message=str(exc), error_param=exc.param)
         self.loop.wakeup.set()
         return Admission(num_prompt_tokens=len(submit.prompt_token_ids),
-                         scheduler_instance_id=self.runtime.instance_id)
+                         scheduler_instance_id=self.runtime.instance_id,
+                         scheduler_reconnects=self.runtime.num_reconnects)
 
     async def on_abort(self, abort: AbortRequest, _: Msg) -> None:
         assert self.scheduler is not None
-        if (abort.request_id in self._compiling_ids and abort.index is None
-                and abort.up_to_attempt is None):  # not a migration's (of an older attempt)
-            self._compiling_ids[abort.request_id] = True  # refused once it has compiled
+        if abort.index is None:  # refused once it has compiled (a migration's: older ones)
+            for request_id, attempt in self._compiling_ids:
+                if request_id == abort.request_id and (abort.up_to_attempt is None
+                                                       or attempt <= abort.up_to_attempt):
+                    self._compiling_ids[request_id, attempt] = True
         if self.scheduler.abort_request(abort.request_id, abort.index,
                                         up_to_attempt=abort.up_to_attempt):
             log.info("aborted", request_id=abort.request_id, index=abort.index)

@@ -32,8 +32,10 @@ REQUESTS = {
     "seeded": {"temperature": 1.0, "seed": 11, "frequency_penalty": 0.5},
     "grammar": {"temperature": 0, "guided_regex": "Once upon a time, ([a-z]+[,.]? ){1,100}"},
 }
-CASES = [(kind, victim) for victim in ("scheduler", "executor", "detokenizer")
-         for kind in ("greedy", "seeded")] + [("grammar", "scheduler")]
+# Each victim once, each kind once or more (the suite's time is counted: the cluster check
+# and bench/cluster_check.sh cover every fault, greedy).
+CASES = [("greedy", "scheduler"), ("seeded", "executor"), ("seeded", "detokenizer"),
+         ("grammar", "scheduler")]
 
 
 @pytest.fixture(scope="module")

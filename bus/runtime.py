@@ -144,8 +144,8 @@ class ServiceRuntime:
                     assert self.nc is not None
                     await self.nc.flush(timeout=1)  # one PING/PONG: seconds, as an int
                     self.bus_alive_at = time.monotonic()
-                except Exception:  # timed out or dropped: the clock stays where it was
-                    pass
+                except (nats.errors.Error, TimeoutError):
+                    pass  # timed out or dropped: the clock stays where it was
             await asyncio.sleep(HEARTBEAT_INTERVAL)
 
     def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:

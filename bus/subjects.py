@@ -64,6 +64,33 @@ def executor_grammar(engine_id: str) -> str:
     return f"{PREFIX}.engine.{engine_id}.executor.grammar"
 
 
+def executor_kv_receive(engine_id: str) -> str:
+    """decode scheduler -> its executor (request/reply, KvReceive): open a KV transfer into
+    blocks it holds (disaggregated prefill)."""
+    return f"{PREFIX}.engine.{engine_id}.executor.kv_receive"
+
+
+def executor_kv(engine_id: str) -> str:
+    """prefill executor -> decode executor (request/reply, KvChunk -> KvReply): KV blocks."""
+    return f"{PREFIX}.engine.{engine_id}.executor.kv"
+
+
+def engine_prefill(engine_id: str) -> str:
+    """decode scheduler -> a prefill engine's scheduler (request/reply, PrefillRequest)."""
+    return f"{PREFIX}.engine.{engine_id}.prefill"
+
+
+def engine_prefill_cancel(engine_id: str) -> str:
+    """decode scheduler -> the prefill engine (publish, AbortRequest by transfer id): the
+    decode engine gave the prefill up (aborted, timed out, prefilled it itself)."""
+    return f"{PREFIX}.engine.{engine_id}.prefill_cancel"
+
+
+def engine_prefilled(engine_id: str) -> str:
+    """prefill scheduler -> the decode scheduler (publish, PrefillDone): the KV is there."""
+    return f"{PREFIX}.engine.{engine_id}.prefilled"
+
+
 # scheduler -> detokenizer (publish): new tokens of one step. The detokenizer keeps per-request
 # decode state, so each completion is sent to one copy's own subject (detokenizer_tokens, see
 # services/scheduler/detokenizer_routing.py); this shared subject, a queue group, is only used

@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--replicas", default="",
                     help="copies per stage, e.g. api=2,tokenizer=2,detokenizer=2,engine=2 "
                          "(an engine is a scheduler with its executor; api copies share the "
-                         "port through SO_REUSEPORT) (default: 1 of each)")
+                         "port through SO_REUSEPORT); prefill=1,decode=1 starts disaggregated "
+                         "engines (--role) instead of mixed ones (default: 1 of each)")
     seen: set[str] = set()
     for name in SERVICE_ORDER:
         group = up.add_argument_group(f"{name} options")

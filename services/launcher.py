@@ -211,18 +211,31 @@ class Stack:
 
 
 def parse_replicas(text: str) -> dict[str, int]:
-    """`api=2,tokenizer=2,detokenizer=2,engine=2` -> counts (1 for anything not named)."""
-    counts = {name: 1 for name in REPLICABLE}
+    """`api=2,tokenizer=2,detokenizer=2,engine=2` -> counts (1 for anything not named).
+    `prefill=1,decode=1`: disaggregated engines, and then no mixed ones unless `engine` is
+    named too."""
+    counts = {name: 1 for name in REPLICABLE} | {name: 0 for name in ENGINE_ROLES}
+    named = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, number = part.partition("=")
-        if name not in REPLICABLE or not number.isdigit() or int(number) < 1:
+        least = 0 if name in ("engine", *ENGINE_ROLES) else 1
+        if (name not in (*REPLICABLE, *ENGINE_ROLES) or not number.isdigit()
+                or int(number) < least):
             raise ValueError(f"bad --replicas entry {part!r}: expected NAME=COUNT with NAME "
-                             f"one of {', '.join(REPLICABLE)}")
+                             f"one of {', '.join((*REPLICABLE, *ENGINE_ROLES))}")
         counts[name] = int(number)
+        named.add(name)
+    if (counts["prefill"] or counts["decode"]) and "engine" not in named:
+        counts["engine"] = 0
+    if counts["prefill"] and not (counts["decode"]):
+        raise ValueError("--replicas: prefill engines need a decode engine to prefill for")
+    if not counts["engine"] + counts["decode"]:
+        raise ValueError("--replicas: no engine would take requests")
     return counts
 
 
 REPLICABLE = ("api", "tokenizer", "detokenizer", "engine")
+ENGINE_ROLES = ("prefill", "decode")  # --role of a disaggregated engine
 
 
 def wait_until_ready(stack: Stack, health_url: str, timeout: float,
@@ -252,13 +265,18 @@ def _start_services(stack: Stack, url: str, service_argv: dict[str, list[str]],
     def label(name: str, index: int, count: int) -> str:
         return name if count == 1 else f"{name}.{index}"
 
-    num_engines = replicas["engine"]
-    for index in range(num_engines):
+    engines = [("engine", index) for index in range(replicas["engine"])] + [
+        (role, index) for role in ENGINE_ROLES for index in range(replicas.get(role, 0))]
+    num_engines = len(engines)
+    for kind, index in engines:
         for name in ("executor", "scheduler"):
             argv = ["--nats-url", url, *service_argv.get(name, [])]
-            if num_engines > 1:  # each engine its own id: engine0, engine1, ...
-                argv += ["--engine-id", f"engine{index}"]
-            stack.start_service(name, argv, label(name, index, num_engines))
+            if num_engines > 1:  # each engine its own id: engine0, prefill0, decode0, ...
+                argv += ["--engine-id", f"{kind}{index}"]
+            if kind != "engine" and name == "scheduler":
+                argv += ["--role", kind]
+            stack.start_service(name, argv, label(name if kind == "engine" else
+                                                  f"{name}.{kind}", index, num_engines))
     for name in ("tokenizer", "detokenizer", "api"):
         for index in range(replicas[name]):
             stack.start_service(name, ["--nats-url", url, *service_argv.get(name, [])],

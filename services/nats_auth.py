@@ -48,16 +48,20 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "scheduler": {
         "publish": [S.executor_info(ANY), S.executor_step(ANY), S.executor_grammar(ANY),
                     S.DETOKENIZER_TOKENS, S.detokenizer_tokens(ANY), S.ENGINE_CACHE_EVENTS,
-                    S.heartbeat("scheduler")],
+                    S.heartbeat("scheduler"), S.executor_kv_receive(ANY), S.engine_prefill(ANY),
+                    S.engine_prefill_cancel(ANY), S.engine_prefilled(ANY)],
         "subscribe": [S.ENGINE_SUBMIT, S.engine_submit(ANY), S.engine_withdraw(ANY),
                       S.SCHEDULER_ABORT, S.ENGINE_MODEL, S.ENGINE_STATS, S.engine_stats(ANY),
                       S.heartbeat("detokenizer"), S.heartbeat("api"), S.heartbeat("executor"),
+                      S.heartbeat("scheduler"), S.engine_prefill(ANY),
+                      S.engine_prefill_cancel(ANY), S.engine_prefilled(ANY),
                       S.engine_unknown_completion(ANY), S.ping("scheduler"), _inbox("scheduler")],
     },
     "executor": {
-        "publish": [S.heartbeat("executor")],
+        "publish": [S.heartbeat("executor"), S.executor_kv(ANY)],
         "subscribe": [S.executor_info(ANY), S.executor_step(ANY), S.executor_grammar(ANY),
-                      S.ping("executor")],
+                      S.executor_kv_receive(ANY), S.executor_kv(ANY), S.ping("executor"),
+                      _inbox("executor")],
     },
     "detokenizer": {
         "publish": [S.api_deltas(ANY), S.SCHEDULER_ABORT, S.engine_unknown_completion(ANY),

@@ -20,6 +20,8 @@ class Heartbeat(Message):
     # Times this copy's bus connection was re-established: a watcher that sees it grow knows
     # that messages to and from it may have been lost meanwhile.
     num_reconnects: int = 0
+    role: str = ""  # an engine's: "mixed" (or empty), "prefill" or "decode"
+    num_queued_tokens: int = 0  # an engine's prompt tokens waiting for their first step
 
 
 class Ping(Message):

@@ -18,6 +18,21 @@ class ExecutorInfo(Message):
     block_size: int
     eos_token_ids: list[int]
     vocab_size: int
+    layout: KvLayout | None = None  # what one block of its cache is, for KV moved between engines
+
+
+class KvLayout(Message):
+    """The shape and type of one KV block: engines move blocks between equal layouts only."""
+
+    dtype: str  # torch's name: "float16", "float32", "bfloat16"
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def describe(self) -> str:
+        return (f"{self.dtype}, {self.block_size} tokens a block, {self.num_layers} layers, "
+                f"{self.num_kv_heads} KV heads of {self.head_dim}")
 
 
 class GrammarRequest(Message):
@@ -31,6 +46,17 @@ class GrammarReply(Message):
     error: str = ""  # empty: compiled and cached
 
 
+class KvDestination(Message):
+    """Disaggregated prefill, on the prefill engine: where this sequence's KV goes. Block i of
+    the prompt, for i >= first_block, is written into the decode engine's block
+    block_ids[i - first_block] (blocks before first_block the decode engine caches already)."""
+
+    transfer_id: str
+    engine_id: str  # the decode engine: its executor takes the blocks (executor_kv)
+    first_block: int
+    block_ids: list[int]
+
+
 class NewRequestData(Message):
     """Sent once, in the first step that schedules a sequence."""
 
@@ -41,6 +67,7 @@ class NewRequestData(Message):
     # A resumed request (migrated mid-stream): the output it already has. They follow the
     # prompt in the sequence and count as output for penalties, min_tokens and its grammar.
     output_token_ids: list[int] = []
+    kv_destination: KvDestination | None = None  # a prefill for another engine: send its KV
 
 
 class ScheduledRequest(Message):
@@ -87,6 +114,9 @@ class StepPlan(Message):
     # their tokens, so a later ScheduledRequest recomputes them from start 0.
     preempted_sequence_ids: list[str] = []
     copy_blocks: list[BlockCopy] = []
+    # KV transfers into this engine that ended (done or given up): the executor takes no more
+    # blocks for them, before this step may reuse their blocks.
+    closed_transfers: list[str] = []
 
 
 class StepResult(Message):
@@ -105,3 +135,42 @@ class StepResult(Message):
     # Tokens each sampling request got, in order, when a step verified drafts (accepted
     # drafts + 1); empty means one each.
     num_sampled: list[int] = []
+    # A prefill engine's KV transfers that ended with this step: all sent and acknowledged,
+    # or failed (`error`: the decode engine refused or is gone).
+    transfers: list[KvTransferReport] = []
+
+
+class KvTransferReport(Message):
+    transfer_id: str
+    num_bytes: int = 0
+    seconds: float = 0.0  # while any of its chunks was in flight
+    error: str = ""
+
+
+class KvReceive(Message):
+    """decode scheduler -> its executor: take the blocks of this transfer into these block ids
+    (which the scheduler holds for it); refused unless the sender's layout is this cache's."""
+
+    transfer_id: str
+    block_ids: list[int]
+    layout: KvLayout
+
+
+class KvChunk(Message):
+    """prefill executor -> decode executor: the K and V of some blocks (layers first_layer..
+    first_layer+num_layers of each), raw bytes in the cache's layout
+    `[num_layers, len(block_ids), block_size, num_kv_heads, head_dim]`. A chunk is never
+    bigger than the server's max_payload."""
+
+    transfer_id: str
+    block_ids: list[int]
+    first_layer: int
+    num_layers: int
+    k: bytes
+    v: bytes
+
+
+class KvReply(Message):
+    """The answer to KvReceive and to each KvChunk: empty = taken."""
+
+    error: str = ""

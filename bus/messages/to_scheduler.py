@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from llmbus.bus.messages.common import Message, SamplingParams
+from llmbus.bus.messages.common import Message, SamplingParams, TokenLogprobs
+from llmbus.bus.messages.to_executor import KvDestination, KvLayout
 
 
 class ResumedCompletion(Message):
@@ -65,6 +66,15 @@ class EngineStats(Message):
     num_evictable_blocks: int = 0  # cached blocks no request holds (free for the taking)
     num_draft_tokens: int = 0  # speculative decoding: n-gram drafts sent for verification
     num_accepted_tokens: int = 0  # ... of which the model agreed with
+    # Disaggregated serving: a decode engine's prompts prefilled elsewhere, those it took back
+    # (the prefill engine failed or was slow), the KV bytes and seconds they moved in, and the
+    # handoffs' seconds (the prefill engine's first token to this engine's sending it on).
+    num_remote_prefills: int = 0
+    num_remote_fallbacks: int = 0
+    kv_bytes_received: int = 0
+    kv_transfer_seconds: float = 0.0
+    handoff_seconds: float = 0.0
+    num_prefilled_for_others: int = 0  # a prefill engine's
 
 
 class ModelInfoRequest(Message):
@@ -75,3 +85,35 @@ class ModelInfo(Message):
     model_name: str
     max_model_len: int
     engine_id: str
+
+
+class PrefillRequest(Message):
+    """decode scheduler -> a prefill engine's scheduler (request/reply, `PrefillReply`):
+    compute this prompt's KV into my blocks (`destination`) and sample its first token."""
+
+    request_id: str  # the api's, for logs and traces
+    attempt: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    destination: KvDestination
+    layout: KvLayout  # the decode engine's cache; a different one is refused
+    reply_subject: str  # where PrefillDone goes (the decode engine's engine_prefilled)
+
+
+class PrefillReply(Message):
+    error: str = ""  # empty: accepted
+
+
+class PrefillDone(Message):
+    """prefill scheduler -> decode scheduler: every block of the transfer is in the decode
+    engine's cache (its executor acknowledged them), and here is the first token; or `error`.
+    """
+
+    transfer_id: str
+    token_id: int = -1
+    logprobs: TokenLogprobs | None = None
+    error: str = ""
+    num_bytes: int = 0
+    transfer_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # on the prefill engine, from accepted to done
+    sampled_at: float = 0.0  # the prefill engine's wall clock when its step answered

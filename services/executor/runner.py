@@ -18,6 +18,7 @@ import torch
 
 from llmbus.bus.messages import (
     ExecutorInfo,
+    KvDestination,
     NewRequestData,
     SamplingParams,
     ScheduledRequest,
@@ -32,6 +33,7 @@ from llmbus.services.executor.kv_cache import (
     default_budget_bytes,
     num_blocks_for_budget,
 )
+from llmbus.services.executor.kv_transfer import Outgoing, gather, layout_of
 from llmbus.services.executor.plan import ExecutionPlan, resolve_plan
 from llmbus.services.executor.sampling.constraints import Grammars, Vocabulary, apply_masks
 from llmbus.services.executor.sampling.logprobs import token_logprobs
@@ -55,6 +57,10 @@ class _RequestState:
     penalty_slot: int | None  # its row in the runner's TokenCounts, if it has penalties
     block_table: list[int] = field(default_factory=list)
     matcher: LLMatcher | None = None  # constrained decoding: where its grammar is
+    # A prefill for another engine (kv_transfer.py): where its blocks go, and how many of the
+    # prompt's blocks are gathered for it so far.
+    destination: KvDestination | None = None
+    num_blocks_gathered: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -125,6 +131,8 @@ class ModelRunner:
                                  (num_blocks - 1) * block_size)
         self.model.set_max_positions(self.max_model_len)
         self.kv_cache = KVCache(config, num_blocks, block_size, kv_dtype, self.device)
+        self.kv_outbox: list[Outgoing] = []  # gathered blocks for other engines (_gather_kv)
+        self.kv_chunk_bytes = 1 << 20  # the bus's max_payload: the service sets it
         self.requests: dict[str, _RequestState] = {}  # by sequence_id
         self.token_counts = TokenCounts(self.device)
         self.shared_generator = torch.Generator(device=self.device)
@@ -158,7 +166,8 @@ class ModelRunner:
         return ExecutorInfo(
             model_name=self.model_name, max_model_len=self.max_model_len,
             num_blocks=self.kv_cache.num_blocks, block_size=self.block_size,
-            eos_token_ids=list(self.config.eos_token_ids), vocab_size=self.config.vocab_size)
+            eos_token_ids=list(self.config.eos_token_ids), vocab_size=self.config.vocab_size,
+            layout=layout_of(self.kv_cache))
 
     def step(self, plan: StepPlan) -> StepResult:
         """Apply the plan's bookkeeping, run one forward, sample. Never raises.
@@ -201,9 +210,11 @@ class ModelRunner:
             matcher.consume_tokens(list(output))
         slot = (self.token_counts.add(new.prompt_token_ids, output) if sampling.has_penalties
                 else None)
+        destination = new.kv_destination
         self.requests[new.sequence_id] = _RequestState(
             list(new.prompt_token_ids) + list(output), len(new.prompt_token_ids), new.params,
-            sampling, generator, slot, matcher=matcher)
+            sampling, generator, slot, matcher=matcher, destination=destination,
+            num_blocks_gathered=destination.first_block if destination else 0)
 
     def _apply_plan_changes(self, plan: StepPlan) -> None:
         """What the plan changes before its forward: forgotten, preempted and new requests,
@@ -254,11 +265,34 @@ class ModelRunner:
             state.block_table.extend(sched.new_block_ids)
             self._check_scheduled(sched, state)
         sampled, logprobs, counts = self._forward(plan.scheduled)
+        self._gather_kv(plan.scheduled)
         if any(s.num_steps > 1 for s in plan.scheduled):
             if counts:  # drafts verified: a step either speculates or takes several steps
                 raise ValueError("a plan with drafts cannot also take several steps")
             return self._more_steps(plan.scheduled, sampled, logprobs)
         return sampled, logprobs, counts
+
+    def _gather_kv(self, scheduled: list[ScheduledRequest]) -> None:
+        """Prefills for other engines: copy out the prompt blocks this step filled (the last,
+        partial one with the prompt's end), for the service to send (kv_transfer.py)."""
+        for sched in scheduled:
+            state = self.requests[sched.sequence_id]
+            if state.destination is None:
+                continue
+            end = sched.start + sched.num_tokens
+            final = end >= state.num_prompt_tokens
+            upto = (-(-state.num_prompt_tokens // self.block_size) if final
+                    else end // self.block_size)
+            if upto > state.num_blocks_gathered or final:
+                self.kv_outbox.append(gather(
+                    self.kv_cache, state.destination,
+                    state.block_table[state.num_blocks_gathered:upto],
+                    state.num_blocks_gathered, self.kv_chunk_bytes, final))
+                state.num_blocks_gathered = upto
+
+    def take_kv_outbox(self) -> list[Outgoing]:
+        outbox, self.kv_outbox = self.kv_outbox, []
+        return outbox
 
     def _more_steps(self, scheduled: list[ScheduledRequest], first: list[int],
                     first_logprobs: list[TokenLogprobs | None],

@@ -14,6 +14,7 @@ import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import structlog
 from nats.aio.msg import Msg
@@ -27,6 +28,9 @@ from llmbus.bus.messages import (
     GrammarReply,
     GrammarRequest,
     Heartbeat,
+    KvChunk,
+    KvReceive,
+    KvReply,
     StepPlan,
     StepResult,
 )
@@ -35,6 +39,10 @@ from llmbus.bus.tracing import context_from_traceparent, link_to
 from llmbus.services.executor.kernels.cpu.library import configure_openmp
 from llmbus.services.executor.plan import DTYPES, ENGINES, ExecutionPlan, resolve_plan
 from llmbus.services.model_files import model_name_for, resolve_model
+
+if TYPE_CHECKING:
+    from llmbus.services.executor.kv_transfer import KvReceiver, KvSender
+    from llmbus.services.executor.runner import ModelRunner
 
 log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.executor")
@@ -125,6 +133,29 @@ async def main(args: argparse.Namespace) -> None:
         await _serve(args, runtime, plan)
 
 
+async def _serve_kv_transfers(runtime: ServiceRuntime, runner: ModelRunner,
+                              engine_id: str) -> tuple[KvReceiver, KvSender]:
+    """Disaggregated prefill (kv_transfer.py): blocks into this cache, and out of it."""
+    from llmbus.services.executor.kv_transfer import CHUNK_TIMEOUT_SECONDS, KvReceiver, KvSender
+
+    receiver = KvReceiver(runner.kv_cache)
+    assert runtime.nc is not None
+    runner.kv_chunk_bytes = runtime.nc.max_payload  # the server's, from its INFO
+
+    async def send_chunk(subject: str, chunk: KvChunk) -> KvReply:
+        return await runtime.request(subject, chunk, KvReply, timeout=CHUNK_TIMEOUT_SECONDS)
+
+    async def on_kv_receive(request: KvReceive, _: Msg) -> KvReply:
+        return receiver.receive(request)
+
+    async def on_kv(chunk: KvChunk, _: Msg) -> KvReply:
+        return receiver.write(chunk)
+
+    await runtime.on_request(subjects.executor_kv_receive(engine_id), KvReceive, on_kv_receive)
+    await runtime.on_request(subjects.executor_kv(engine_id), KvChunk, on_kv)
+    return receiver, KvSender(send_chunk, subjects.executor_kv)
+
+
 async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, plan: ExecutionPlan) -> None:
     """Load the model, answer steps until stopped, then linger while the scheduler drains."""
     from llmbus.services.executor.runner import ModelRunner  # imports torch: after OpenMP
@@ -163,6 +194,7 @@ async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, plan: Execut
             return GrammarReply(error=f"the constraint could not be compiled: {exc}")
         return GrammarReply()
 
+    receiver, sender = await _serve_kv_transfers(runtime, runner, args.engine_id)
     last_reply = time.perf_counter()
     links: dict[str, Link] = {}  # sequence id -> link to its trace, for step spans
     residents: dict[str, tuple[int, str]] = {}  # sequence id -> (registered at, traceparent)
@@ -171,6 +203,7 @@ async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, plan: Execut
         nonlocal last_reply
         idle = time.perf_counter() - last_reply
         runtime.num_handled += 1
+        receiver.close(plan.closed_transfers)  # before this step may reuse their blocks
         for sequence_id in plan.finished_sequence_ids:
             links.pop(sequence_id, None)
             if sequence_id in residents:
@@ -189,6 +222,7 @@ async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, plan: Execut
             span.set_attribute("llmbus.num_sampled", len(result.sampled_token_ids))
             if result.error:
                 span.set_status(Status(StatusCode.ERROR, result.error))
+            result.transfers = await sender.send_all(runner.take_kv_outbox())
         result.idle_seconds = idle
         last_reply = time.perf_counter()
         return result

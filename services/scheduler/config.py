@@ -10,6 +10,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from llmbus.bus.messages import ExecutorInfo
+from llmbus.services.scheduler.disaggregation import MODES, DisaggregationRule
+
+ROLES = ("mixed", "prefill", "decode")
 
 # Multi-step decoding (multi_step.py) takes several steps at most this many running requests.
 MULTI_STEP_MAX_BATCH = 4
@@ -47,6 +50,12 @@ class SchedulerConfig:
     queue_timeout_seconds: float = 300.0  # waiting for a first step; then an error
     shutdown_timeout_seconds: float = 30.0  # on SIGTERM, to finish what is held
     step_timeout_seconds: float = 60.0  # for the executor's answer to one step
+    # Disaggregated serving (disaggregation.py): this engine's role, and, for a decode engine,
+    # the rule that sends a prompt's prefill to a prefill engine (None: every prompt here),
+    # and how long a remote prefill may take before this engine does it itself.
+    role: str = "mixed"
+    disaggregation: DisaggregationRule | None = None
+    remote_prefill_timeout_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         check_speculation(self.num_speculative_tokens, self.spec_ngram_min,
@@ -61,12 +70,21 @@ class SchedulerConfig:
                              f"{self.decode_plan_seconds * 1000:g}")
         if self.pipeline_depth not in (1, 2):
             raise ValueError(f"--pipeline-depth must be 1 or 2, got {self.pipeline_depth}")
+        if self.role not in ROLES:
+            raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
 
     def with_executor(self, info: ExecutorInfo) -> SchedulerConfig:
         """This config on the executor's KV cache and model."""
+        rule = self.disaggregation
+        if rule is not None and info.layout is not None:  # a token's KV, to time transfers
+            layout = info.layout
+            element = 4 if layout.dtype == "float32" else 2
+            rule = dataclasses.replace(rule, kv_bytes_per_token=2 * layout.num_layers
+                                       * layout.num_kv_heads * layout.head_dim * element)
         return dataclasses.replace(
             self, num_blocks=info.num_blocks, block_size=info.block_size,
-            max_model_len=info.max_model_len, eos_token_ids=tuple(info.eos_token_ids))
+            max_model_len=info.max_model_len, eos_token_ids=tuple(info.eos_token_ids),
+            disaggregation=rule)
 
 
 def check_speculation(num_tokens: int, ngram_min: int, ngram_max: int) -> None:
@@ -89,7 +107,21 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         queue_timeout_seconds=args.queue_timeout, shutdown_timeout_seconds=args.shutdown_timeout,
         num_speculative_tokens=args.num_speculative_tokens, spec_ngram_max=args.spec_ngram_max,
         spec_ngram_min=args.spec_ngram_min, decode_steps=args.decode_steps,
-        decode_plan_seconds=args.decode_plan_ms / 1000, step_timeout_seconds=args.step_timeout)
+        decode_plan_seconds=args.decode_plan_ms / 1000, step_timeout_seconds=args.step_timeout,
+        role=args.role, disaggregation=_rule_from_args(args),
+        remote_prefill_timeout_seconds=args.remote_prefill_timeout)
+
+
+def _rule_from_args(args: argparse.Namespace) -> DisaggregationRule | None:
+    if args.role != "decode" or args.disaggregation == "never":
+        return None
+    if args.remote_prefill_min_tokens < 1 or not 0 <= args.remote_prefill_max_cached <= 1:
+        raise ValueError("need --remote-prefill-min-tokens >= 1 and 0 <= "
+                         "--remote-prefill-max-cached <= 1")
+    return DisaggregationRule(mode=args.disaggregation,
+                              min_tokens=args.remote_prefill_min_tokens,
+                              max_cached_fraction=args.remote_prefill_max_cached,
+                              max_queued_tokens=args.remote_prefill_max_queued_tokens)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -156,6 +188,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "forwards are slow, so that text still arrives this often and a "
                              "new request waits at most about this long "
                              f"(default: {c.decode_plan_seconds * 1000:g})")
+    rule = DisaggregationRule()
+    parser.add_argument("--role", choices=ROLES, default=c.role,
+                        help="disaggregated serving: a prefill engine only prefills prompts "
+                             "for decode engines (the router sends it no requests); a decode "
+                             "engine sends the prefill of a long, uncached prompt to a prefill "
+                             "engine when that is predicted to give the first token sooner "
+                             "(--disaggregation); mixed does both itself (default: mixed)")
+    parser.add_argument("--disaggregation", choices=MODES, default=rule.mode,
+                        help="a decode engine: auto = per request, by --remote-prefill-* and "
+                             "the predicted time to the first token; always = every prompt "
+                             "a prefill engine has room for; never = none "
+                             f"(default: {rule.mode})")
+    parser.add_argument("--remote-prefill-min-tokens", type=int, default=rule.min_tokens,
+                        help="auto: prompts with fewer uncached tokens are prefilled here "
+                             f"(default: {rule.min_tokens})")
+    parser.add_argument("--remote-prefill-max-cached", type=float,
+                        default=rule.max_cached_fraction,
+                        help="auto: prompts with more than this fraction cached here are "
+                             f"prefilled here (default: {rule.max_cached_fraction:g})")
+    parser.add_argument("--remote-prefill-max-queued-tokens", type=int,
+                        default=rule.max_queued_tokens,
+                        help="a prefill engine with more prompt tokens waiting is taken for "
+                             f"saturated (default: {rule.max_queued_tokens})")
+    parser.add_argument("--remote-prefill-timeout", type=float,
+                        default=c.remote_prefill_timeout_seconds,
+                        help="seconds a remote prefill may take before this engine prefills "
+                             "the prompt itself (a dead prefill engine is noticed sooner, by "
+                             f"its heartbeats) (default: {c.remote_prefill_timeout_seconds:g})")
     parser.add_argument("--step-timeout", type=float, default=c.step_timeout_seconds,
                         help="seconds to wait for the executor's answer to one step before "
                              f"failing its requests (default: {c.step_timeout_seconds:g})")

@@ -5,13 +5,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from llmbus.bus.messages import FinishReason, SamplingParams, TokenLogprobs
+from llmbus.bus.messages import FinishReason, KvDestination, SamplingParams, TokenLogprobs
 from llmbus.services.scheduler.ngram_proposer import NgramIndex
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    REMOTE = "remote"  # holds its blocks while another engine prefills it (remote_prefills.py)
     FINISHED = "finished"
 
 
@@ -44,6 +45,11 @@ class Request:
     start_sent: bool = False  # its first update (with the CompletionStart) went out
     attempt: int = 0  # a migrated request's attempt (bus/messages/to_scheduler.py)
     num_preemptions: int = 0
+    # Disaggregated prefill: on a decode engine, the try under way (remote_prefills.py) and
+    # whether to prefill here from now on (a try failed); on a prefill engine, where its KV goes.
+    transfer_id: str = ""
+    local_only: bool = False
+    kv_destination: KvDestination | None = None
     # For traces and metrics; times are whatever clock the caller passes (no clock here).
     traceparent: str = ""
     first_scheduled_time: float | None = None

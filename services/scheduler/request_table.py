@@ -93,3 +93,5 @@ class Counters:
     num_prefix_hit_tokens: int = 0  # ... of which were found there
     num_draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted
     num_accepted_tokens: int = 0
+    num_remote_prefills: int = 0  # disaggregation: prompts sent to a prefill engine
+    num_remote_fallbacks: int = 0  # ... of which were prefilled here after all

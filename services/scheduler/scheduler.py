@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from llmbus.bus.messages import (
     BlockCopy,
     FinishReason,
+    Heartbeat,
+    KvDestination,
     NewRequestData,
     RequestTokens,
     ResumedCompletion,
@@ -45,6 +47,7 @@ from llmbus.bus.messages import (
 )
 from llmbus.services.scheduler.admission import AdmissionError, params_for, resolve_max_tokens
 from llmbus.services.scheduler.config import SchedulerConfig
+from llmbus.services.scheduler.disaggregation import Decision, decide
 from llmbus.services.scheduler.kv_manager import KVManager
 from llmbus.services.scheduler.multi_step import (
     decode_steps,
@@ -52,6 +55,7 @@ from llmbus.services.scheduler.multi_step import (
     multi_step_decode,
 )
 from llmbus.services.scheduler.outputs import end_updates, stop_reason, token_update
+from llmbus.services.scheduler.remote_prefills import RemotePrefills
 from llmbus.services.scheduler.request import Request, RequestStatus
 from llmbus.services.scheduler.request_table import Counters, RequestTable
 from llmbus.services.scheduler.speculation import drafts_for, verified, waits_for_drafts
@@ -76,13 +80,19 @@ class Scheduler:
         self._preempted_ids: list[str] = []
         self._copies: list[BlockCopy] = []
         self._finished: list[Request] = []  # for the adapter's traces: take_finished()
+        # Disaggregated prefill (a decode engine): the prefill engines alive now (their
+        # latest heartbeats, kept current by the adapter), and the prompts they prefill.
+        self.prefill_engines: list[Heartbeat] = []
+        self.remote = RemotePrefills()
+        self.last_decision: Decision | None = None  # for logs and tests
 
     # ------------------------------------------------------------------ admission
 
     def add_request(self, request_id: str, reply_subject: str, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float = 0.0, n: int = 1,
                     traceparent: str = "", attempt: int = 0,
-                    resumed: Sequence[ResumedCompletion] = ()) -> None:
+                    resumed: Sequence[ResumedCompletion] = (),
+                    kv_destination: KvDestination | None = None) -> None:
         """Queue a request (n completions of it), or raise AdmissionError if it can never run
         (or was withdrawn before it arrived).
 
@@ -111,6 +121,7 @@ class Scheduler:
                               num_forks=num_forks, traceparent=traceparent,
                               output_token_ids=list(output_token_ids), attempt=attempt)
             request.num_sent_tokens = len(output_token_ids)  # the new detokenizer replays them
+            request.kv_destination = kv_destination  # a prefill for another engine
             return request
 
         if resumed:
@@ -193,7 +204,7 @@ class Scheduler:
         been written.
         """
         updates = []
-        for request in list(self.running) + list(self.waiting):
+        for request in list(self.running) + list(self.waiting) + self.remote.requests():
             self._remove(request)
             self._finish(request, FinishReason.ERROR)
             updates.extend(end_updates(request, self.num_steps, error, resumable))
@@ -207,7 +218,7 @@ class Scheduler:
     @property
     def has_bookkeeping(self) -> bool:
         """Ended requests the executor still holds: worth a plan of their own when idle."""
-        return bool(self._forget_ids or self._preempted_ids)
+        return bool(self._forget_ids or self._preempted_ids or self.remote.closed)
 
     def take_ended_updates(self) -> list[RequestTokens]:
         updates, self._ended_updates = self._ended_updates, []
@@ -231,9 +242,10 @@ class Scheduler:
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, decode steps)
         step = StepBudget(self.step_time, self._decode_shape(), self.config.max_step_seconds)
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, step)
-        self._schedule_waiting(budget, scheduled, step)
+        self._schedule_waiting(budget, scheduled, step, now)
         plan = StepPlan(step_id=self.num_steps, finished_sequence_ids=self._forget_ids,
-                        preempted_sequence_ids=self._preempted_ids, copy_blocks=self._copies)
+                        preempted_sequence_ids=self._preempted_ids, copy_blocks=self._copies,
+                        closed_transfers=self.remote.take_closed())
         self._forget_ids, self._preempted_ids, self._copies = [], [], []
         for request, num_new, num_steps in scheduled:
             if request.first_scheduled_time is None:
@@ -297,7 +309,7 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int, int]],
-                          step: StepBudget) -> None:
+                          step: StepBudget, now: float) -> None:
         """Then waiting requests, in order, while budget, sequence slots and blocks allow."""
         num_seqs = sum(r.num_forks for r in self.running)
         while self.waiting and budget > 0:
@@ -307,6 +319,12 @@ class Scheduler:
                 break
             looked_up = self.kv.tree is not None and request.num_computed_tokens == 0
             num_matched = self._match_prefix(request)
+            if self._prefill_elsewhere(request, step, now):
+                self.waiting.popleft()
+                if looked_up:
+                    self.counters.num_prefix_query_tokens += request.num_prompt_tokens
+                    self.counters.num_prefix_hit_tokens += num_matched * self.config.block_size
+                continue
             num_new = step.prompt_chunk(request.num_computed_tokens,
                                         self._num_new_tokens(request, budget))
             if num_new == 0 or not self._reserve_blocks(request, num_new):
@@ -323,12 +341,67 @@ class Scheduler:
             budget -= num_new
             num_seqs += request.num_forks
 
+    def _prefill_elsewhere(self, request: Request, step: StepBudget, now: float) -> bool:
+        """Send the waiting head's prefill to a prefill engine, if the rule says so and its
+        blocks can be held here meanwhile (disaggregation.py)."""
+        rule = self.config.disaggregation
+        if (rule is None or not self.prefill_engines or request.local_only
+                or request.num_computed_tokens >= request.num_prompt_tokens):
+            return False
+        decision = decide(rule, request, request.num_computed_tokens, self.prefill_engines,
+                          self.step_time, self._decode_shape(),
+                          self.config.max_num_batched_tokens, self.config.max_step_seconds)
+        self.last_decision = decision
+        if decision.engine is None or not self._reserve_blocks(
+                request, request.num_prompt_tokens - request.num_computed_tokens):
+            return False
+        request.status = RequestStatus.REMOTE
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+        self.remote.start(request, decision.engine.engine_id, decision.engine.instance_id,
+                          request.num_computed_tokens // self.config.block_size, now)
+        self.counters.num_remote_prefills += 1
+        return True
+
+    def remote_done(self, transfer_id: str, token_id: int,
+                    logprobs: TokenLogprobs | None, now: float = 0.0) -> bool:
+        """A prefill engine put the prompt's KV in this engine's blocks and sampled its first
+        token: the request decodes here from now on. False: a stale or unknown try."""
+        remote = self.remote.end(transfer_id, cancel=False)
+        if remote is None:
+            return False
+        request = remote.request
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        request.first_token_time = now
+        self._cache_full_blocks(request)  # the prompt's KV is here now
+        self._append_tokens(request, [(token_id, logprobs)], now)
+        self._ended_updates.append(token_update(request, self.num_steps))
+        return True
+
+    def remote_failed(self, transfer_id: str) -> bool:
+        """The try is given up (its engine died, refused or took too long): the request
+        prefills here, first in the queue (its cached prefix is matched again). False: not
+        pending."""
+        remote = self.remote.end(transfer_id, cancel=True)
+        if remote is None:
+            return False
+        request = remote.request
+        self._release_blocks(request)
+        request.status = RequestStatus.WAITING
+        request.local_only = True
+        self.counters.num_remote_fallbacks += 1
+        self.waiting.appendleft(request)
+        return True
+
     def unschedule_empty(self, plan: StepPlan) -> None:
         """Take back a plan with nothing scheduled: its bookkeeping rides the next plan."""
         assert not plan.scheduled
         self._forget_ids = plan.finished_sequence_ids + self._forget_ids
         self._preempted_ids = plan.preempted_sequence_ids + self._preempted_ids
         self._copies = plan.copy_blocks + self._copies
+        self.remote.closed = plan.closed_transfers + self.remote.closed
         self.num_steps -= 1
 
     def _plan_item(self, request: Request, num_new: int, plan: StepPlan,
@@ -337,7 +410,8 @@ class Scheduler:
             request.known_to_executor = True
             plan.new_requests.append(NewRequestData(  # a resumed request's output with it
                 request.sequence_id, request.prompt_token_ids, request.params,
-                request.traceparent, output_token_ids=list(request.output_token_ids)))
+                request.traceparent, output_token_ids=list(request.output_token_ids),
+                kv_destination=request.kv_destination))
         start = request.num_computed_tokens
         end = start + num_new
         drafts = request.draft_token_ids
@@ -500,6 +574,8 @@ class Scheduler:
             self.waiting.remove(request)
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.REMOTE:
+            self.remote.end(request.transfer_id, cancel=True)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self._drop(request, reason)
@@ -520,4 +596,4 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Reference counts equal the owners (requests + cache); no block is lost. For tests."""
         self.kv.check(r.block_table for r in self.table)
-        assert len(self.running) + len(self.waiting) == len(self.table)
+        assert len(self.running) + len(self.waiting) + len(self.remote) == len(self.table)

@@ -48,6 +48,7 @@ from llmbus.services.scheduler.config import add_arguments as config_options
 from llmbus.services.scheduler.constraint_admission import compile_constraint
 from llmbus.services.scheduler.detokenizer_routing import DetokenizerRouting
 from llmbus.services.scheduler.engine_loop import EngineLoop
+from llmbus.services.scheduler.remote_prefill_service import DecodeSide, PrefillSide
 from llmbus.services.scheduler.scheduler import Scheduler
 from llmbus.services.scheduler.spans import record_request_spans
 
@@ -79,6 +80,9 @@ class SchedulerService:
         self._next_expiry_check = 0.0
         # (request id, attempt) -> aborted meanwhile
         self._compiling_ids: dict[tuple[str, int], bool] = {}
+        # Disaggregated serving (remote_prefill_service.py): one side, by --role
+        self.decode_side: DecodeSide | None = None
+        self.prefill_side: PrefillSide | None = None
 
     async def start(self) -> None:
         self.info = await self._wait_for_executor()
@@ -86,18 +90,36 @@ class SchedulerService:
         step_subject = subjects.executor_step(self.engine_id)
 
         async def execute(plan: StepPlan) -> StepResult:
-            return await self.runtime.request(step_subject, plan, StepResult,
-                                              timeout=self.config.step_timeout_seconds)
+            result = await self.runtime.request(step_subject, plan, StepResult,
+                                                timeout=self.config.step_timeout_seconds)
+            if self.prefill_side is not None and result.transfers:
+                self.prefill_side.on_step_result(result.transfers)
+            return result
 
         self.loop = EngineLoop(self.scheduler, execute=execute, publish=self._publish,
                                expired=self._expired, executor_silent=self.executor_silent,
                                depth=self.config.pipeline_depth, name=f"engine {self.engine_id}")
         self.runtime.on_reconnect(self.on_reconnect)
         runtime, group = self.runtime, subjects.queue_group("scheduler")
-        await runtime.on_request(subjects.engine_submit(self.engine_id), SubmitRequest,
-                                 self.on_submit, concurrency=MAX_SUBMITS_IN_FLIGHT)
-        await runtime.on_request(subjects.ENGINE_SUBMIT, SubmitRequest, self.on_submit,
-                                 queue=group, concurrency=MAX_SUBMITS_IN_FLIGHT)
+        if self.config.role == "prefill":  # the router sends it nothing; decode engines do
+            self.prefill_side = PrefillSide(runtime, self.scheduler, self.engine_id,
+                                            self.info.layout, self.loop.wakeup,
+                                            self._refusal)
+            await self.prefill_side.start()
+        else:
+            await runtime.on_request(subjects.engine_submit(self.engine_id), SubmitRequest,
+                                     self.on_submit, concurrency=MAX_SUBMITS_IN_FLIGHT)
+            await runtime.on_request(subjects.ENGINE_SUBMIT, SubmitRequest, self.on_submit,
+                                     queue=group, concurrency=MAX_SUBMITS_IN_FLIGHT)
+        if self.config.disaggregation is not None:
+            if self.info.layout is None:
+                raise SystemExit(f"llmbus scheduler: engine {self.engine_id}'s executor "
+                                 "does not describe its KV layout; it cannot decode for "
+                                 "prefill engines")
+            self.decode_side = DecodeSide(runtime, self.scheduler, self.engine_id,
+                                          self.info.layout, self.loop.wakeup,
+                                          self.config.remote_prefill_timeout_seconds)
+            await self.decode_side.start()
         await runtime.on_message(subjects.SCHEDULER_ABORT, AbortRequest, self.on_abort)
         await runtime.on_message(subjects.engine_withdraw(self.engine_id), AbortRequest,
                                  self.on_withdraw)
@@ -125,7 +147,8 @@ class SchedulerService:
             service="scheduler", instance_id=self.runtime.instance_id, engine_id=self.engine_id,
             num_running=len(s.running), num_waiting=len(s.waiting),
             num_free_blocks=s.kv.num_free, num_total_blocks=s.kv.num_usable,
-            block_size=self.info.block_size, num_handled=s.counters.num_finished)
+            block_size=self.info.block_size, num_handled=s.counters.num_finished,
+            role=self.config.role, num_queued_tokens=s.num_queued_tokens)
 
     async def _wait_for_executor(self) -> ExecutorInfo:
         """The executor may still be loading weights: ask until it answers."""
@@ -144,19 +167,9 @@ class SchedulerService:
         awaits its compile, and an abort that comes meanwhile is kept in _compiling_ids."""
         scheduler = self.scheduler
         assert scheduler is not None
-        if self.draining:
-            return Admission(error_code=ErrorCode.OVERLOADED,
-                             error_message="this engine is shutting down; retry shortly")
-        if self.executor_silent():  # another engine may take it
-            return Admission(error_code=ErrorCode.OVERLOADED,
-                             error_message=f"engine {self.engine_id}'s executor is not "
-                                           "responding")
-        if (len(scheduler.waiting) >= self.config.max_queued_requests
-                or scheduler.num_queued_tokens + len(submit.prompt_token_ids)
-                > self.config.max_queued_tokens):
-            return Admission(error_code=ErrorCode.OVERLOADED,
-                             error_message="the server is busy (its queue is full); retry "
-                                           "shortly")
+        refused = self._refusal(len(submit.prompt_token_ids))
+        if refused:
+            return Admission(error_code=ErrorCode.OVERLOADED, error_message=refused)
         if submit.params.structured is not None:
             compiling = (submit.request_id, submit.attempt)
             self._compiling_ids[compiling] = False
@@ -188,6 +201,20 @@ class SchedulerService:
         return Admission(num_prompt_tokens=len(submit.prompt_token_ids),
                          scheduler_instance_id=self.runtime.instance_id,
                          scheduler_reconnects=self.runtime.num_reconnects)
+
+    def _refusal(self, num_prompt_tokens: int) -> str:
+        """Why this engine takes no new request now (another may), or ""."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        if self.draining:
+            return "this engine is shutting down; retry shortly"
+        if self.executor_silent():
+            return f"engine {self.engine_id}'s executor is not responding"
+        if (len(scheduler.waiting) >= self.config.max_queued_requests
+                or scheduler.num_queued_tokens + num_prompt_tokens
+                > self.config.max_queued_tokens):
+            return "the server is busy (its queue is full); retry shortly"
+        return ""
 
     async def on_abort(self, abort: AbortRequest, _: Msg) -> None:
         assert self.scheduler is not None
@@ -284,7 +311,13 @@ class SchedulerService:
             executor_idle_seconds=self.loop.idle_seconds,
             num_evictable_blocks=s.kv.num_evictable(),
             num_draft_tokens=s.counters.num_draft_tokens,
-            num_accepted_tokens=s.counters.num_accepted_tokens)
+            num_accepted_tokens=s.counters.num_accepted_tokens,
+            num_remote_prefills=s.counters.num_remote_prefills,
+            num_remote_fallbacks=s.counters.num_remote_fallbacks,
+            kv_bytes_received=self.decode_side.kv_bytes if self.decode_side else 0,
+            kv_transfer_seconds=self.decode_side.kv_seconds if self.decode_side else 0.0,
+            handoff_seconds=self.decode_side.handoff_seconds if self.decode_side else 0.0,
+            num_prefilled_for_others=self.prefill_side.num_done if self.prefill_side else 0)
 
     def _expired(self, now: float) -> list[RequestTokens]:
         """Requests queued past --queue-timeout; the queue is walked at most once a second,
@@ -301,6 +334,10 @@ class SchedulerService:
         assert scheduler is not None
         for request in scheduler.take_finished():
             record_request_spans(request, time.time())
+        if self.prefill_side is not None:
+            updates = self.prefill_side.divert(updates)
+        if self.decode_side is not None:
+            self.decode_side.after_step()
         for subject, items in self.detokenizers.route(updates, self.runtime.bus_time()).items():
             await self.runtime.publish(subject, TokenBatch(engine_id=self.engine_id,
                                                            items=items))

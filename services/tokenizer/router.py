@@ -60,7 +60,8 @@ class Router:
     def choose(self, prompt_token_ids: list[int], now: float,
                exclude: frozenset[str] = frozenset()) -> Heartbeat | None:
         """The engine (its latest heartbeat) for this prompt; None if no engine is alive."""
-        engines = [h for h in self.liveness.alive(now) if h.instance_id not in exclude]
+        engines = [h for h in self.liveness.alive(now)  # prefill engines take no requests
+                   if h.instance_id not in exclude and h.role != "prefill"]
         if not engines:
             return None
         if self.policy == "random":

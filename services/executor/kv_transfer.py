@@ -1,0 +1,217 @@
+"""Disaggregated prefill, the executors' part: KV blocks moved from a prefill engine's cache into
+a decode engine's, over the bus.
+
+The prefill executor gathers a sequence's blocks as they fill (`gather`, in the forward thread,
+right after the step that wrote them and before a later step can reuse them) and sends them in
+chunks no bigger than the server's max_payload (`KvSender`), a few in flight at once: each is a
+request whose answer says the decode executor wrote it, so a slow or gone receiver holds the
+sender back instead of the bus buffering it. The transfer's last blocks are acknowledged before
+the prefill's step is answered, so when the prefill engine says "done" the KV is in place.
+
+The decode executor writes only blocks of a transfer its scheduler opened (`KvReceiver`) and
+stops taking them once the scheduler closes it (before those blocks can go to anyone else), so
+a late chunk of a try given up never lands in another request's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import warnings
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+from opentelemetry import trace
+
+from llmbus.bus.messages import (
+    KvChunk,
+    KvDestination,
+    KvLayout,
+    KvReceive,
+    KvReply,
+    KvTransferReport,
+)
+from llmbus.services.executor.kv_cache import KVCache
+
+_tracer = trace.get_tracer("llmbus.executor")
+CHUNK_OVERHEAD_BYTES = 16 << 10  # the chunk's fields and headers, besides K and V
+IN_FLIGHT = 4  # chunks sent and not yet acknowledged, per executor
+CHUNK_TIMEOUT_SECONDS = 10.0
+
+
+def layout_of(cache: KVCache) -> KvLayout:
+    num_layers, _, block_size, num_kv_heads, head_dim = cache.k.shape
+    return KvLayout(dtype=str(cache.k.dtype).removeprefix("torch."), block_size=block_size,
+                    num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+
+@dataclass
+class Outgoing:
+    """Some gathered blocks of one transfer, cut into chunks; `final`: its last ones."""
+
+    destination: KvDestination
+    chunks: list[KvChunk]
+    final: bool
+
+
+def gather(cache: KVCache, destination: KvDestination, source_blocks: list[int],
+           first: int, max_bytes: int, final: bool) -> Outgoing:
+    """Copy blocks `source_blocks` (this cache's) out as chunks for the destination's blocks
+    from prompt block `first` on. A chunk holds as many whole blocks as fit in `max_bytes`;
+    a block bigger than that goes by layers."""
+    offset = first - destination.first_block
+    targets = destination.block_ids[offset:offset + len(source_blocks)]
+    num_layers = cache.k.shape[0]
+    layer_bytes = cache.k[0, 0].numel() * cache.k.element_size() * 2  # K and V of one block
+    budget = max(max_bytes - CHUNK_OVERHEAD_BYTES, layer_bytes)
+    layers_per_chunk = min(num_layers, budget // layer_bytes)
+    blocks_per_chunk = max(1, budget // (layer_bytes * num_layers)) if \
+        layers_per_chunk == num_layers else 1
+    chunks = []
+    for b in range(0, len(source_blocks), blocks_per_chunk):
+        index = torch.tensor(source_blocks[b:b + blocks_per_chunk], dtype=torch.int64)
+        for layer in range(0, num_layers, layers_per_chunk):
+            count = min(layers_per_chunk, num_layers - layer)
+            chunks.append(KvChunk(
+                transfer_id=destination.transfer_id,
+                block_ids=targets[b:b + blocks_per_chunk], first_layer=layer,
+                num_layers=count, k=_raw(cache.k[layer:layer + count, index]),
+                v=_raw(cache.v[layer:layer + count, index])))
+    return Outgoing(destination, chunks, final)
+
+
+def _raw(tensor: torch.Tensor) -> bytes:
+    """The tensor's bytes (msgspec encodes a memoryview as it does bytes: no copy here)."""
+    flat = tensor.contiguous().view(torch.uint8).reshape(-1)
+    return memoryview(flat.numpy())  # type: ignore[return-value]
+
+
+class KvReceiver:
+    """The decode executor's side: open transfers and the blocks each may write."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.layout = layout_of(cache)
+        self.open: dict[str, set[int]] = {}
+        self.num_bytes = 0
+
+    def receive(self, request: KvReceive) -> KvReply:
+        if request.layout != self.layout:
+            return KvReply(error=f"KV layout mismatch: this cache is {self.layout.describe()}, "
+                                 f"the sender's {request.layout.describe()}")
+        if any(not 0 < b < self.cache.num_blocks for b in request.block_ids):
+            return KvReply(error="block ids outside the cache (or the null block)")
+        self.open[request.transfer_id] = set(request.block_ids)
+        return KvReply()
+
+    def close(self, transfer_ids: list[str]) -> None:
+        for transfer_id in transfer_ids:
+            self.open.pop(transfer_id, None)
+
+    def write(self, chunk: KvChunk) -> KvReply:
+        allowed = self.open.get(chunk.transfer_id)
+        if allowed is None:
+            return KvReply(error=f"transfer {chunk.transfer_id} is not open here")
+        if not allowed.issuperset(chunk.block_ids):
+            return KvReply(error=f"transfer {chunk.transfer_id}: blocks outside it")
+        k_cache, v_cache = self.cache.k, self.cache.v
+        shape = (chunk.num_layers, len(chunk.block_ids), *k_cache.shape[2:])
+        expected = k_cache.element_size() * shape[0] * shape[1] * k_cache[0, 0].numel()
+        if len(chunk.k) != expected or len(chunk.v) != expected:
+            return KvReply(error=f"transfer {chunk.transfer_id}: a chunk of {len(chunk.k)} "
+                                 f"bytes, expected {expected}")
+        index = torch.tensor(chunk.block_ids, dtype=torch.int64)
+        layers = slice(chunk.first_layer, chunk.first_layer + chunk.num_layers)
+        with warnings.catch_warnings():  # read-only buffers: only read from
+            warnings.simplefilter("ignore", UserWarning)
+            for cache, data in ((k_cache, chunk.k), (v_cache, chunk.v)):
+                values = torch.frombuffer(data, dtype=torch.uint8).view(cache.dtype)
+                cache[layers, index] = values.view(shape)
+        self.num_bytes += 2 * expected
+        return KvReply()
+
+
+@dataclass
+class _Sending:
+    """One transfer under way. `busy_seconds`: while any of its chunks was in flight (what
+    it cost the bus; most of it hides behind the prefill's later chunks)."""
+
+    num_bytes: int = 0
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    error: str = ""
+    in_flight: int = 0
+    busy_since: float = 0.0
+    busy_seconds: float = 0.0
+
+
+class KvSender:
+    """The prefill executor's side: chunks out, a few in flight, each acknowledged."""
+
+    def __init__(self, send: Callable[[str, KvChunk], Awaitable[KvReply]],
+                 subject_for: Callable[[str], str], in_flight: int = IN_FLIGHT) -> None:
+        self._send, self._subject_for = send, subject_for
+        self._slots = asyncio.Semaphore(in_flight)
+        self._sending: dict[str, _Sending] = {}
+        self._failed: list[KvTransferReport] = []
+
+    async def send_all(self, outbox: list[Outgoing]) -> list[KvTransferReport]:
+        """A step's gathered blocks: sent while the next step computes, except a prefill's
+        last ones, which are acknowledged before its step (and first token) is answered.
+        Returns the transfers that ended: those finished, and those that failed."""
+        for outgoing in outbox:
+            self.send(outgoing)
+        reports = self.take_failed()
+        for outgoing in outbox:
+            if outgoing.final:
+                transfer_id = outgoing.destination.transfer_id
+                with _tracer.start_as_current_span("executor.kv_transfer", attributes={
+                        "llmbus.transfer_id": transfer_id}) as span:
+                    report = await self.finish(transfer_id)
+                    span.set_attribute("llmbus.num_bytes", report.num_bytes)
+                reports.append(report)
+        return reports
+
+    def send(self, outgoing: Outgoing) -> None:
+        transfer_id = outgoing.destination.transfer_id
+        state = self._sending.setdefault(transfer_id, _Sending())
+        subject = self._subject_for(outgoing.destination.engine_id)
+        for chunk in outgoing.chunks:
+            state.tasks.append(asyncio.create_task(self._one(state, subject, chunk)))
+
+    async def _one(self, state: _Sending, subject: str, chunk: KvChunk) -> None:
+        async with self._slots:
+            if state.error:
+                return  # the transfer failed already: send no more of it
+            if not state.in_flight:
+                state.busy_since = time.perf_counter()
+            state.in_flight += 1
+            try:
+                reply = await self._send(subject, chunk)
+            except Exception as exc:  # gone, or too slow: the transfer fails
+                state.error = state.error or f"{type(exc).__name__}: {exc}".rstrip(": ")
+                return
+            finally:
+                state.in_flight -= 1
+                if not state.in_flight:
+                    state.busy_seconds += time.perf_counter() - state.busy_since
+            if reply.error:
+                state.error = state.error or reply.error
+            else:
+                state.num_bytes += len(chunk.k) + len(chunk.v)
+
+    async def finish(self, transfer_id: str) -> KvTransferReport:
+        """Wait until every chunk of the transfer is acknowledged (or it failed)."""
+        state = self._sending.pop(transfer_id, None)
+        if state is None:
+            return KvTransferReport(transfer_id=transfer_id)
+        await asyncio.gather(*state.tasks)
+        return KvTransferReport(transfer_id=transfer_id, num_bytes=state.num_bytes,
+                                seconds=state.busy_seconds,
+                                error=state.error)
+
+    def take_failed(self) -> list[KvTransferReport]:
+        """Transfers that failed before their last step (the prefill engine stops them)."""
+        failed = [t for t, s in self._sending.items() if s.error]
+        return [KvTransferReport(transfer_id=t, error=self._sending.pop(t).error)
+                for t in failed]

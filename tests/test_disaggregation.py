@@ -1,0 +1,288 @@
+"""Disaggregated prefill in the scheduler core: the rule that decides per request (one test per
+condition), and a decode engine's books of remote prefills (blocks held, the first token
+handed over, a try given up, aborts, stale answers). Pure: no bus, no model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from llmbus.bus.messages import (
+    FinishReason,
+    Heartbeat,
+    KvDestination,
+    SamplingParams,
+    ScheduledRequest,
+    StepPlan,
+    StepResult,
+    StructuredOutput,
+)
+from llmbus.services.scheduler.config import SchedulerConfig
+from llmbus.services.scheduler.disaggregation import (
+    DisaggregationRule,
+    decide,
+    local_prefill_seconds,
+    prefill_seconds,
+)
+from llmbus.services.scheduler.request import Request, RequestStatus
+from llmbus.services.scheduler.scheduler import Scheduler
+from llmbus.services.scheduler.step_time import StepShape, StepTimeModel
+
+BLOCK = 16
+RULE = DisaggregationRule(min_tokens=512, max_cached_fraction=0.5, max_queued_tokens=4096,
+                          handover_seconds=0.02, kv_bytes_per_token=23040,
+                          bytes_per_second=300e6)
+
+
+def engine(queued: int = 0, free_blocks: int = 1000, instance: str = "p1") -> Heartbeat:
+    return Heartbeat(service="scheduler", instance_id=instance, engine_id=f"prefill-{instance}",
+                     role="prefill", num_queued_tokens=queued, num_free_blocks=free_blocks,
+                     block_size=BLOCK)
+
+
+def request(num_prompt: int, **params) -> Request:
+    return Request("r", "r", 0, "api.x", list(range(num_prompt)),
+                   SamplingParams(max_tokens=8, **params), max_tokens=8)
+
+
+def linear_model(per_token: float = 1e-3, per_row: float = 2e-3,
+                 base: float = 5e-3) -> StepTimeModel:
+    """A step-time model fitted on steps of exactly base + rows·per_row + tokens·per_token
+    (no attention cost), so every prediction below is that formula."""
+    model = StepTimeModel()
+    for rows, tokens in ((1, 256), (1, 128), (4, 4), (8, 8), (2, 64), (16, 16)):
+        plan = StepPlan(step_id=0)
+        plan.scheduled = [ScheduledRequest(sequence_id=str(i), start=0,
+                                           num_tokens=tokens - rows + 1 if i == 0 else 1)
+                          for i in range(rows)]
+        shape = StepShape.of(plan)
+        model.observe(plan, base + per_row * shape.rows + per_token * shape.tokens)
+    return model
+
+
+def decodes(rows: int) -> StepShape:
+    shape = StepShape()
+    for _ in range(rows):
+        shape.add(100, 1)
+    return shape
+
+
+def test_the_model_used_is_the_formula():
+    model = linear_model()
+    assert model.predict(StepShape(1, 256, 0.0)) == pytest.approx(0.005 + 0.002 + 0.256)
+    assert prefill_seconds(model, 0, 512, 256) == pytest.approx(2 * 0.263)
+
+
+def test_a_long_uncached_prompt_beside_decodes_goes_remote():
+    decision = decide(RULE, request(2000), 0, [engine()], linear_model(), decodes(16), 256,
+                      0.06)
+    assert decision.engine is not None and decision.engine.instance_id == "p1"
+    assert "there" in decision.reason
+
+
+@pytest.mark.parametrize("params", [{"structured": StructuredOutput(kind="json_object")}])
+def test_a_constrained_request_stays(params):
+    assert decide(RULE, request(2000, **params), 0, [engine()], linear_model(), decodes(16),
+                  256, 0.06).engine is None
+
+
+def test_a_parent_of_n_completions_and_a_resumed_request_stay():
+    parent = request(2000)
+    parent.num_forks = 4
+    resumed = request(2000)
+    resumed.output_token_ids = [5, 6]
+    for r in (parent, resumed):
+        assert decide(RULE, r, 0, [engine()], linear_model(), decodes(16), 256,
+                      0.06).engine is None
+
+
+def test_a_short_effective_prompt_stays():
+    decision = decide(RULE, request(511), 0, [engine()], linear_model(), decodes(16), 256, 0.06)
+    assert decision.engine is None and "511 < 512" in decision.reason
+    assert decide(RULE, request(512), 0, [engine()], linear_model(), decodes(16), 256,
+                  0.06).engine is not None
+
+
+def test_a_mostly_cached_prompt_stays():
+    # 2000 long, 1024 cached here: 976 effective (above min_tokens) but 51% cached
+    decision = decide(RULE, request(2000), 1024, [engine()], linear_model(), decodes(16), 256,
+                      0.06)
+    assert decision.engine is None and "cached here" in decision.reason
+    assert decide(RULE, request(2000), 992, [engine()], linear_model(), decodes(16), 256,
+                  0.06).engine is not None  # 49.6% cached
+
+
+def test_no_prefill_engine_or_none_with_room():
+    model, shape = linear_model(), decodes(16)
+    assert decide(RULE, request(2000), 0, [], model, shape, 256, 0.06).engine is None
+    busy = engine(queued=4097)  # saturated: more queued than max_queued_tokens
+    full = engine(free_blocks=2000 // BLOCK - 1, instance="p2")  # one block short
+    for rule in (RULE, dataclasses.replace(RULE, mode="always")):
+        decision = decide(rule, request(2000), 0, [busy, full], model, shape, 256, 0.06)
+        assert decision.engine is None and "room" in decision.reason
+    ok = engine(queued=4096, free_blocks=2000 // BLOCK, instance="p3")  # just enough
+    assert decide(dataclasses.replace(RULE, mode="always"), request(2000), 0,
+                  [busy, full, ok], model, shape, 256, 0.06).engine.instance_id == "p3"
+
+
+def test_the_least_queued_prefill_engine_is_chosen():
+    engines = [engine(queued=900, instance="a"), engine(queued=100, instance="b")]
+    assert decide(RULE, request(2000), 0, engines, linear_model(), decodes(16), 256,
+                  0.06).engine.instance_id == "b"
+
+
+def test_an_idle_decode_engine_prefills_itself():
+    # Nothing decodes here: the prefill takes whole steps here as there, and the transfer
+    # and handover only add to it.
+    decision = decide(RULE, request(2000), 0, [engine()], linear_model(), StepShape(), 256,
+                      0.06)
+    assert decision.engine is None and "here" in decision.reason
+
+
+def test_the_prediction_decides_where_remote_is_slower():
+    # A prefill engine with a long queue: its wait outweighs the chunks here.
+    model, shape = linear_model(), decodes(2)
+    local = local_prefill_seconds(model, shape, 0, 2000, 256, 0.06)
+    queued = engine(queued=4000)
+    there = (prefill_seconds(model, 0, 4000, 256) + prefill_seconds(model, 0, 2000, 256)
+             + 2000 * 23040 / 300e6 + 0.02)
+    assert there > local  # the arithmetic the rule must follow
+    assert decide(RULE, request(2000), 0, [queued], model, shape, 256, 0.06).engine is None
+    assert decide(RULE, request(2000), 0, [engine()], model, shape, 256, 0.06).engine
+
+
+def test_local_chunks_beside_decodes_follow_the_step_cap():
+    # 16 decodes cost 0.005 + 16·0.002 + 16·0.001 = 0.053 s; a 0.06 s step leaves room for
+    # the prompt's row and 5 tokens, raised to the 32-token floor: 2000 tokens take 63 steps.
+    model, shape = linear_model(), decodes(16)
+    seconds = local_prefill_seconds(model, shape, 0, 2000, 256, 0.06)
+    steps = -(-2000 // 32)
+    assert seconds == pytest.approx(steps * (0.053 + 0.002) + 2000 * 0.001)
+
+
+def test_without_step_times_only_decodes_stalling_send_it_away():
+    fresh = StepTimeModel()
+    assert decide(RULE, request(2000), 0, [engine()], fresh, decodes(4), 256, 0.06).engine
+    assert decide(RULE, request(2000), 0, [engine()], fresh, StepShape(), 256,
+                  0.06).engine is None
+
+
+def test_always_and_never():
+    always = dataclasses.replace(RULE, mode="always")
+    never = dataclasses.replace(RULE, mode="never")
+    assert decide(always, request(20), 0, [engine()], linear_model(), StepShape(), 256, 0.06)\
+        .engine is not None
+    assert decide(never, request(5000), 0, [engine()], linear_model(), decodes(64), 256,
+                  0.06).engine is None
+    assert decide(always, request(2000), 0, [engine(queued=5000)], linear_model(),
+                  StepShape(), 256, 0.06).engine is None  # saturated all the same
+
+
+# ---------------------------------------------------------------- the decode engine's books
+
+
+def decode_engine(num_blocks: int = 40, block_size: int = 4) -> Scheduler:
+    s = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size,
+                                  max_model_len=128, eos_token_ids=(2,), decode_steps=1,
+                                  disaggregation=DisaggregationRule(mode="always")))
+    s.prefill_engines = [Heartbeat(service="scheduler", instance_id="p1", engine_id="P",
+                                   role="prefill", num_free_blocks=1000, block_size=block_size)]
+    return s
+
+
+def add(s: Scheduler, request_id: str, prompt: list[int], max_tokens: int = 3) -> Request:
+    s.add_request(request_id, "api.x", prompt, SamplingParams(max_tokens=max_tokens))
+    return s.table.get(request_id)
+
+
+def test_a_remote_prefill_holds_its_blocks_and_hands_over_the_first_token():
+    s = decode_engine()
+    r = add(s, "a", list(range(10, 20)))  # 10 tokens: 3 blocks of 4
+    plan = s.schedule(now=1.0)
+    assert not plan.scheduled and r.status is RequestStatus.REMOTE
+    [start] = s.remote.take_starts()
+    assert (start.engine_id, start.first_block, r.block_table) == ("P", 0, [1, 2, 3])
+    assert s.kv.num_free == 39 - 3
+    s.check_invariants()
+    assert s.remote_done(start.transfer_id, 42, None, now=2.0)
+    assert r.status is RequestStatus.RUNNING and r.output_token_ids == [42]
+    [update] = s.take_ended_updates()
+    assert update.new_token_ids == [42] and update.start is not None
+    plan = s.schedule()
+    assert plan.closed_transfers == [start.transfer_id]  # the executor takes no more
+    [item] = plan.scheduled
+    assert (item.start, item.num_tokens, item.new_block_ids) == (10, 1, [1, 2, 3])
+    [new] = plan.new_requests
+    assert new.output_token_ids == [42] and new.kv_destination is None
+    assert not s.remote_done(start.transfer_id, 43, None)  # a duplicate answer
+    s.check_invariants()
+
+
+def test_a_cached_prefix_stays_here_and_only_the_rest_is_asked_for():
+    s = decode_engine()
+    s.config = dataclasses.replace(s.config, disaggregation=None)
+    first = add(s, "warm", list(range(10, 22)), max_tokens=1)  # caches its 3 full blocks
+    plan = s.schedule()
+    first_blocks = list(first.block_table)
+    s.update(plan, StepResult(step_id=plan.step_id, sampled_token_ids=[5]))
+    assert first.status is RequestStatus.FINISHED
+    s.config = dataclasses.replace(s.config, disaggregation=DisaggregationRule(mode="always"))
+    r = add(s, "b", list(range(10, 22)) + [7, 8, 9])  # 15 tokens, 12 of them cached
+    s.schedule()
+    [start] = s.remote.take_starts()
+    assert start.first_block == 3 and r.num_computed_tokens == 12
+    assert len(r.block_table) == 4 and r.block_table[:3] == first_blocks
+
+
+def test_a_try_given_up_prefills_here_first():
+    s = decode_engine()
+    add(s, "x", list(range(30, 34)))
+    r = add(s, "a", list(range(10, 20)))
+    s.schedule()
+    starts = {t.request.request_id: t for t in s.remote.take_starts()}
+    assert s.remote_failed(starts["a"].transfer_id)
+    assert s.kv.num_free == 39 - 1  # "x" holds one block; "a" gave its three back
+    assert r.status is RequestStatus.WAITING and s.waiting[0] is r and r.local_only
+    assert s.remote.take_cancels()[0].transfer_id == starts["a"].transfer_id
+    plan = s.schedule()
+    assert starts["a"].transfer_id in plan.closed_transfers
+    item = next(i for i in plan.scheduled if i.sequence_id == "a")
+    assert (item.start, item.num_tokens, len(item.new_block_ids)) == (0, 10, 3)
+    assert not s.remote_done(starts["a"].transfer_id, 9, None)  # too late: dropped
+    s.check_invariants()
+
+
+def test_an_abort_of_a_remote_prefill_frees_its_blocks_and_cancels_it():
+    s = decode_engine()
+    add(s, "a", list(range(10, 20)))
+    s.schedule()
+    [start] = s.remote.take_starts()
+    assert s.abort_request("a")
+    assert s.kv.num_free == 39 and not s.remote.by_transfer
+    assert [c.transfer_id for c in s.remote.take_cancels()] == [start.transfer_id]
+    assert s.has_bookkeeping  # the close goes out even to an idle executor
+    assert s.schedule().closed_transfers == [start.transfer_id]
+    [update] = s.take_ended_updates()
+    assert update.finish_reason is FinishReason.ABORT
+    s.check_invariants()
+
+
+def test_fail_all_ends_remote_prefills_too():
+    s = decode_engine()
+    add(s, "a", list(range(10, 20)))
+    s.schedule()
+    updates = s.fail_all("the executor failed")
+    assert [u.request_id for u in updates] == ["a"] and s.kv.num_free == 39
+    s.check_invariants()
+
+
+def test_a_prefill_engine_request_carries_its_destination():
+    s = Scheduler(SchedulerConfig(num_blocks=20, block_size=4, max_model_len=64,
+                                  eos_token_ids=(2,), role="prefill"))
+    destination = KvDestination(transfer_id="a>1", engine_id="D", first_block=1,
+                                block_ids=[7, 8])
+    s.add_request("a>1", "engine.D.prefilled", list(range(10, 20)),
+                  SamplingParams(max_tokens=1), kv_destination=destination)
+    plan = s.schedule()
+    assert plan.new_requests[0].kv_destination == destination

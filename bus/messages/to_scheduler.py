@@ -75,6 +75,7 @@ class EngineStats(Message):
     kv_transfer_seconds: float = 0.0
     handoff_seconds: float = 0.0
     num_prefilled_for_others: int = 0  # a prefill engine's
+    num_prefill_engines: int = 0  # a decode engine's: prefill engines it hears from now
 
 
 class ModelInfoRequest(Message):

@@ -32,6 +32,9 @@ DELTA = m.TextDelta(request_id="r1", text="hé", num_new_tokens=1,
                     queue_seconds=0.25, token_ids=[42], attempt=1, resumable=True,
                     detokenizer_id="d1")
 RESUMED = m.ResumedCompletion(index=1, output_token_ids=[42])
+LAYOUT = m.KvLayout(dtype="float16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
+DESTINATION = m.KvDestination(transfer_id="r1>1", engine_id="d0", first_block=1,
+                              block_ids=[7, 8])
 
 # One example of every message, every field set away from its default.
 EXAMPLES = [
@@ -59,17 +62,30 @@ EXAMPLES = [
                   num_total_blocks=5, max_batch_size=6, num_preemptions=7, num_finished=8,
                   num_cached_blocks=9, num_prefix_query_tokens=10, num_prefix_hit_tokens=11,
                   executor_busy_seconds=1.5, executor_idle_seconds=0.5,
-                  num_evictable_blocks=12, num_draft_tokens=13, num_accepted_tokens=14),
+                  num_evictable_blocks=12, num_draft_tokens=13, num_accepted_tokens=14,
+                  num_remote_prefills=15, num_remote_fallbacks=16, kv_bytes_received=17,
+                  kv_transfer_seconds=0.25, handoff_seconds=0.125, num_prefilled_for_others=18,
+                  num_prefill_engines=19),
     m.ModelInfoRequest(),
     m.ModelInfo(model_name="m", max_model_len=8192, engine_id="e0"),
     m.ExecutorInfoRequest(),
     m.ExecutorInfo(model_name="m", max_model_len=8192, num_blocks=100, block_size=16,
-                   eos_token_ids=[2], vocab_size=49152),
+                   eos_token_ids=[2], vocab_size=49152, layout=LAYOUT),
+    LAYOUT, DESTINATION,
+    m.KvReceive(transfer_id="r1>1", block_ids=[7, 8], layout=LAYOUT),
+    m.KvChunk(transfer_id="r1>1", block_ids=[7], first_layer=2, num_layers=3, k=b"k", v=b"v"),
+    m.KvReply(error="e"),
+    m.KvTransferReport(transfer_id="r1>1", num_bytes=4, seconds=0.5, error="e"),
+    m.PrefillRequest(request_id="r1", attempt=1, prompt_token_ids=[1, 2], params=PARAMS,
+                     destination=DESTINATION, layout=LAYOUT, reply_subject="e.d0.prefilled"),
+    m.PrefillReply(error="e"),
+    m.PrefillDone(transfer_id="r1>1", token_id=42, logprobs=LOGPROBS, error="e", num_bytes=4,
+                  transfer_seconds=0.5, prefill_seconds=1.5, sampled_at=2.5),
     m.StructuredOutput(kind="choice", spec='["a"]', param="guided_choice"),
     m.GrammarRequest(structured=m.StructuredOutput(kind="json_object")),
     m.GrammarReply(error="e"),
     m.NewRequestData(sequence_id="r1", prompt_token_ids=[1, 2], params=PARAMS,
-                     traceparent="00-t-s-01", output_token_ids=[3]),
+                     traceparent="00-t-s-01", output_token_ids=[3], kv_destination=DESTINATION),
     m.ScheduledRequest(sequence_id="r1", start=0, num_tokens=2, new_block_ids=[5],
                        sample=False, draft_token_ids=[9], num_steps=3),
     m.BlockCopy(src=1, dst=2),
@@ -77,10 +93,10 @@ EXAMPLES = [
                                                          prompt_token_ids=[1], params=PARAMS)],
                scheduled=[m.ScheduledRequest(sequence_id="r1", start=0, num_tokens=1)],
                finished_sequence_ids=["r0"], preempted_sequence_ids=["r9"],
-               copy_blocks=[m.BlockCopy(src=1, dst=2)]),
+               copy_blocks=[m.BlockCopy(src=1, dst=2)], closed_transfers=["r2>1"]),
     m.StepResult(step_id=3, sampled_token_ids=[42], forward_seconds=0.01, batch_size=1,
                  num_tokens=2, error="e", idle_seconds=0.5, logprobs=[LOGPROBS, None],
-                 num_sampled=[1]),
+                 num_sampled=[1], transfers=[m.KvTransferReport(transfer_id="r1>1")]),
     START, TOKENS,
     m.TokenBatch(engine_id="e0", items=[TOKENS]),
     TEXT_LOGPROB, DELTA,
@@ -89,7 +105,7 @@ EXAMPLES = [
     m.ApiMetricsSnapshot(replica="a1", exposition="x 1\n"),
     m.Heartbeat(service="scheduler", instance_id="s1", engine_id="e0", num_running=1,
                 num_waiting=2, num_free_blocks=3, num_total_blocks=4, block_size=16,
-                num_handled=5, num_reconnects=6),
+                num_handled=5, num_reconnects=6, role="decode", num_queued_tokens=7),
     m.Ping(),
     m.Pong(service="api", instance_id="a1", ready=False),
 ]
@@ -125,28 +141,30 @@ GOLDEN = {
     "UnknownCompletion": "93a2723101a26431",
     "EngineStatsRequest": "90",
     "EngineStats": (
-        "dc0011a265300102030405060708090a0bcb3ff8000000000000cb3fe00000000000000c0d0e"),
+        "dc0018a265300102030405060708090a0bcb3ff8000000000000cb3fe00000000000000c0d0e0f1011cb"
+        "3fd0000000000000cb3fc00000000000001213"),
     "ModelInfoRequest": "90",
     "ModelInfo": "93a16dcd2000a26530",
     "ExecutorInfoRequest": "90",
-    "ExecutorInfo": "96a16dcd200064109102cdc000",
+    "ExecutorInfo": "97a16dcd200064109102cdc00095a7666c6f61743136101e0340",
     "StructuredOutput": "93a663686f696365a55b2261225dad6775696465645f63686f696365",
     "GrammarRequest": "9193ab6a736f6e5f6f626a656374a0af726573706f6e73655f666f726d6174",
     "GrammarReply": "91a165",
     "NewRequestData": (
-        "95a27231920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999"
+        "96a27231920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999"
         "999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff0000000"
-        "00000093a57265676578a65b302d395d2bac6775696465645f7265676578a930302d742d732d30319103"),
+        "00000093a57265676578a65b302d395d2bac6775696465645f7265676578a930302d742d732d30319103"
+        "94a472313e31a2643001920708"),
     "ScheduledRequest": "97a2723100029105c2910903",
     "BlockCopy": "920102",
     "StepPlan": (
-        "96039195a272319101dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3f"
+        "97039196a272319101dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3f"
         "a999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff000"
-        "000000000093a57265676578a65b302d395d2bac6775696465645f7265676578a0909197a27231000190"
-        "c3900191a2723091a2723991920102"),
+        "000000000093a57265676578a65b302d395d2bac6775696465645f7265676578a090c09197a272310001"
+        "90c3900191a2723091a272399192010291a472323e31"),
     "StepResult": (
-        "9903912acb3f847ae147ae147b0102a165cb3fe00000000000009293cbbfe0000000000000922a0792cb"
-        "bfe0000000000000cbbff8000000000000c09101"),
+        "9a03912acb3f847ae147ae147b0102a165cb3fe00000000000009293cbbfe0000000000000922a0792cb"
+        "bfe0000000000000cbbff8000000000000c091019194a472313e3100cb0000000000000000a0"),
     # Laid out anew in the tokens subjects' v2 (bus/subjects.py TOKENS_PREFIX): a completion's
     # constants moved into CompletionStart, sent once per detokenizer copy.
     "CompletionStart": "96a56170692e780291a178c3a930302d742d732d30319129",
@@ -170,9 +188,24 @@ GOLDEN = {
     # retyped from sample lines by metric name to one exposition text (prometheus-client),
     # which only api copies of one version exchange
     "ApiMetricsSnapshot": "92a26131a47820310a",
-    "Heartbeat": "9aa97363686564756c6572a27331a2653001020304100506",
+    "Heartbeat": "9ca97363686564756c6572a27331a2653001020304100506a66465636f646507",
     "Ping": "90",
     "Pong": "93a3617069a26131c2",
+    "KvLayout": "95a7666c6f61743136101e0340",
+    "KvDestination": "94a472313e31a2643001920708",
+    "KvReceive": "93a472313e3192070895a7666c6f61743136101e0340",
+    "KvChunk": "96a472313e3191070203c4016bc40176",
+    "KvReply": "91a165",
+    "KvTransferReport": "94a472313e3104cb3fe0000000000000a165",
+    "PrefillRequest": (
+        "97a2723101920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa9"
+        "99999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff00000"
+        "0000000093a57265676578a65b302d395d2bac6775696465645f726567657894a472313e31a264300192"
+        "070895a7666c6f61743136101e0340ae652e64302e70726566696c6c6564"),
+    "PrefillReply": "91a165",
+    "PrefillDone": (
+        "98a472313e312a93cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000a16504"
+        "cb3fe0000000000000cb3ff8000000000000cb4004000000000000"),
 }
 
 

@@ -4,14 +4,18 @@ handed over, a try given up, aborts, stale answers). Pure: no bus, no model."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
+from msgspec.structs import replace
 
 from llmbus.bus.messages import (
     FinishReason,
     Heartbeat,
     KvDestination,
+    KvLayout,
+    PrefillRequest,
     SamplingParams,
     ScheduledRequest,
     StepPlan,
@@ -25,6 +29,7 @@ from llmbus.services.scheduler.disaggregation import (
     local_prefill_seconds,
     prefill_seconds,
 )
+from llmbus.services.scheduler.remote_prefill_service import PrefillSide
 from llmbus.services.scheduler.request import Request, RequestStatus
 from llmbus.services.scheduler.scheduler import Scheduler
 from llmbus.services.scheduler.step_time import StepShape, StepTimeModel
@@ -286,3 +291,34 @@ def test_a_prefill_engine_request_carries_its_destination():
                   SamplingParams(max_tokens=1), kv_destination=destination)
     plan = s.schedule()
     assert plan.new_requests[0].kv_destination == destination
+
+
+# ---------------------------------------------------------------- the prefill engine's door
+
+
+async def test_a_prefill_engine_refuses_another_layout_and_takes_its_own():
+    mine = KvLayout(dtype="float32", block_size=4, num_layers=30, num_kv_heads=3, head_dim=64)
+    s = Scheduler(SchedulerConfig(num_blocks=20, block_size=4, max_model_len=64,
+                                  eos_token_ids=(2,), role="prefill"))
+    side = PrefillSide(None, s, "P", mine, asyncio.Event(), refuse=lambda _: "")
+    destination = KvDestination(transfer_id="a>1", engine_id="D", first_block=0,
+                                block_ids=[5, 6, 7])
+
+    def ask(layout: KvLayout) -> PrefillRequest:
+        return PrefillRequest(request_id="a", attempt=0, prompt_token_ids=list(range(10, 20)),
+                              params=SamplingParams(max_tokens=50, min_tokens=3),
+                              destination=destination, layout=layout,
+                              reply_subject="engine.D.prefilled")
+
+    for other in (replace(mine, dtype="float16"), replace(mine, block_size=16),
+                  replace(mine, num_kv_heads=4)):
+        reply = await side.on_prefill(ask(other), None)
+        assert reply.error.startswith("KV layout mismatch") and "prefill engine P" in reply.error
+        assert not s.table.holds("a>1")
+    assert (await side.on_prefill(ask(mine), None)).error == ""
+    held = s.table.get("a>1")
+    assert held.kv_destination == destination and held.max_tokens == 1  # one token, then D's
+    assert held.params.min_tokens == 1 and held.params.stop == []
+    busy = PrefillSide(None, s, "P", mine, asyncio.Event(), refuse=lambda n: f"busy {n}")
+    assert (await busy.on_prefill(ask(mine), None)).error == "busy 10"
+

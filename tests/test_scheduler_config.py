@@ -11,6 +11,7 @@ import pytest
 from llmbus.bus.messages import ExecutorInfo
 from llmbus.services.cli import build_parser
 from llmbus.services.scheduler.config import SchedulerConfig, config_from_args
+from llmbus.services.scheduler.disaggregation import DisaggregationRule
 
 
 def _parse(*options: str) -> SchedulerConfig:
@@ -28,13 +29,18 @@ def test_every_option_sets_its_field():
         "--max-queued-tokens", "600", "--queue-timeout", "7", "--shutdown-timeout", "8",
         "--num-speculative-tokens", "2", "--spec-ngram-max", "3", "--spec-ngram-min", "1",
         "--decode-steps", "4", "--decode-plan-ms", "30", "--step-timeout", "9",
-        "--max-step-ms", "250")
+        "--max-step-ms", "250", "--role", "decode", "--disaggregation", "always",
+        "--remote-prefill-min-tokens", "99", "--remote-prefill-max-cached", "0.25",
+        "--remote-prefill-max-queued-tokens", "77", "--remote-prefill-timeout", "12")
     assert config == SchedulerConfig(
         engine_id="e7", max_num_seqs=3, max_num_batched_tokens=128, enable_prefix_caching=False,
         pipeline_depth=1, max_queued_requests=5, max_queued_tokens=600,
         queue_timeout_seconds=7.0, shutdown_timeout_seconds=8.0, num_speculative_tokens=2,
         spec_ngram_max=3, spec_ngram_min=1, decode_steps=4, decode_plan_seconds=0.03,
-        step_timeout_seconds=9.0, max_step_seconds=0.25)
+        step_timeout_seconds=9.0, max_step_seconds=0.25, role="decode",
+        disaggregation=DisaggregationRule(mode="always", min_tokens=99, max_cached_fraction=0.25,
+                                          max_queued_tokens=77),
+        remote_prefill_timeout_seconds=12.0)
     executor_fields = {"num_blocks", "block_size", "max_model_len", "eos_token_ids"}
     unset = [f.name for f in dataclasses.fields(SchedulerConfig)
              if getattr(config, f.name) == f.default and f.name not in executor_fields]
@@ -55,6 +61,8 @@ def test_the_executor_gives_the_cache_shape():
     (["--max-step-ms", "-1"], "--max-step-ms"),
     (["--num-speculative-tokens", "-1"], "--num-speculative-tokens"),
     (["--spec-ngram-min", "5"], "--spec-ngram-min"),
+    (["--role", "decode", "--remote-prefill-min-tokens", "0"], "--remote-prefill-min-tokens"),
+    (["--role", "decode", "--remote-prefill-max-cached", "2"], "--remote-prefill-max-cached"),
 ])
 def test_a_bad_value_is_refused_naming_its_option(options, named):
     with pytest.raises(ValueError, match=named):

@@ -34,6 +34,14 @@ class KvLayout(Message):
         return (f"{self.dtype}, {self.block_size} tokens a block, {self.num_layers} layers, "
                 f"{self.num_kv_heads} KV heads of {self.head_dim}")
 
+    def mismatch(self, other: KvLayout | None, mine: str = "this cache",
+                 theirs: str = "the other engine's") -> str:
+        """Why blocks of `other` cannot go into (or come from) blocks of this layout; ""."""
+        if other == self:
+            return ""
+        described = other.describe() if other is not None else "unknown"
+        return f"KV layout mismatch: {mine} is {self.describe()}, {theirs} {described}"
+
 
 class GrammarRequest(Message):
     """scheduler -> executor: compile this constraint now (off the step loop) and keep it, so

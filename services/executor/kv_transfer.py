@@ -97,9 +97,9 @@ class KvReceiver:
         self.num_bytes = 0
 
     def receive(self, request: KvReceive) -> KvReply:
-        if request.layout != self.layout:
-            return KvReply(error=f"KV layout mismatch: this cache is {self.layout.describe()}, "
-                                 f"the sender's {request.layout.describe()}")
+        mismatch = self.layout.mismatch(request.layout, theirs="the transfer's")
+        if mismatch:
+            return KvReply(error=mismatch)
         if any(not 0 < b < self.cache.num_blocks for b in request.block_ids):
             return KvReply(error="block ids outside the cache (or the null block)")
         self.open[request.transfer_id] = set(request.block_ids)

@@ -47,7 +47,6 @@ from llmbus.services.scheduler.scheduler import Scheduler
 
 log = structlog.get_logger()
 REQUEST_TIMEOUT_SECONDS = 3.0  # for a KvReceive or PrefillRequest answer
-LAYOUT_MISMATCH = "KV layout mismatch"
 
 
 class DecodeSide:
@@ -123,7 +122,7 @@ class DecodeSide:
                         reply_subject=subjects.engine_prefilled(self.engine_id)),
                     PrefillReply, timeout=REQUEST_TIMEOUT_SECONDS)
                 error = answer.error
-                if error.startswith(LAYOUT_MISMATCH):  # never again to that engine
+                if error.startswith("KV layout mismatch"):  # never again to that engine
                     self._refused_layout.add(remote.instance_id)
                     log.error(error)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
@@ -168,10 +167,10 @@ class PrefillSide:
                                       AbortRequest, self.on_cancel)
 
     async def on_prefill(self, request: PrefillRequest, _: Msg) -> PrefillReply:
-        if self.layout is None or request.layout != self.layout:
-            mine = self.layout.describe() if self.layout else "unknown"
-            return PrefillReply(error=f"{LAYOUT_MISMATCH}: engine {self.engine_id}'s cache is "
-                                      f"{mine}, the decode engine's {request.layout.describe()}")
+        mismatch = request.layout.mismatch(self.layout, mine="the decode engine's cache",
+                                           theirs=f"prefill engine {self.engine_id}'s")
+        if mismatch:
+            return PrefillReply(error=mismatch)
         refused = self.refuse(len(request.prompt_token_ids))
         if refused:
             return PrefillReply(error=refused)

@@ -157,12 +157,16 @@ class Stack:
         path.write_text(self.observer_url(url) + "\n")
         return path
 
-    def start_service(self, name: str, argv: list[str], label: str | None = None) -> None:
+    def start_service(self, name: str, argv: list[str], label: str | None = None,
+                      cpus: str | None = None) -> None:
+        """One service process; `cpus` (a taskset list, "0" or "0-1") pins it, for
+        benchmarks that give each engine a core of its own."""
         env = dict(self.env)
         if self.passwords:
             env |= {"LLMBUS_NATS_USER": name, "LLMBUS_NATS_PASSWORD": self.passwords[name]}
-        self._spawn(label or name,
-                    [sys.executable, "-m", "llmbus.services.cli", "serve", name, *argv], env)
+        pin = ["taskset", "-c", cpus] if cpus is not None else []
+        self._spawn(label or name, [*pin, sys.executable, "-m", "llmbus.services.cli", "serve",
+                                    name, *argv], env)
 
     def _spawn(self, name: str, cmd: list[str], extra_env: dict[str, str] | None = None,
                ) -> None:

@@ -65,7 +65,7 @@ EXAMPLES = [
                   num_evictable_blocks=12, num_draft_tokens=13, num_accepted_tokens=14,
                   num_remote_prefills=15, num_remote_fallbacks=16, kv_bytes_received=17,
                   kv_transfer_seconds=0.25, handoff_seconds=0.125, num_prefilled_for_others=18,
-                  num_prefill_engines=19),
+                  num_prefill_engines=19, kv_wait_seconds=0.75),
     m.ModelInfoRequest(),
     m.ModelInfo(model_name="m", max_model_len=8192, engine_id="e0"),
     m.ExecutorInfoRequest(),
@@ -75,12 +75,14 @@ EXAMPLES = [
     m.KvReceive(transfer_id="r1>1", block_ids=[7, 8], layout=LAYOUT),
     m.KvChunk(transfer_id="r1>1", block_ids=[7], first_layer=2, num_layers=3, k=b"k", v=b"v"),
     m.KvReply(error="e"),
-    m.KvTransferReport(transfer_id="r1>1", num_bytes=4, seconds=0.5, error="e"),
+    m.KvTransferReport(transfer_id="r1>1", num_bytes=4, seconds=0.5, error="e",
+                       wait_seconds=0.25),
     m.PrefillRequest(request_id="r1", attempt=1, prompt_token_ids=[1, 2], params=PARAMS,
-                     destination=DESTINATION, layout=LAYOUT, reply_subject="e.d0.prefilled"),
+                     destination=DESTINATION, layout=LAYOUT, reply_subject="e.d0.prefilled",
+                     traceparent="00-t-s-01"),
     m.PrefillReply(error="e"),
     m.PrefillDone(transfer_id="r1>1", token_id=42, logprobs=LOGPROBS, error="e", num_bytes=4,
-                  transfer_seconds=0.5, prefill_seconds=1.5, sampled_at=2.5),
+                  transfer_seconds=0.5, prefill_seconds=1.5, sampled_at=2.5, wait_seconds=0.25),
     m.StructuredOutput(kind="choice", spec='["a"]', param="guided_choice"),
     m.GrammarRequest(structured=m.StructuredOutput(kind="json_object")),
     m.GrammarReply(error="e"),
@@ -141,8 +143,8 @@ GOLDEN = {
     "UnknownCompletion": "93a2723101a26431",
     "EngineStatsRequest": "90",
     "EngineStats": (
-        "dc0018a265300102030405060708090a0bcb3ff8000000000000cb3fe00000000000000c0d0e0f1011cb"
-        "3fd0000000000000cb3fc00000000000001213"),
+        "dc0019a265300102030405060708090a0bcb3ff8000000000000cb3fe00000000000000c0d0e0f1011cb"
+        "3fd0000000000000cb3fc00000000000001213cb3fe8000000000000"),
     "ModelInfoRequest": "90",
     "ModelInfo": "93a16dcd2000a26530",
     "ExecutorInfoRequest": "90",
@@ -164,7 +166,8 @@ GOLDEN = {
         "90c3900191a2723091a272399192010291a472323e31"),
     "StepResult": (
         "9a03912acb3f847ae147ae147b0102a165cb3fe00000000000009293cbbfe0000000000000922a0792cb"
-        "bfe0000000000000cbbff8000000000000c091019194a472313e3100cb0000000000000000a0"),
+        "bfe0000000000000cbbff8000000000000c091019195a472313e3100cb0000000000000000a0cb000000"
+        "0000000000"),
     # Laid out anew in the tokens subjects' v2 (bus/subjects.py TOKENS_PREFIX): a completion's
     # constants moved into CompletionStart, sent once per detokenizer copy.
     "CompletionStart": "96a56170692e780291a178c3a930302d742d732d30319129",
@@ -196,16 +199,16 @@ GOLDEN = {
     "KvReceive": "93a472313e3192070895a7666c6f61743136101e0340",
     "KvChunk": "96a472313e3191070203c4016bc40176",
     "KvReply": "91a165",
-    "KvTransferReport": "94a472313e3104cb3fe0000000000000a165",
+    "KvTransferReport": "95a472313e3104cb3fe0000000000000a165cb3fd0000000000000",
     "PrefillRequest": (
-        "97a2723101920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa9"
+        "98a2723101920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa9"
         "99999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff00000"
         "0000000093a57265676578a65b302d395d2bac6775696465645f726567657894a472313e31a264300192"
-        "070895a7666c6f61743136101e0340ae652e64302e70726566696c6c6564"),
+        "070895a7666c6f61743136101e0340ae652e64302e70726566696c6c6564a930302d742d732d3031"),
     "PrefillReply": "91a165",
     "PrefillDone": (
-        "98a472313e312a93cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000a16504"
-        "cb3fe0000000000000cb3ff8000000000000cb4004000000000000"),
+        "99a472313e312a93cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000a16504"
+        "cb3fe0000000000000cb3ff8000000000000cb4004000000000000cb3fd0000000000000"),
 }
 
 

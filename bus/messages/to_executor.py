@@ -153,6 +153,9 @@ class KvTransferReport(Message):
     num_bytes: int = 0
     seconds: float = 0.0  # while any of its chunks was in flight
     error: str = ""
+    # After the prefill's last forward, until its last chunk was acknowledged: what the
+    # transfer adds to the time to the first token.
+    wait_seconds: float = 0.0
 
 
 class KvReceive(Message):

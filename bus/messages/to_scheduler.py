@@ -76,6 +76,7 @@ class EngineStats(Message):
     handoff_seconds: float = 0.0
     num_prefilled_for_others: int = 0  # a prefill engine's
     num_prefill_engines: int = 0  # a decode engine's: prefill engines it hears from now
+    kv_wait_seconds: float = 0.0  # PrefillDone.wait_seconds, summed
 
 
 class ModelInfoRequest(Message):
@@ -99,6 +100,7 @@ class PrefillRequest(Message):
     destination: KvDestination
     layout: KvLayout  # the decode engine's cache; a different one is refused
     reply_subject: str  # where PrefillDone goes (the decode engine's engine_prefilled)
+    traceparent: str = ""  # the request's: the prefill engine's spans join its trace
 
 
 class PrefillReply(Message):
@@ -118,3 +120,4 @@ class PrefillDone(Message):
     transfer_seconds: float = 0.0
     prefill_seconds: float = 0.0  # on the prefill engine, from accepted to done
     sampled_at: float = 0.0  # the prefill engine's wall clock when its step answered
+    wait_seconds: float = 0.0  # KvTransferReport.wait_seconds

@@ -138,8 +138,32 @@ class ApiMetrics:
         rate = gauge("llmbus:spec_decode_draft_acceptance_rate",
                      "Accepted over verified draft tokens since the engine started (0 before "
                      "any draft).")
+        remote = counter("llmbus:remote_prefills", "Disaggregation: prompts a decode engine "
+                         "sent to a prefill engine.")
+        fallbacks = counter("llmbus:remote_prefill_fallbacks", "Disaggregation: ... of which "
+                            "the decode engine prefilled itself after all (the prefill engine "
+                            "refused, failed or went silent).")
+        kv_bytes = counter("llmbus:kv_transfer_bytes", "Disaggregation: KV bytes a decode "
+                           "engine received.")
+        kv_seconds = counter("llmbus:kv_transfer_seconds", "Disaggregation: seconds its KV "
+                             "chunks were in flight (mostly while later chunks computed).")
+        kv_wait = counter("llmbus:kv_transfer_wait_seconds", "Disaggregation: seconds from "
+                          "a prefill's last forward to its last KV chunk acknowledged (what "
+                          "the transfer adds to the time to first token), summed.")
+        handoff = counter("llmbus:kv_handoff_seconds", "Disaggregation: seconds from the "
+                          "prefill engine's first token to the decode engine sending it on, "
+                          "summed over requests.")
+        prefilled = counter("llmbus:prefilled_for_others", "Disaggregation: prompts a "
+                            "prefill engine prefilled for decode engines.")
         for s in self.engine_stats:
             labels = [self.labels[0], s.engine_id]
+            remote.add_metric(labels, s.num_remote_prefills)
+            fallbacks.add_metric(labels, s.num_remote_fallbacks)
+            kv_bytes.add_metric(labels, s.kv_bytes_received)
+            kv_seconds.add_metric(labels, s.kv_transfer_seconds)
+            kv_wait.add_metric(labels, s.kv_wait_seconds)
+            handoff.add_metric(labels, s.handoff_seconds)
+            prefilled.add_metric(labels, s.num_prefilled_for_others)
             running.add_metric(labels, s.num_running)
             waiting.add_metric(labels, s.num_waiting)
             used = s.num_total_blocks - s.num_free_blocks - s.num_evictable_blocks
@@ -150,7 +174,8 @@ class ApiMetrics:
             drafts.add_metric(labels, s.num_draft_tokens)
             accepted.add_metric(labels, s.num_accepted_tokens)
             rate.add_metric(labels, s.num_accepted_tokens / max(s.num_draft_tokens, 1))
-        return [running, waiting, usage, queries, hits, preemptions, drafts, accepted, rate]
+        return [running, waiting, usage, queries, hits, preemptions, drafts, accepted, rate,
+                remote, fallbacks, kv_bytes, kv_seconds, kv_wait, handoff, prefilled]
 
     def render(self, copies: list[ApiMetricsSnapshot] | None = None) -> str:
         """The exposition: request metrics of every copy in `copies` (default: this one's

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from llmbus.bus.messages import (
     KvChunk,
@@ -32,6 +33,7 @@ from llmbus.bus.messages import (
     KvReply,
     KvTransferReport,
 )
+from llmbus.bus.tracing import context_from_traceparent
 from llmbus.services.executor.kv_cache import KVCache
 
 _tracer = trace.get_tracer("llmbus.executor")
@@ -53,10 +55,11 @@ class Outgoing:
     destination: KvDestination
     chunks: list[KvChunk]
     final: bool
+    traceparent: str = ""  # the request's: its transfer is a span of its trace
 
 
 def gather(cache: KVCache, destination: KvDestination, source_blocks: list[int],
-           first: int, max_bytes: int, final: bool) -> Outgoing:
+           first: int, max_bytes: int, final: bool, traceparent: str = "") -> Outgoing:
     """Copy blocks `source_blocks` (this cache's) out as chunks for the destination's blocks
     from prompt block `first` on. A chunk holds as many whole blocks as fit in `max_bytes`;
     a block bigger than that goes by layers."""
@@ -78,7 +81,7 @@ def gather(cache: KVCache, destination: KvDestination, source_blocks: list[int],
                 block_ids=targets[b:b + blocks_per_chunk], first_layer=layer,
                 num_layers=count, k=_raw(cache.k[layer:layer + count, index]),
                 v=_raw(cache.v[layer:layer + count, index])))
-    return Outgoing(destination, chunks, final)
+    return Outgoing(destination, chunks, final, traceparent)
 
 
 def _raw(tensor: torch.Tensor) -> bytes:
@@ -137,6 +140,8 @@ class _Sending:
     """One transfer under way. `busy_seconds`: while any of its chunks was in flight (what
     it cost the bus; most of it hides behind the prefill's later chunks)."""
 
+    traceparent: str
+    started_ns: int
     num_bytes: int = 0
     tasks: list[asyncio.Task] = field(default_factory=list)
     error: str = ""
@@ -164,17 +169,17 @@ class KvSender:
         reports = self.take_failed()
         for outgoing in outbox:
             if outgoing.final:
-                transfer_id = outgoing.destination.transfer_id
-                with _tracer.start_as_current_span("executor.kv_transfer", attributes={
-                        "llmbus.transfer_id": transfer_id}) as span:
-                    report = await self.finish(transfer_id)
-                    span.set_attribute("llmbus.num_bytes", report.num_bytes)
+                started = time.perf_counter()
+                report = await self.finish(outgoing.destination.transfer_id)
+                report.wait_seconds = time.perf_counter() - started
                 reports.append(report)
         return reports
 
     def send(self, outgoing: Outgoing) -> None:
         transfer_id = outgoing.destination.transfer_id
-        state = self._sending.setdefault(transfer_id, _Sending())
+        state = self._sending.get(transfer_id)
+        if state is None:
+            state = self._sending[transfer_id] = _Sending(outgoing.traceparent, time.time_ns())
         subject = self._subject_for(outgoing.destination.engine_id)
         for chunk in outgoing.chunks:
             state.tasks.append(asyncio.create_task(self._one(state, subject, chunk)))
@@ -206,6 +211,14 @@ class KvSender:
         if state is None:
             return KvTransferReport(transfer_id=transfer_id)
         await asyncio.gather(*state.tasks)
+        span = _tracer.start_span(  # from its first chunk sent to its last acknowledged
+            "executor.kv_transfer", context=context_from_traceparent(state.traceparent),
+            start_time=state.started_ns, attributes={
+                "llmbus.transfer_id": transfer_id, "llmbus.num_bytes": state.num_bytes,
+                "llmbus.busy_seconds": state.busy_seconds})
+        if state.error:
+            span.set_status(Status(StatusCode.ERROR, state.error))
+        span.end()
         return KvTransferReport(transfer_id=transfer_id, num_bytes=state.num_bytes,
                                 seconds=state.busy_seconds,
                                 error=state.error)

@@ -61,6 +61,7 @@ class _RequestState:
     # prompt's blocks are gathered for it so far.
     destination: KvDestination | None = None
     num_blocks_gathered: int = 0
+    traceparent: str = ""
 
     @property
     def num_output_tokens(self) -> int:
@@ -214,7 +215,8 @@ class ModelRunner:
         self.requests[new.sequence_id] = _RequestState(
             list(new.prompt_token_ids) + list(output), len(new.prompt_token_ids), new.params,
             sampling, generator, slot, matcher=matcher, destination=destination,
-            num_blocks_gathered=destination.first_block if destination else 0)
+            num_blocks_gathered=destination.first_block if destination else 0,
+            traceparent=new.traceparent)
 
     def _apply_plan_changes(self, plan: StepPlan) -> None:
         """What the plan changes before its forward: forgotten, preempted and new requests,
@@ -287,7 +289,7 @@ class ModelRunner:
                 self.kv_outbox.append(gather(
                     self.kv_cache, state.destination,
                     state.block_table[state.num_blocks_gathered:upto],
-                    state.num_blocks_gathered, self.kv_chunk_bytes, final))
+                    state.num_blocks_gathered, self.kv_chunk_bytes, final, state.traceparent))
                 state.num_blocks_gathered = upto
 
     def take_kv_outbox(self) -> list[Outgoing]:

@@ -57,6 +57,7 @@ class DecodeSide:
         self.prefill_engines = Liveness()
         self.kv_bytes = 0
         self.kv_seconds = 0.0
+        self.kv_wait_seconds = 0.0
         self.handoff_seconds = 0.0
         self._refused_layout: set[str] = set()  # prefill instances whose cache differs
         self._tasks: set[asyncio.Task] = set()
@@ -81,7 +82,7 @@ class DecodeSide:
         self.scheduler.prefill_engines = self.prefill_engines.alive(now)
 
     def _give_up(self, transfer_id: str, why: str) -> None:
-        if self.scheduler.remote_failed(transfer_id):
+        if self.scheduler.remote_failed(transfer_id, time.time()):
             log.warning("remote prefill given up; prefilling here", transfer_id=transfer_id,
                         reason=why)
             self.wakeup.set()
@@ -119,7 +120,8 @@ class DecodeSide:
                         request_id=request.request_id, attempt=request.attempt,
                         prompt_token_ids=request.prompt_token_ids, params=request.params,
                         destination=destination, layout=self.layout,
-                        reply_subject=subjects.engine_prefilled(self.engine_id)),
+                        reply_subject=subjects.engine_prefilled(self.engine_id),
+                        traceparent=request.traceparent),
                     PrefillReply, timeout=REQUEST_TIMEOUT_SECONDS)
                 error = answer.error
                 if error.startswith("KV layout mismatch"):  # never again to that engine
@@ -135,9 +137,10 @@ class DecodeSide:
             self._give_up(done.transfer_id, done.error or "no token")
             return
         if self.scheduler.remote_done(done.transfer_id, done.token_id, done.logprobs,
-                                      time.time()):
+                                      time.time(), done.num_bytes):
             self.kv_bytes += done.num_bytes
             self.kv_seconds += done.transfer_seconds
+            self.kv_wait_seconds += done.wait_seconds
             self.handoff_seconds += max(0.0, time.time() - done.sampled_at)
             self.wakeup.set()
         # else: a try given up (or a duplicate): its blocks were taken back already
@@ -180,7 +183,8 @@ class PrefillSide:
         try:
             self.scheduler.add_request(transfer_id, request.reply_subject,
                                        request.prompt_token_ids, params, time.time(),
-                                       traceparent=current_traceparent(),
+                                       traceparent=request.traceparent
+                                       or current_traceparent(),
                                        kv_destination=request.destination)
         except AdmissionError as exc:
             return PrefillReply(error=str(exc))
@@ -219,7 +223,7 @@ class PrefillSide:
             done = PrefillDone(transfer_id=update.request_id,
                                prefill_seconds=time.time() - prefilling.accepted,
                                num_bytes=report.num_bytes, transfer_seconds=report.seconds,
-                               sampled_at=time.time())
+                               sampled_at=time.time(), wait_seconds=report.wait_seconds)
             if update.error or not update.new_token_ids or update.finish_reason in (
                     FinishReason.ABORT, FinishReason.ERROR):
                 done.error = update.error or "the prefill was aborted"

@@ -50,6 +50,8 @@ class Request:
     transfer_id: str = ""
     local_only: bool = False
     kv_destination: KvDestination | None = None
+    # ... each try, for traces: (prefill engine, started, ended, KV bytes; 0 if given up)
+    remote_prefills: list[tuple[str, float, float, int]] = field(default_factory=list)
     # For traces and metrics; times are whatever clock the caller passes (no clock here).
     traceparent: str = ""
     first_scheduled_time: float | None = None

@@ -364,13 +364,15 @@ class Scheduler:
         return True
 
     def remote_done(self, transfer_id: str, token_id: int,
-                    logprobs: TokenLogprobs | None, now: float = 0.0) -> bool:
+                    logprobs: TokenLogprobs | None, now: float = 0.0,
+                    num_bytes: int = 0) -> bool:
         """A prefill engine put the prompt's KV in this engine's blocks and sampled its first
         token: the request decodes here from now on. False: a stale or unknown try."""
         remote = self.remote.end(transfer_id, cancel=False)
         if remote is None:
             return False
         request = remote.request
+        request.remote_prefills.append((remote.engine_id, remote.started, now, num_bytes))
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -380,7 +382,7 @@ class Scheduler:
         self._ended_updates.append(token_update(request, self.num_steps))
         return True
 
-    def remote_failed(self, transfer_id: str) -> bool:
+    def remote_failed(self, transfer_id: str, now: float = 0.0) -> bool:
         """The try is given up (its engine died, refused or took too long): the request
         prefills here, first in the queue (its cached prefix is matched again). False: not
         pending."""
@@ -388,6 +390,7 @@ class Scheduler:
         if remote is None:
             return False
         request = remote.request
+        request.remote_prefills.append((remote.engine_id, remote.started, now, 0))
         self._release_blocks(request)
         request.status = RequestStatus.WAITING
         request.local_only = True

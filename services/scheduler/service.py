@@ -318,7 +318,8 @@ class SchedulerService:
             kv_transfer_seconds=self.decode_side.kv_seconds if self.decode_side else 0.0,
             handoff_seconds=self.decode_side.handoff_seconds if self.decode_side else 0.0,
             num_prefilled_for_others=self.prefill_side.num_done if self.prefill_side else 0,
-            num_prefill_engines=len(s.prefill_engines))
+            num_prefill_engines=len(s.prefill_engines),
+            kv_wait_seconds=self.decode_side.kv_wait_seconds if self.decode_side else 0.0)
 
     def _expired(self, now: float) -> list[RequestTokens]:
         """Requests queued past --queue-timeout; the queue is walked at most once a second,

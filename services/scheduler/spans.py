@@ -6,7 +6,8 @@ end) and, when it ends, these spans are recorded with those times, under the req
 trace context:
 
     engine.queue    arrival -> first step
-    engine.prefill  first step -> first token, with one child span per prefill chunk
+    engine.prefill  first step -> first token, with one child span per prefill chunk, and
+                    one per try of a prefill engine (engine.remote_prefill, disaggregation)
     engine.decode   first token -> end, as one span (not one per token), with the draft
                     tokens speculative decoding verified and accepted for the request
 """
@@ -53,6 +54,13 @@ def record_request_spans(request: Request, now: float) -> None:
         _tracer.start_span("engine.prefill_chunk", context=prefill_context,
                            start_time=_ns(started),
                            attributes={"llmbus.num_tokens": num_tokens}).end(
+            end_time=_ns(max(ended, started)))
+    for engine_id, started, ended, num_bytes in request.remote_prefills:
+        _tracer.start_span("engine.remote_prefill", context=prefill_context,
+                           start_time=_ns(started), attributes={
+                               "llmbus.prefill_engine": engine_id,
+                               "llmbus.kv_bytes": num_bytes,
+                               "llmbus.given_up": not num_bytes}).end(
             end_time=_ns(max(ended, started)))
     prefill.end(end_time=_ns(max(first_token, scheduled)))
     if request.first_token_time is not None:

@@ -140,6 +140,8 @@ def run_load(kind: str, requests: list[BenchRequest], classes: list[str], rate: 
     kv_seconds = sum(s.kv_transfer_seconds for s in engines.values())
     report["remote_prefills"] = remote
     report["kv_mb_s"] = kv_bytes / 1e6 / kv_seconds if kv_seconds else None
+    report["kv_wait_ms"] = (sum(s.kv_wait_seconds for s in engines.values()) * 1000 / remote
+                            if remote else None)
     return report
 
 
@@ -159,11 +161,12 @@ def print_table(reports: list[dict[str, Any]]) -> None:
                   f"{f(c['output_tok_s'], 1)} | {c['failed']} |")
     print()
     print("| stack | output tok/s (all) | goodput req/s (short, TTFT <= 2 s, ITL p99 <= "
-          "100 ms) | prompts prefilled remotely | KV MB/s while in flight |")
-    print("|---|---:|---:|---:|---:|")
+          "100 ms) | prompts prefilled remotely | KV MB/s while in flight | KV wait after "
+          "the last forward, ms a prompt |")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in reports:
         print(f"| {r['stack']} | {f(r['output_tok_s'], 1)} | {f(r['goodput_req_s'], 3)} | "
-              f"{r['remote_prefills']} | {f(r['kv_mb_s'])} |")
+              f"{r['remote_prefills']} | {f(r['kv_mb_s'])} | {f(r['kv_wait_ms'], 1)} |")
 
 
 async def _greedy(base_url: str, prompts: list[str], max_tokens: int) -> list[str]:

@@ -124,6 +124,7 @@ async def test_prompts_prefilled_remotely_decode_here(disaggregated):
     stack, base_url, observer, _, _, state = disaggregated
     async with httpx.AsyncClient(timeout=180) as http:
         answers = [await complete(http, base_url, p) for p in [*PROMPTS, LONG_B]]
+        metrics = (await http.get(base_url.removesuffix("/v1") + "/metrics")).text
     assert all(a["status"] == 200 for a in answers), answers
     state["remote"] = [a["choices"][0]["text"] for a in answers]
     d, p = await stats(observer, "decode0"), await stats(observer, "prefill0")
@@ -135,6 +136,12 @@ async def test_prompts_prefilled_remotely_decode_here(disaggregated):
     assert d.num_prefix_hit_tokens > 0
     blocks = sum(-(-n // 16) for n in prompt_tokens) - d.num_prefix_hit_tokens // 16
     assert d.kv_bytes_received == blocks * BLOCK_BYTES
+    samples = {(line.split("{")[0], line.split('replica="')[1].split('"')[0]):
+               float(line.rsplit(" ", 1)[1])
+               for line in metrics.splitlines() if line.startswith("llmbus:") and "replica" in line}
+    assert samples["llmbus:remote_prefills_total", "decode0"] == len(answers)
+    assert samples["llmbus:kv_transfer_bytes_total", "decode0"] == d.kv_bytes_received
+    assert samples["llmbus:prefilled_for_others_total", "prefill0"] == len(answers)
     assert p.num_running == p.num_waiting == 0 and p.num_free_blocks == p.num_total_blocks
 
 

@@ -16,7 +16,13 @@ import yaml
 
 from llmbus.bus import subjects
 from llmbus.services.cli import build_parser
-from llmbus.services.launcher import SERVICE_ORDER, free_port, nats_server_binary, wait_for_port
+from llmbus.services.launcher import (
+    SERVICE_ORDER,
+    free_port,
+    nats_server_binary,
+    parse_replicas,
+    wait_for_port,
+)
 from llmbus.services.nats_auth import (
     PERMISSIONS,
     compose_env,
@@ -282,3 +288,38 @@ def test_up_hands_each_service_its_own_options_and_no_defaults():
     assert "--engine-id" in argv["executor"]
     assert argv["api"] == ["--port", "9000"]  # the key travels in the environment, not argv
     assert argv["tokenizer"] == argv["detokenizer"] == []
+
+
+def test_the_disaggregated_compose_file_makes_a_prefill_and_a_decode_engine():
+    """compose.disaggregated.yaml over compose.yaml: the engine decodes, a prefill engine
+    joins it, every command one the service knows, each as its stage's bus user."""
+    base = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    extra = yaml.safe_load((REPO / "compose.disaggregated.yaml").read_text())["services"]
+    services = {name: {**base.get(name, {}), **extra[name]} for name in extra}
+    parser = build_parser()
+    engines = {}
+    for service in services.values():
+        args = parser.parse_args(service["command"])
+        engines.setdefault(args.engine_id, set()).add(
+            (args.service, getattr(args, "role", None)))
+        stage = args.service
+        assert service["environment"]["LLMBUS_NATS_USER"] == stage
+        assert service["environment"]["LLMBUS_NATS_PASSWORD"].startswith(
+            "${" + password_variable(stage) + ":?")
+        assert service["environment"]["LLMBUS_NATS_URL"] == "nats://nats:4222"
+    assert engines == {"decode0": {("scheduler", "decode"), ("executor", None)},
+                       "prefill0": {("scheduler", "prefill"), ("executor", None)}}
+
+
+def test_replicas_of_disaggregated_engines():
+    counts = parse_replicas("prefill=1,decode=2")
+    assert (counts["engine"], counts["prefill"], counts["decode"]) == (0, 1, 2)
+    counts = parse_replicas("engine=1,decode=1,api=2")  # mixed and decode engines side by side
+    assert (counts["engine"], counts["prefill"], counts["decode"], counts["api"]) == (1, 0, 1, 2)
+    assert parse_replicas("")["engine"] == 1
+    for bad, why in (("prefill=1", "need a decode engine"),
+                     ("engine=0", "no engine would take requests"),
+                     ("prefill=1,decode=0", "need a decode engine"),
+                     ("warmup=1", "expected NAME=COUNT")):
+        with pytest.raises(ValueError, match=why):
+            parse_replicas(bad)

@@ -107,7 +107,8 @@ EXAMPLES = [
     m.ApiMetricsSnapshot(replica="a1", exposition="x 1\n"),
     m.Heartbeat(service="scheduler", instance_id="s1", engine_id="e0", num_running=1,
                 num_waiting=2, num_free_blocks=3, num_total_blocks=4, block_size=16,
-                num_handled=5, num_reconnects=6, role="decode", num_queued_tokens=7),
+                num_handled=5, num_reconnects=6, role="decode", num_queued_tokens=7,
+                num_evictable_blocks=8),
     m.Ping(),
     m.Pong(service="api", instance_id="a1", ready=False),
 ]
@@ -191,7 +192,8 @@ GOLDEN = {
     # retyped from sample lines by metric name to one exposition text (prometheus-client),
     # which only api copies of one version exchange
     "ApiMetricsSnapshot": "92a26131a47820310a",
-    "Heartbeat": "9ca97363686564756c6572a27331a2653001020304100506a66465636f646507",
+    "Heartbeat": (
+        "9da97363686564756c6572a27331a2653001020304100506a66465636f64650708"),
     "Ping": "90",
     "Pong": "93a3617069a26131c2",
     "KvLayout": "95a7666c6f61743136101e0340",

@@ -322,3 +322,37 @@ async def test_a_prefill_engine_refuses_another_layout_and_takes_its_own():
     busy = PrefillSide(None, s, "P", mine, asyncio.Event(), refuse=lambda n: f"busy {n}")
     assert (await busy.on_prefill(ask(mine), None)).error == "busy 10"
 
+
+
+def test_a_request_the_rule_keeps_here_is_not_weighed_again():
+    s = decode_engine()
+    s.config = dataclasses.replace(s.config, disaggregation=DisaggregationRule(min_tokens=64))
+    r = add(s, "a", list(range(10, 20)))  # 10 tokens: too short to send away
+    plan = s.schedule()
+    assert [i.sequence_id for i in plan.scheduled] == ["a"] and r.local_only
+    assert "10 < 64" in s.last_decision.reason
+    s.last_decision = None
+    s.schedule()
+    assert s.last_decision is None
+
+
+def test_a_burst_counts_what_it_sent_before_the_next_heartbeat():
+    s = decode_engine()
+    s.prefill_engines = [Heartbeat(service="scheduler", instance_id="p1", engine_id="P",
+                                   role="prefill", num_free_blocks=2, num_evictable_blocks=1,
+                                   block_size=4)]  # room for 12 tokens: free or evictable
+    first, second = add(s, "a", list(range(10, 20))), add(s, "b", list(range(30, 40)))
+    s.schedule()
+    assert first.status is RequestStatus.REMOTE  # 3 blocks: 2 free + 1 evictable there
+    assert second.status is RequestStatus.RUNNING and "room" in s.last_decision.reason
+    [engine] = s.prefill_engines
+    assert (engine.num_queued_tokens, engine.num_free_blocks) == (10, -1)
+
+
+def test_requests_prefilled_elsewhere_count_against_max_num_seqs():
+    s = decode_engine()
+    s.config = dataclasses.replace(s.config, max_num_seqs=2)
+    for name in "abc":
+        add(s, name, list(range(10, 20)))
+    s.schedule()
+    assert len(s.remote) == 2 and [r.request_id for r in s.waiting] == ["c"]

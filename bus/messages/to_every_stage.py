@@ -21,7 +21,8 @@ class Heartbeat(Message):
     # that messages to and from it may have been lost meanwhile.
     num_reconnects: int = 0
     role: str = ""  # an engine's: "mixed" (or empty), "prefill" or "decode"
-    num_queued_tokens: int = 0  # an engine's prompt tokens waiting for their first step
+    num_queued_tokens: int = 0  # an engine's prompt tokens not computed yet (held or queued)
+    num_evictable_blocks: int = 0  # cached blocks no request holds: free for the taking
 
 
 class Ping(Message):

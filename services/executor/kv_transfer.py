@@ -40,6 +40,7 @@ _tracer = trace.get_tracer("llmbus.executor")
 CHUNK_OVERHEAD_BYTES = 16 << 10  # the chunk's fields and headers, besides K and V
 IN_FLIGHT = 4  # chunks sent and not yet acknowledged, per executor
 CHUNK_TIMEOUT_SECONDS = 10.0
+RECENTLY_CLOSED = 4096  # transfer ids a receiver remembers closing (a late open is refused)
 
 
 def layout_of(cache: KVCache) -> KvLayout:
@@ -86,7 +87,7 @@ def gather(cache: KVCache, destination: KvDestination, source_blocks: list[int],
 
 def _raw(tensor: torch.Tensor) -> bytes:
     """The tensor's bytes (msgspec encodes a memoryview as it does bytes: no copy here)."""
-    flat = tensor.contiguous().view(torch.uint8).reshape(-1)
+    flat = tensor.contiguous().view(torch.uint8).reshape(-1).cpu()  # a GPU's: copied out
     return memoryview(flat.numpy())  # type: ignore[return-value]
 
 
@@ -97,6 +98,7 @@ class KvReceiver:
         self.cache = cache
         self.layout = layout_of(cache)
         self.open: dict[str, set[int]] = {}
+        self._closed: dict[str, None] = {}  # the latest closed, oldest first
         self.num_bytes = 0
 
     def receive(self, request: KvReceive) -> KvReply:
@@ -105,12 +107,21 @@ class KvReceiver:
             return KvReply(error=mismatch)
         if any(not 0 < b < self.cache.num_blocks for b in request.block_ids):
             return KvReply(error="block ids outside the cache (or the null block)")
-        self.open[request.transfer_id] = set(request.block_ids)
+        if request.transfer_id in self._closed:  # its opening came after its close
+            return KvReply(error=f"transfer {request.transfer_id} was closed")
+        blocks = set(request.block_ids)
+        # The scheduler gave these blocks to this transfer: any other still open on them was
+        # given up (its close not here yet) and must not write into them any more.
+        self.close([t for t, held in self.open.items() if held & blocks])
+        self.open[request.transfer_id] = blocks
         return KvReply()
 
     def close(self, transfer_ids: list[str]) -> None:
         for transfer_id in transfer_ids:
             self.open.pop(transfer_id, None)
+            self._closed[transfer_id] = None
+        while len(self._closed) > RECENTLY_CLOSED:
+            del self._closed[next(iter(self._closed))]
 
     def write(self, chunk: KvChunk) -> KvReply:
         allowed = self.open.get(chunk.transfer_id)
@@ -124,13 +135,13 @@ class KvReceiver:
         if len(chunk.k) != expected or len(chunk.v) != expected:
             return KvReply(error=f"transfer {chunk.transfer_id}: a chunk of {len(chunk.k)} "
                                  f"bytes, expected {expected}")
-        index = torch.tensor(chunk.block_ids, dtype=torch.int64)
+        index = torch.tensor(chunk.block_ids, dtype=torch.int64, device=k_cache.device)
         layers = slice(chunk.first_layer, chunk.first_layer + chunk.num_layers)
         with warnings.catch_warnings():  # read-only buffers: only read from
             warnings.simplefilter("ignore", UserWarning)
             for cache, data in ((k_cache, chunk.k), (v_cache, chunk.v)):
                 values = torch.frombuffer(data, dtype=torch.uint8).view(cache.dtype)
-                cache[layers, index] = values.view(shape)
+                cache[layers, index] = values.view(shape).to(cache.device)
         self.num_bytes += 2 * expected
         return KvReply()
 
@@ -155,15 +166,20 @@ class KvSender:
 
     def __init__(self, send: Callable[[str, KvChunk], Awaitable[KvReply]],
                  subject_for: Callable[[str], str], in_flight: int = IN_FLIGHT) -> None:
-        self._send, self._subject_for = send, subject_for
-        self._slots = asyncio.Semaphore(in_flight)
+        self._send, self._subject_for, self._in_flight = send, subject_for, in_flight
+        # Per decode engine: a slow or hung one holds back only its own transfers.
+        self._slots: dict[str, asyncio.Semaphore] = {}
         self._sending: dict[str, _Sending] = {}
         self._failed: list[KvTransferReport] = []
 
-    async def send_all(self, outbox: list[Outgoing]) -> list[KvTransferReport]:
+    async def send_all(self, outbox: list[Outgoing],
+                       dropped: list[str] = ()) -> list[KvTransferReport]:
         """A step's gathered blocks: sent while the next step computes, except a prefill's
         last ones, which are acknowledged before its step (and first token) is answered.
-        Returns the transfers that ended: those finished, and those that failed."""
+        `dropped`: transfers whose requests ended here (no more of them is sent). Returns
+        the transfers that ended: those finished, and those that failed."""
+        for transfer_id in dropped:
+            self.cancel(transfer_id)
         for outgoing in outbox:
             self.send(outgoing)
         reports = self.take_failed()
@@ -181,11 +197,19 @@ class KvSender:
         if state is None:
             state = self._sending[transfer_id] = _Sending(outgoing.traceparent, time.time_ns())
         subject = self._subject_for(outgoing.destination.engine_id)
+        slots = self._slots.setdefault(subject, asyncio.Semaphore(self._in_flight))
         for chunk in outgoing.chunks:
-            state.tasks.append(asyncio.create_task(self._one(state, subject, chunk)))
+            state.tasks.append(asyncio.create_task(self._one(state, subject, chunk, slots)))
 
-    async def _one(self, state: _Sending, subject: str, chunk: KvChunk) -> None:
-        async with self._slots:
+    def cancel(self, transfer_id: str) -> None:
+        """Its request ended here (aborted): send no more of it, and forget it."""
+        state = self._sending.pop(transfer_id, None)
+        if state is not None:
+            state.error = "cancelled"
+
+    async def _one(self, state: _Sending, subject: str, chunk: KvChunk,
+                   slots: asyncio.Semaphore) -> None:
+        async with slots:
             if state.error:
                 return  # the transfer failed already: send no more of it
             if not state.in_flight:

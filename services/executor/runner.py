@@ -133,6 +133,7 @@ class ModelRunner:
         self.model.set_max_positions(self.max_model_len)
         self.kv_cache = KVCache(config, num_blocks, block_size, kv_dtype, self.device)
         self.kv_outbox: list[Outgoing] = []  # gathered blocks for other engines (_gather_kv)
+        self.dropped_transfers: list[str] = []  # ... of sequences forgotten (their sends stop)
         self.kv_chunk_bytes = 1 << 20  # the bus's max_payload: the service sets it
         self.requests: dict[str, _RequestState] = {}  # by sequence_id
         self.token_counts = TokenCounts(self.device)
@@ -196,6 +197,8 @@ class ModelRunner:
         state = self.requests.pop(sequence_id, None)
         if state is not None and state.penalty_slot is not None:
             self.token_counts.release(state.penalty_slot)
+        if state is not None and state.destination is not None:
+            self.dropped_transfers.append(state.destination.transfer_id)
 
     def _register(self, new: NewRequestData) -> None:
         self._forget(new.sequence_id)
@@ -292,9 +295,11 @@ class ModelRunner:
                     state.num_blocks_gathered, self.kv_chunk_bytes, final, state.traceparent))
                 state.num_blocks_gathered = upto
 
-    def take_kv_outbox(self) -> list[Outgoing]:
+    def take_kv_outbox(self) -> tuple[list[Outgoing], list[str]]:
+        """Blocks gathered for other engines, and the transfers of sequences forgotten."""
         outbox, self.kv_outbox = self.kv_outbox, []
-        return outbox
+        dropped, self.dropped_transfers = self.dropped_transfers, []
+        return outbox, dropped
 
     def _more_steps(self, scheduled: list[ScheduledRequest], first: list[int],
                     first_logprobs: list[TokenLogprobs | None],

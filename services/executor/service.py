@@ -222,7 +222,7 @@ async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, plan: Execut
             span.set_attribute("llmbus.num_sampled", len(result.sampled_token_ids))
             if result.error:
                 span.set_status(Status(StatusCode.ERROR, result.error))
-            result.transfers = await sender.send_all(runner.take_kv_outbox())
+            result.transfers = await sender.send_all(*runner.take_kv_outbox())
         result.idle_seconds = idle
         last_reply = time.perf_counter()
         return result

@@ -6,14 +6,16 @@ token comes sooner, so it must win on every count (Dynamo's conditional disaggre
 - `eligible`: one plain completion (n = 1, no constraint, nothing resumed);
 - the effective prompt (the tokens after the prefix this engine caches) is at least
   `min_tokens` long, and at most `max_cached_fraction` of the prompt is cached here;
-- a prefill engine is alive, has room for the prompt's blocks, and has at most
-  `max_queued_tokens` prompt tokens waiting;
-- the predicted time to the first token is shorter there: its queue, the prefill at its full
-  token budget, the KV transfer and a handover, against the prefill here in chunks beside
-  this engine's decodes (steps capped by --max-step-ms). Both come from this engine's step-
-  time model (step_time.py): the engines are alike, since blocks move only between equal
-  layouts. Until the model has learnt, the rule sends a prompt away only while this engine
-  decodes (its decodes would stall).
+- a prefill engine is alive, has room for the prompt's blocks (free or evictable), and has at
+  most `max_queued_tokens` prompt tokens still to compute (what its heartbeat said, plus what
+  this engine sent it since);
+- the predicted time to the first token is shorter there: its backlog, the whole prompt's
+  prefill at its full token budget (this engine's cached prefix is not there), the transfer
+  of the blocks after that prefix and a handover, against the prefill of the rest here in
+  chunks beside this engine's decodes (steps capped by --max-step-ms). Both come from this
+  engine's step-time model (step_time.py): the engines are alike, since blocks move only
+  between equal layouts. Until the model has learnt, the rule sends a prompt away only while
+  this engine decodes (its decodes would stall).
 
 `always` skips the length, cache and time tests (the benchmark's 1 prefill + 1 decode);
 `never` is an engine that prefills everything itself. Pure: no bus, no clock.
@@ -39,7 +41,7 @@ class DisaggregationRule:
     max_queued_tokens: int = 8192
     handover_seconds: float = 0.02  # the round trips of a remote prefill, besides the bytes
     kv_bytes_per_token: int = 0  # the cache's: transfer time = bytes / bandwidth
-    bytes_per_second: float = 400e6  # the bus's, until transfers measured it
+    bytes_per_second: float = 300e6  # the bus's on loopback (bench/kv_transfer.py, Zen 4)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ def decide(rule: DisaggregationRule, request: Request, num_cached_tokens: int,
     block_size = max(1, prefill_engines[0].block_size) if prefill_engines else 1
     room = [h for h in prefill_engines
             if h.num_queued_tokens <= rule.max_queued_tokens
-            and h.num_free_blocks * block_size >= num_prompt]
+            and (h.num_free_blocks + h.num_evictable_blocks) * block_size >= num_prompt]
     if not room:
         return Decision(None, "no prefill engine with room" if prefill_engines
                         else "no prefill engine")
@@ -79,7 +81,7 @@ def decide(rule: DisaggregationRule, request: Request, num_cached_tokens: int,
     local = local_prefill_seconds(model, decodes, num_cached_tokens, effective, token_budget,
                                   max_step_seconds)
     there = prefill_seconds(model, 0, engine.num_queued_tokens, token_budget)
-    remote_prefill = prefill_seconds(model, num_cached_tokens, effective, token_budget)
+    remote_prefill = prefill_seconds(model, 0, num_prompt, token_budget)  # none of it cached
     if local is None or there is None or remote_prefill is None:
         return (Decision(engine, "decodes would stall (no step times yet)") if decodes.rows
                 else Decision(None, "idle here (no step times yet)"))

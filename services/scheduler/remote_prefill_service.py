@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
-import nats.errors
 import structlog
 from nats.aio.msg import Msg
 
@@ -47,6 +46,7 @@ from llmbus.services.scheduler.scheduler import Scheduler
 
 log = structlog.get_logger()
 REQUEST_TIMEOUT_SECONDS = 3.0  # for a KvReceive or PrefillRequest answer
+REMEMBERED_CANCELS = 4096  # cancels of prefills not here yet, remembered until they come
 
 
 class DecodeSide:
@@ -70,16 +70,15 @@ class DecodeSide:
 
     async def on_scheduler_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
         now = self.runtime.bus_time()
-        if heartbeat.role == "prefill" and heartbeat.instance_id not in self._refused_layout:
+        if heartbeat.role == "prefill":
             self.prefill_engines.seen(heartbeat, time.monotonic())
-        if heartbeat.instance_id in self._refused_layout:
-            return
         for dead in self.prefill_engines.reap(now):
             for transfer_id in self.scheduler.remote.on_engine(dead.instance_id):
                 self._give_up(transfer_id, f"prefill engine {dead.engine_id} went silent")
         for transfer_id in self.scheduler.remote.older_than(time.time() - self.timeout_seconds):
             self._give_up(transfer_id, f"no prefill within {self.timeout_seconds:g} s")
-        self.scheduler.prefill_engines = self.prefill_engines.alive(now)
+        self.scheduler.prefill_engines = [h for h in self.prefill_engines.alive(now)
+                                          if h.instance_id not in self._refused_layout]
 
     def _give_up(self, transfer_id: str, why: str) -> None:
         if self.scheduler.remote_failed(transfer_id, time.time()):
@@ -102,7 +101,9 @@ class DecodeSide:
             task.add_done_callback(self._tasks.discard)
 
     async def _start(self, remote: RemotePrefill) -> None:
-        """Open the transfer here, then ask the prefill engine; any refusal: prefill here."""
+        """Open the transfer here, then ask the prefill engine; any refusal or failure:
+        prefill here. A try given up meanwhile (aborted) is closed again after its opening,
+        which may have reached the executor after the first close, and is not sent."""
         request = remote.request
         block_ids = request.block_table[remote.first_block:]
         destination = KvDestination(transfer_id=remote.transfer_id, engine_id=self.engine_id,
@@ -112,6 +113,11 @@ class DecodeSide:
                 subjects.executor_kv_receive(self.engine_id),
                 KvReceive(transfer_id=remote.transfer_id, block_ids=block_ids,
                           layout=self.layout), KvReply, timeout=REQUEST_TIMEOUT_SECONDS)
+            pending = self.scheduler.remote.by_transfer
+            if remote.transfer_id not in pending:
+                self.scheduler.remote.closed.append(remote.transfer_id)
+                self.wakeup.set()
+                return
             if opened.error:
                 error = f"this engine's executor refused the transfer: {opened.error}"
             else:
@@ -127,8 +133,12 @@ class DecodeSide:
                 if error.startswith("KV layout mismatch"):  # never again to that engine
                     self._refused_layout.add(remote.instance_id)
                     log.error(error)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
-            error = type(exc).__name__
+                if not error and remote.transfer_id not in pending:  # given up meanwhile:
+                    await self.runtime.publish(  # its cancel may have gone out first
+                        subjects.engine_prefill_cancel(remote.engine_id),
+                        AbortRequest(request_id=remote.transfer_id))
+        except Exception as exc:  # gone, slow or broken: this engine prefills it itself
+            error = f"{type(exc).__name__}: {exc}".rstrip(": ")
         if error:
             self._give_up(remote.transfer_id, error)
 
@@ -161,6 +171,7 @@ class PrefillSide:
         self.runtime, self.scheduler, self.engine_id = runtime, scheduler, engine_id
         self.layout, self.wakeup, self.refuse = layout, wakeup, refuse
         self.prefilling: dict[str, _Prefilling] = {}  # by transfer id
+        self._cancelled: dict[str, None] = {}  # the latest cancels, oldest first
         self.num_done = 0
 
     async def start(self) -> None:
@@ -175,9 +186,11 @@ class PrefillSide:
         if mismatch:
             return PrefillReply(error=mismatch)
         refused = self.refuse(len(request.prompt_token_ids))
+        transfer_id = request.destination.transfer_id
+        if transfer_id in self._cancelled:  # its cancel overtook it
+            refused = "cancelled before it arrived"
         if refused:
             return PrefillReply(error=refused)
-        transfer_id = request.destination.transfer_id
         params = msgspec.structs.replace(request.params, max_tokens=1, stop=[],
                                          min_tokens=min(request.params.min_tokens, 1))
         try:
@@ -195,6 +208,10 @@ class PrefillSide:
     async def on_cancel(self, cancel: AbortRequest, _: Msg) -> None:
         if self.scheduler.abort_request(cancel.request_id):
             self.wakeup.set()
+            return
+        self._cancelled[cancel.request_id] = None  # not here yet: refused when it comes
+        while len(self._cancelled) > REMEMBERED_CANCELS:
+            del self._cancelled[next(iter(self._cancelled))]
 
     def on_step_result(self, reports: list[KvTransferReport]) -> None:
         """The executor's transfer reports of a step, before its tokens are applied: a failed
@@ -232,5 +249,12 @@ class PrefillSide:
                 done.token_id = update.new_token_ids[0]
                 done.logprobs = update.logprobs[0] if update.logprobs else None
             task = asyncio.create_task(self.runtime.publish(prefilling.reply_subject, done))
-            task.add_done_callback(lambda t: t.exception())
+            task.add_done_callback(_log_failure)
         return kept
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    """A PrefillDone that could not be sent: the decode engine gives the prefill up when
+    this engine's heartbeats or its --remote-prefill-timeout say so."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("a prefill's answer could not be sent", error=str(task.exception()))

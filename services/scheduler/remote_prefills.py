@@ -1,6 +1,7 @@
 """A decode engine's books of the prompts another engine prefills for it (disaggregation.py
 says which). Each is a request holding its blocks here, waiting for its KV and first token;
-every try has its own transfer id, so a late answer to a try given up is told apart. Pure:
+every try has its own transfer id (`<engine>/<sequence>><try>`: unique across engines too), so
+a late answer to a try given up is told apart. Pure:
 the scheduler owns the requests' blocks, the service the messages."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class RemotePrefill:
 
 @dataclass
 class RemotePrefills:
+    engine_id: str = ""  # this engine's, in its transfer ids
     by_transfer: dict[str, RemotePrefill] = field(default_factory=dict)
     num_tries: int = 0
     starts: list[RemotePrefill] = field(default_factory=list)  # to send: PrefillRequest
@@ -37,7 +39,8 @@ class RemotePrefills:
     def start(self, request: Request, engine_id: str, instance_id: str, first_block: int,
               now: float) -> RemotePrefill:
         self.num_tries += 1
-        remote = RemotePrefill(request, f"{request.sequence_id}>{self.num_tries}", engine_id,
+        transfer_id = f"{self.engine_id}/{request.sequence_id}>{self.num_tries}"
+        remote = RemotePrefill(request, transfer_id, engine_id,
                                instance_id, first_block, now)
         self.by_transfer[remote.transfer_id] = remote
         request.transfer_id = remote.transfer_id

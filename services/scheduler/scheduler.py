@@ -28,8 +28,11 @@ No I/O, no clock, no torch.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Sequence
+
+import msgspec
 
 from llmbus.bus.messages import (
     BlockCopy,
@@ -83,7 +86,7 @@ class Scheduler:
         # Disaggregated prefill (a decode engine): the prefill engines alive now (their
         # latest heartbeats, kept current by the adapter), and the prompts they prefill.
         self.prefill_engines: list[Heartbeat] = []
-        self.remote = RemotePrefills()
+        self.remote = RemotePrefills(config.engine_id)
         self.last_decision: Decision | None = None  # for logs and tests
 
     # ------------------------------------------------------------------ admission
@@ -181,6 +184,17 @@ class Scheduler:
     @property
     def num_queued_tokens(self) -> int:
         return sum(r.num_prompt_tokens for r in self.waiting)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Prompt tokens still to compute, waiting or running: a prefill engine's backlog."""
+        return self.num_queued_tokens + sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+                                            for r in self.running)
+
+    @property
+    def num_held(self) -> int:
+        """Requests held in any state, those another engine prefills included (drain)."""
+        return len(self.table)
 
     def expire_waiting(self, now: float, timeout: float) -> list[RequestTokens]:
         """End requests that waited longer than `timeout` for their first step (explicitly,
@@ -311,7 +325,7 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int, int]],
                           step: StepBudget, now: float) -> None:
         """Then waiting requests, in order, while budget, sequence slots and blocks allow."""
-        num_seqs = sum(r.num_forks for r in self.running)
+        num_seqs = sum(r.num_forks for r in self.running) + len(self.remote)
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if (num_seqs + request.num_forks > self.config.max_num_seqs
@@ -321,6 +335,7 @@ class Scheduler:
             num_matched = self._match_prefix(request)
             if self._prefill_elsewhere(request, step, now):
                 self.waiting.popleft()
+                num_seqs += request.num_forks
                 if looked_up:
                     self.counters.num_prefix_query_tokens += request.num_prompt_tokens
                     self.counters.num_prefix_hit_tokens += num_matched * self.config.block_size
@@ -343,7 +358,8 @@ class Scheduler:
 
     def _prefill_elsewhere(self, request: Request, step: StepBudget, now: float) -> bool:
         """Send the waiting head's prefill to a prefill engine, if the rule says so and its
-        blocks can be held here meanwhile (disaggregation.py)."""
+        blocks can be held here meanwhile (disaggregation.py). Decided once a request: one
+        the rule keeps here is not weighed again each step it waits."""
         rule = self.config.disaggregation
         if (rule is None or not self.prefill_engines or request.local_only
                 or request.num_computed_tokens >= request.num_prompt_tokens):
@@ -352,15 +368,26 @@ class Scheduler:
                           self.step_time, self._decode_shape(),
                           self.config.max_num_batched_tokens, self.config.max_step_seconds)
         self.last_decision = decision
-        if decision.engine is None or not self._reserve_blocks(
+        if decision.engine is None:
+            request.local_only = True
+            return False
+        if not self._reserve_blocks(
                 request, request.num_prompt_tokens - request.num_computed_tokens):
             return False
         request.status = RequestStatus.REMOTE
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
-        self.remote.start(request, decision.engine.engine_id, decision.engine.instance_id,
+        engine = decision.engine
+        self.remote.start(request, engine.engine_id, engine.instance_id,
                           request.num_computed_tokens // self.config.block_size, now)
         self.counters.num_remote_prefills += 1
+        # Until its next heartbeat, count what was just sent there (a burst must not all go to
+        # the engine whose last heartbeat looked idlest).
+        index = self.prefill_engines.index(engine)
+        self.prefill_engines[index] = msgspec.structs.replace(
+            engine, num_queued_tokens=engine.num_queued_tokens + request.num_prompt_tokens,
+            num_free_blocks=engine.num_free_blocks
+            - -(-request.num_prompt_tokens // self.config.block_size))
         return True
 
     def remote_done(self, transfer_id: str, token_id: int,
@@ -375,7 +402,9 @@ class Scheduler:
         request.remote_prefills.append((remote.engine_id, remote.started, now, num_bytes))
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        # In arrival order: the newest are preempted first, and this one's KV just came.
+        at = bisect.bisect_right([r.arrival_time for r in self.running], request.arrival_time)
+        self.running.insert(at, request)
         request.first_token_time = now
         self._cache_full_blocks(request)  # the prompt's KV is here now
         self._append_tokens(request, [(token_id, logprobs)], now)

@@ -145,10 +145,11 @@ class SchedulerService:
         assert s is not None and self.info is not None
         return Heartbeat(
             service="scheduler", instance_id=self.runtime.instance_id, engine_id=self.engine_id,
-            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_running=len(s.running), num_waiting=len(s.waiting) + len(s.remote),
             num_free_blocks=s.kv.num_free, num_total_blocks=s.kv.num_usable,
             block_size=self.info.block_size, num_handled=s.counters.num_finished,
-            role=self.config.role, num_queued_tokens=s.num_queued_tokens)
+            role=self.config.role, num_queued_tokens=s.num_uncomputed_tokens,
+            num_evictable_blocks=s.kv.num_evictable())
 
     async def _wait_for_executor(self) -> ExecutorInfo:
         """The executor may still be loading weights: ask until it answers."""
@@ -380,6 +381,6 @@ async def _run_until_stopped(service: SchedulerService, shutdown_timeout: float)
         loop_task.result()  # surface a crash of the loop
     service.draining = True
     deadline = time.monotonic() + shutdown_timeout
-    while service.scheduler.has_work and time.monotonic() < deadline:
+    while service.scheduler.num_held and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     loop_task.cancel()

@@ -6,20 +6,30 @@ refuses: another layout, a transfer not open (or closed), blocks outside it, a s
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import pytest
 import torch
 
 from llmbus.bus.messages import (
+    KvChunk,
     KvDestination,
     KvReceive,
+    KvReply,
     NewRequestData,
     SamplingParams,
     ScheduledRequest,
     StepPlan,
 )
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.kv_transfer import CHUNK_OVERHEAD_BYTES, KvReceiver, gather
+from llmbus.services.executor.kv_transfer import (
+    CHUNK_OVERHEAD_BYTES,
+    KvReceiver,
+    KvSender,
+    Outgoing,
+    gather,
+)
 from llmbus.services.executor.runner import ModelRunner
 from tests.gguf_fixtures import TinySpec, write_tiny_llama
 
@@ -70,11 +80,12 @@ def test_blocks_land_in_the_held_slots_after_a_cached_prefix(model_path):
     first = prefill.step(StepPlan(step_id=0, new_requests=[
         NewRequestData("p", PROMPT, GREEDY, kv_destination=destination)], scheduled=[
         ScheduledRequest("p", 0, 9, [5, 1, 7], sample=False)]))
-    [early] = prefill.take_kv_outbox()  # block 1 filled (block 0 is the decoder's own)
+    [early], _ = prefill.take_kv_outbox()  # block 1 filled (block 0 is the decoder's own)
     assert not early.final and [c.block_ids for c in early.chunks] == [[9]]
     last = prefill.step(StepPlan(step_id=1, scheduled=[ScheduledRequest("p", 9, 5, [4])]))
     assert first.error == last.error == ""
-    [final] = prefill.take_kv_outbox()
+    [final], dropped = prefill.take_kv_outbox()
+    assert dropped == []
     assert final.final and sorted(b for c in final.chunks for b in c.block_ids) == [2, 6]
     for chunk in early.chunks + final.chunks:
         assert receiver.write(chunk).error == ""
@@ -141,3 +152,41 @@ def test_what_the_receiver_refuses(model_path):
     assert "expected" in receiver.write(short).error
     assert "not open" in receiver.write(msgspec.structs.replace(inside, transfer_id="u")).error
     assert receiver.write(inside).error == ""
+
+
+def test_an_opening_after_its_close_and_a_given_up_transfer_on_the_same_blocks(model_path):
+    receiver = KvReceiver(runner(model_path).kv_cache)
+    layout = receiver.layout
+    assert receiver.receive(KvReceive(transfer_id="old", block_ids=[3, 4], layout=layout)) \
+        .error == ""
+    # The scheduler gave blocks 4 and 5 to a new transfer: the old one may write no more.
+    assert receiver.receive(KvReceive(transfer_id="new", block_ids=[4, 5], layout=layout)) \
+        .error == ""
+    assert set(receiver.open) == {"new"}
+    receiver.close(["new"])
+    late = receiver.receive(KvReceive(transfer_id="new", block_ids=[4, 5], layout=layout))
+    assert "was closed" in late.error and not receiver.open
+
+
+async def test_a_cancelled_transfer_sends_no_more():
+    sent: list[list[int]] = []
+    release = asyncio.Event()
+
+    async def send(subject: str, chunk) -> KvReply:
+        sent.append(chunk.block_ids)
+        await release.wait()
+        return KvReply()
+
+    destination = KvDestination(transfer_id="t", engine_id="D", first_block=0,
+                                block_ids=[1, 2, 3, 4, 5, 6])
+    chunks = [KvChunk(transfer_id="t", block_ids=[b], first_layer=0, num_layers=1, k=b"k",
+                      v=b"v") for b in destination.block_ids]
+    sender = KvSender(send, lambda engine: f"kv.{engine}", in_flight=2)
+    assert await sender.send_all([Outgoing(destination, chunks, final=False)]) == []
+    await asyncio.sleep(0)  # two in flight, the others wait for a slot
+    assert sent == [[1], [2]]
+    await sender.send_all([], dropped=["t"])  # its request ended on the prefill engine
+    release.set()
+    await asyncio.sleep(0.01)
+    assert sent == [[1], [2]]  # nothing more went out
+    assert (await sender.finish("t")).num_bytes == 0  # and it is forgotten

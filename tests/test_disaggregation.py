@@ -330,10 +330,10 @@ def test_a_request_the_rule_keeps_here_is_not_weighed_again():
     r = add(s, "a", list(range(10, 20)))  # 10 tokens: too short to send away
     plan = s.schedule()
     assert [i.sequence_id for i in plan.scheduled] == ["a"] and r.local_only
-    assert "10 < 64" in s.last_decision.reason
-    s.last_decision = None
+    [(request, decision)] = s.take_decisions()
+    assert request is r and "10 < 64" in decision.reason
     s.schedule()
-    assert s.last_decision is None
+    assert s.take_decisions() == []
 
 
 def test_a_burst_counts_what_it_sent_before_the_next_heartbeat():
@@ -344,7 +344,8 @@ def test_a_burst_counts_what_it_sent_before_the_next_heartbeat():
     first, second = add(s, "a", list(range(10, 20))), add(s, "b", list(range(30, 40)))
     s.schedule()
     assert first.status is RequestStatus.REMOTE  # 3 blocks: 2 free + 1 evictable there
-    assert second.status is RequestStatus.RUNNING and "room" in s.last_decision.reason
+    assert second.status is RequestStatus.RUNNING
+    assert "room" in s.take_decisions()[-1][1].reason
     [engine] = s.prefill_engines
     assert (engine.num_queued_tokens, engine.num_free_blocks) == (10, -1)
 
@@ -356,3 +357,22 @@ def test_requests_prefilled_elsewhere_count_against_max_num_seqs():
         add(s, name, list(range(10, 20)))
     s.schedule()
     assert len(s.remote) == 2 and [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_the_rule_weighs_the_decodes_of_the_step_it_plans():
+    """A prompt beside this step's decodes goes away; the same prompt on an idle engine
+    would stay (test_an_idle_decode_engine_prefills_itself)."""
+    s = decode_engine()
+    s.config = dataclasses.replace(s.config, disaggregation=DisaggregationRule(
+        min_tokens=8, kv_bytes_per_token=1, bytes_per_second=1e12, handover_seconds=0.0))
+    s.step_time = linear_model()
+    s.prefill_engines = []  # the first request decodes here
+    first = add(s, "a", list(range(10, 14)), max_tokens=50)
+    plan = s.schedule()
+    s.update(plan, StepResult(step_id=plan.step_id, sampled_token_ids=[5]))
+    assert first.status is RequestStatus.RUNNING
+    s.prefill_engines = [engine()]
+    add(s, "b", list(range(20, 60)))
+    s.schedule()
+    [(_, decision)] = s.take_decisions()
+    assert decision.engine is not None, decision.reason

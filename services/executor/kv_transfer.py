@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
@@ -135,15 +136,28 @@ class KvReceiver:
         if len(chunk.k) != expected or len(chunk.v) != expected:
             return KvReply(error=f"transfer {chunk.transfer_id}: a chunk of {len(chunk.k)} "
                                  f"bytes, expected {expected}")
-        index = torch.tensor(chunk.block_ids, dtype=torch.int64, device=k_cache.device)
         layers = slice(chunk.first_layer, chunk.first_layer + chunk.num_layers)
-        with warnings.catch_warnings():  # read-only buffers: only read from
-            warnings.simplefilter("ignore", UserWarning)
-            for cache, data in ((k_cache, chunk.k), (v_cache, chunk.v)):
-                values = torch.frombuffer(data, dtype=torch.uint8).view(cache.dtype)
-                cache[layers, index] = values.view(shape).to(cache.device)
+        for cache, data in ((k_cache, chunk.k), (v_cache, chunk.v)):
+            _write(cache, layers, chunk.block_ids, data, shape)
         self.num_bytes += 2 * expected
         return KvReply()
+
+
+def _write(cache: torch.Tensor, layers: slice, block_ids: list[int], data: bytes,
+           shape: tuple[int, ...]) -> None:
+    """cache[layers, block_ids] = data. On a CPU through numpy: this runs on the executor's
+    event loop, beside the forward thread, and a parallel torch op here would start a second
+    OpenMP team on the forward's cores (the service keeps torch's work on one thread for that
+    reason)."""
+    if cache.device.type == "cpu" and cache.dtype != torch.bfloat16:
+        target = cache.numpy()
+        target[layers, block_ids] = np.frombuffer(data, dtype=target.dtype).reshape(shape)
+        return
+    index = torch.tensor(block_ids, dtype=torch.int64, device=cache.device)
+    with warnings.catch_warnings():  # a read-only buffer: only read from
+        warnings.simplefilter("ignore", UserWarning)
+        values = torch.frombuffer(data, dtype=torch.uint8).view(cache.dtype)
+    cache[layers, index] = values.view(shape).to(cache.device)
 
 
 @dataclass

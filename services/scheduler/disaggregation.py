@@ -48,6 +48,7 @@ class DisaggregationRule:
 class Decision:
     engine: Heartbeat | None  # the prefill engine, or None: prefill here
     reason: str  # why, for logs and tests
+    weighed: bool = False  # long and uncached enough that the engines were compared
 
 
 def eligible(request: Request) -> bool:
@@ -74,7 +75,7 @@ def decide(rule: DisaggregationRule, request: Request, num_cached_tokens: int,
             and (h.num_free_blocks + h.num_evictable_blocks) * block_size >= num_prompt]
     if not room:
         return Decision(None, "no prefill engine with room" if prefill_engines
-                        else "no prefill engine")
+                        else "no prefill engine", weighed=True)
     engine = min(room, key=lambda h: (h.num_queued_tokens, h.num_running, h.instance_id))
     if always:
         return Decision(engine, "always")
@@ -84,12 +85,12 @@ def decide(rule: DisaggregationRule, request: Request, num_cached_tokens: int,
     remote_prefill = prefill_seconds(model, 0, num_prompt, token_budget)  # none of it cached
     if local is None or there is None or remote_prefill is None:
         return (Decision(engine, "decodes would stall (no step times yet)") if decodes.rows
-                else Decision(None, "idle here (no step times yet)"))
+                else Decision(None, "idle here (no step times yet)", weighed=True))
     transfer = effective * rule.kv_bytes_per_token / rule.bytes_per_second
     remote = there + remote_prefill + transfer + rule.handover_seconds
     if remote >= local:
         return Decision(None, f"predicted first token here {local:.3f} s <= there "
-                              f"{remote:.3f} s")
+                              f"{remote:.3f} s", weighed=True)
     return Decision(engine, f"predicted first token there {remote:.3f} s < here {local:.3f} s")
 
 

@@ -89,6 +89,12 @@ class DecodeSide:
     def after_step(self) -> None:
         """Send the tries the scheduler started, and the cancels of those it gave up."""
         remote = self.scheduler.remote
+        for request, decision in self.scheduler.take_decisions():
+            if decision.engine is not None or decision.weighed:  # not the plain short ones
+                log.info("prefill sent to a prefill engine" if decision.engine else
+                         "prefill kept here", request_id=request.request_id,
+                         num_prompt_tokens=request.num_prompt_tokens, reason=decision.reason,
+                         engine=decision.engine.engine_id if decision.engine else None)
         for start in remote.take_starts():
             task = asyncio.create_task(self._start(start))
             self._tasks.add(task)

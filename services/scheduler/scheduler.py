@@ -87,7 +87,7 @@ class Scheduler:
         # latest heartbeats, kept current by the adapter), and the prompts they prefill.
         self.prefill_engines: list[Heartbeat] = []
         self.remote = RemotePrefills(config.engine_id)
-        self.last_decision: Decision | None = None  # for logs and tests
+        self.decisions: list[tuple[Request, Decision]] = []  # for logs: take_decisions()
 
     # ------------------------------------------------------------------ admission
 
@@ -238,6 +238,11 @@ class Scheduler:
         updates, self._ended_updates = self._ended_updates, []
         return updates
 
+    def take_decisions(self) -> list[tuple[Request, Decision]]:
+        """Where the rule sent each prompt it weighed since the last call, and why."""
+        decisions, self.decisions = self.decisions, []
+        return decisions
+
     def take_finished(self) -> list[Request]:
         """Requests that ended since the last call (for spans; their blocks are gone)."""
         finished, self._finished = self._finished, []
@@ -364,10 +369,11 @@ class Scheduler:
         if (rule is None or not self.prefill_engines or request.local_only
                 or request.num_computed_tokens >= request.num_prompt_tokens):
             return False
+        # This step's decodes (planned already: _decode_shape() no longer sees them).
         decision = decide(rule, request, request.num_computed_tokens, self.prefill_engines,
-                          self.step_time, self._decode_shape(),
-                          self.config.max_num_batched_tokens, self.config.max_step_seconds)
-        self.last_decision = decision
+                          self.step_time, step.decodes, self.config.max_num_batched_tokens,
+                          self.config.max_step_seconds)
+        self.decisions.append((request, decision))
         if decision.engine is None:
             request.local_only = True
             return False

@@ -140,6 +140,7 @@ class StepBudget:
 
     def __init__(self, model: StepTimeModel, decodes: StepShape, seconds: float) -> None:
         self.model, self.shape, self.seconds = model, decodes, seconds
+        self.decodes = StepShape(decodes.rows, decodes.tokens, decodes.kilo_keys)  # as it began
         self.decoding = decodes.rows > 0
         self.prompt_tokens = 0  # taken so far
 

@@ -10,8 +10,15 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmbus.bus.messages import FinishReason, SamplingParams
+from llmbus.bus.messages import (
+    FinishReason,
+    SamplingParams,
+    ScheduledRequest,
+    StepPlan,
+    StepResult,
+)
 from llmbus.services.scheduler.config import MULTI_STEP_MAX_BATCH
+from llmbus.services.scheduler.step_time import StepTimeModel
 from tests.test_scheduler_speculation import (
     EOS,
     FakeExecutor,
@@ -131,3 +138,25 @@ def test_a_plan_takes_fewer_steps_when_forwards_are_slow():
     assert max(max(p) for p in medium[3:]) == 2
     assert max(max(p) for p in slow[3:]) == 1
     assert len(slow) > 3 * len(fast)
+
+
+def test_a_context_longer_than_any_step_seen_takes_one_step_first():
+    """A request whose KV another engine computed (disaggregated prefill) decodes at a context
+    no step here attended to: its first plan takes one forward, whose time teaches the model
+    what those keys cost, and only then several."""
+    s = make(k=0, decode_steps=8, num_blocks=1024, max_model_len=4096,
+             max_num_batched_tokens=4096)
+    s.add_request("r", "api", list(range(3, 3003)), SamplingParams(max_tokens=20,
+                                                                   ignore_eos=True))
+    plan = s.schedule()  # the prompt's 3,000 tokens in one step, as a prefill engine's
+    s.update(plan, StepResult(step_id=plan.step_id, sampled_token_ids=[7]))
+    model = StepTimeModel()  # ... which this engine never observed: it saw 64-token steps
+    model.observe(StepPlan(step_id=0, scheduled=[ScheduledRequest("a", 0, 64)]), 0.05)
+    model.observe(StepPlan(step_id=1, scheduled=[ScheduledRequest("a", 64, 1)]), 0.005)
+    assert model.longest_context == 65
+    assert model.knows_context(65 * 5 // 4 + 64) and not model.knows_context(3001)
+    s.step_time = model
+    [item] = s.schedule().scheduled
+    assert item.num_steps == 1
+    model.observe(StepPlan(step_id=2, scheduled=[ScheduledRequest("r", 3000, 1)]), 0.02)
+    assert model.knows_context(3001)

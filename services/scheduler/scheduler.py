@@ -295,6 +295,9 @@ class Scheduler:
         multi_step = multi_step_decode(self.config, len(self.running), len(self.waiting))
         most_steps = (max_decode_steps(self.config, self.step_time.predict(step.shape))
                       if multi_step else 1)
+        if most_steps > 1 and not self.step_time.knows_context(
+                max((r.num_computed_tokens for r in self.running), default=0)):
+            most_steps = 1  # one forward first, to learn what these contexts cost
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._num_new_tokens(request, budget)
@@ -369,7 +372,7 @@ class Scheduler:
         if (rule is None or not self.prefill_engines or request.local_only
                 or request.num_computed_tokens >= request.num_prompt_tokens):
             return False
-        # This step's decodes (planned already: _decode_shape() no longer sees them).
+        # Weighed against this step's decodes, as the step's budget began from them.
         decision = decide(rule, request, request.num_computed_tokens, self.prefill_engines,
                           self.step_time, step.decodes, self.config.max_num_batched_tokens,
                           self.config.max_step_seconds)
@@ -389,11 +392,10 @@ class Scheduler:
         self.counters.num_remote_prefills += 1
         # Until its next heartbeat, count what was just sent there (a burst must not all go to
         # the engine whose last heartbeat looked idlest).
-        index = self.prefill_engines.index(engine)
-        self.prefill_engines[index] = msgspec.structs.replace(
+        num_blocks = -(-request.num_prompt_tokens // self.config.block_size)
+        self.prefill_engines[self.prefill_engines.index(engine)] = msgspec.structs.replace(
             engine, num_queued_tokens=engine.num_queued_tokens + request.num_prompt_tokens,
-            num_free_blocks=engine.num_free_blocks
-            - -(-request.num_prompt_tokens // self.config.block_size))
+            num_free_blocks=engine.num_free_blocks - num_blocks)
         return True
 
     def remote_done(self, transfer_id: str, token_id: int,

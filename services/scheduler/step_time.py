@@ -77,6 +77,7 @@ class StepTimeModel:
         self.prefill_steps: deque[tuple[tuple[float, ...], float, int]] = deque(maxlen=WINDOW)
         self.decode_steps: deque[tuple[tuple[float, ...], float, int]] = deque(maxlen=WINDOW)
         self.num_observed = 0
+        self.longest_context = 0  # the most keys one query of an observed step attended to
         self._coefficients: tuple[float, ...] | None = None
         self._stale = False
 
@@ -91,6 +92,8 @@ class StepTimeModel:
         if steps > 1 and any(i.num_tokens != 1 for i in items):
             return
         shape = StepShape.of(plan)
+        self.longest_context = max(self.longest_context,
+                                   max(i.start + i.num_tokens for i in items))
         window = self.decode_steps if shape.tokens == shape.rows else self.prefill_steps
         window.append((shape.features(), forward_seconds / steps, self.num_observed))
         self.num_observed += 1
@@ -109,6 +112,12 @@ class StepTimeModel:
             self._coefficients = fit_non_negative(self._weighted())
             self._stale = False
         return sum(c * x for c, x in zip(self._coefficients, shape.features(), strict=True))
+
+    def knows_context(self, context: int) -> bool:
+        """Whether steps attending this far have been seen (about): beyond, the cost of the
+        keys is extrapolated from shorter contexts, which the fit may have got near zero (a
+        decode engine whose long prompts another engine prefilled has seen none)."""
+        return context <= 1.25 * self.longest_context + 64
 
     def coefficients(self) -> tuple[float, ...] | None:
         """(c0, c_rows, c_tokens, c_keys) in seconds, for logs and tests; None until ready."""

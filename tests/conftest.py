@@ -98,6 +98,7 @@ TEST_KINDS = {
     "test_cpu_paged_attention.py": "unit",
     "test_detokenizer.py": "unit",
     "test_disaggregation.py": "unit",
+    "test_remote_prefills.py": "unit",
     "test_disaggregated_serving.py": "e2e",
     "test_kv_transfer.py": "unit",
     "test_detokenizer_routing.py": "unit",

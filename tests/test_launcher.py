@@ -1,3 +1,5 @@
+# Over 300 lines: `llmbus up` and the compose files it stands for share the repository's files and
+# the launcher's parts; one file keeps their agreement in one place.
 """`llmbus up` as a user runs it: ready, stopped by SIGTERM, and loud when a service dies."""
 
 from __future__ import annotations

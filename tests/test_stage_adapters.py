@@ -214,3 +214,23 @@ async def test_the_executor_answers_info_and_steps_on_a_tiny_model(bus, tmp_path
         assert first.batch_size == second.batch_size == 1 and first.num_tokens == 3
         runtime.stop_event.set()
         await serving
+
+
+def test_an_executor_refuses_a_file_it_cannot_serve_in_one_line(bus, tmp_path):
+    """An architecture the loader does not know ends the executor with one line naming the
+    file and the reason, not a traceback in its log."""
+    import subprocess
+    import sys
+
+    from tests.gguf_fixtures import write_tiny_llama
+
+    url, _ = bus
+    model = tmp_path / "other.gguf"
+    write_tiny_llama(model, arch="gemma3")
+    result = subprocess.run([sys.executable, "-m", "llmbus.services.cli", "serve", "executor",
+                             "--model", str(model), "--nats-url", url, "--threads", "1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "llmbus executor: other.gguf: unsupported model architecture 'gemma3'; supported: "
+        "('llama', 'qwen2')")

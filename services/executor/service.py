@@ -14,6 +14,7 @@ import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
@@ -133,6 +134,24 @@ async def main(args: argparse.Namespace) -> None:
         await _serve(args, runtime, plan)
 
 
+def _load_runner(args: argparse.Namespace, plan: ExecutionPlan, path: Path) -> ModelRunner:
+    """The model and its KV cache (in the forward thread); a file this executor cannot serve
+    (an architecture it does not know, a key missing) stops it with one line naming why."""
+    from llmbus.services.executor.runner import ModelRunner  # imports torch: after OpenMP
+    from llmbus.services.executor.weights.gguf_loader import UnsupportedModelError
+
+    kv_bytes = int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None
+    threads = args.threads or os.cpu_count() or 1
+    try:
+        return ModelRunner(
+            path, model_name=model_name_for(path), plan=plan, block_size=args.block_size,
+            num_blocks=args.num_blocks, kv_cache_bytes=kv_bytes,
+            max_model_len=args.max_model_len, num_threads=threads,
+            small_step_threads=args.small_step_threads or default_small_step_threads(threads))
+    except UnsupportedModelError as exc:
+        raise SystemExit(f"llmbus executor: {path.name}: {exc}") from None
+
+
 async def _serve_kv_transfers(runtime: ServiceRuntime, runner: ModelRunner,
                               engine_id: str) -> tuple[KvReceiver, KvSender]:
     """Disaggregated prefill (kv_transfer.py): blocks into this cache, and out of it."""
@@ -158,19 +177,11 @@ async def _serve_kv_transfers(runtime: ServiceRuntime, runner: ModelRunner,
 
 async def _serve(args: argparse.Namespace, runtime: ServiceRuntime, plan: ExecutionPlan) -> None:
     """Load the model, answer steps until stopped, then linger while the scheduler drains."""
-    from llmbus.services.executor.runner import ModelRunner  # imports torch: after OpenMP
-
     path = resolve_model(args.model)
     log.info("loading model", path=str(path))
-    kv_bytes = int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None
-    threads = args.threads or os.cpu_count() or 1
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
     loop = asyncio.get_running_loop()
-    runner = await loop.run_in_executor(compute, lambda: ModelRunner(
-        path, model_name=model_name_for(path), plan=plan, block_size=args.block_size,
-        num_blocks=args.num_blocks, kv_cache_bytes=kv_bytes, max_model_len=args.max_model_len,
-        num_threads=threads,
-        small_step_threads=args.small_step_threads or default_small_step_threads(threads)))
+    runner = await loop.run_in_executor(compute, _load_runner, args, plan, path)
     info = runner.info()
     log.info("model loaded", num_blocks=info.num_blocks, max_model_len=info.max_model_len,
              kv_cache_dtype=plan.kv_dtype)

@@ -100,7 +100,6 @@ class KvReceiver:
         self.layout = layout_of(cache)
         self.open: dict[str, set[int]] = {}
         self._closed: dict[str, None] = {}  # the latest closed, oldest first
-        self.num_bytes = 0
 
     def receive(self, request: KvReceive) -> KvReply:
         mismatch = self.layout.mismatch(request.layout, theirs="the transfer's")
@@ -139,7 +138,6 @@ class KvReceiver:
         layers = slice(chunk.first_layer, chunk.first_layer + chunk.num_layers)
         for cache, data in ((k_cache, chunk.k), (v_cache, chunk.v)):
             _write(cache, layers, chunk.block_ids, data, shape)
-        self.num_bytes += 2 * expected
         return KvReply()
 
 

@@ -315,8 +315,9 @@ def run_stack(service_argv: dict[str, list[str]], *, nats_url: str | None, api_h
         if dead is None and not stop_requested.is_set():
             secret = stack.observer_url_file(url)
             observer = f"; observer URL in {secret}" if secret else ""
-            print(f"llmbus is ready: http://{api_host}:{api_port}/v1 (nats: {url}{observer}); "
-                  "Ctrl-C stops it", file=sys.stderr, flush=True)
+            base = f"http://{api_host}:{api_port}"
+            print(f"llmbus is ready: {base}/v1 (nats: {url}{observer}); chat: {base}/  "
+                  f"pipeline: {base}/pipeline  (Ctrl-C stops it)", file=sys.stderr, flush=True)
         while dead is None and not stop_requested.is_set():
             stop_requested.wait(0.5)
             dead = stack.first_dead()

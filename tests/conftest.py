@@ -118,6 +118,7 @@ TEST_KINDS = {
     "test_model_files.py": "unit",
     "test_ngram_proposer.py": "unit",
     "test_packaging.py": "unit",
+    "test_pipeline_view.py": "unit",
     "test_prefix_tree.py": "unit",
     "test_rope_scaling.py": "unit",
     "test_sampler.py": "unit",
@@ -166,6 +167,7 @@ TEST_KINDS = {
     "test_overload_and_hostile_input.py": "e2e",
     "test_replicas.py": "e2e",
     "test_speculative_model.py": "e2e",
+    "test_web_pages.py": "e2e",
 }
 
 

@@ -37,6 +37,9 @@ DESTINATION = m.KvDestination(transfer_id="r1>1", engine_id="d0", first_block=1,
                               block_ids=[7, 8])
 
 # One example of every message, every field set away from its default.
+RECENT = m.RecentRequest(request_id="chatcmpl-1", replica="a1", created=1.5, status="finished",
+                         finish_reason="stop", num_prompt_tokens=2, num_output_tokens=3,
+                         ttft_seconds=0.25, seconds=0.5, trace_id="ab")
 EXAMPLES = [
     PARAMS, LOGPROBS, CHAT,
     m.GenerateRequest(request_id="r1", reply_subject="api.x", model="m", params=PARAMS,
@@ -65,7 +68,7 @@ EXAMPLES = [
                   num_evictable_blocks=12, num_draft_tokens=13, num_accepted_tokens=14,
                   num_remote_prefills=15, num_remote_fallbacks=16, kv_bytes_received=17,
                   kv_transfer_seconds=0.25, handoff_seconds=0.125, num_prefilled_for_others=18,
-                  num_prefill_engines=19, kv_wait_seconds=0.75),
+                  num_prefill_engines=19, kv_wait_seconds=0.75, num_generated_tokens=20),
     m.ModelInfoRequest(),
     m.ModelInfo(model_name="m", max_model_len=8192, engine_id="e0"),
     m.ExecutorInfoRequest(),
@@ -104,7 +107,8 @@ EXAMPLES = [
     TEXT_LOGPROB, DELTA,
     m.DeltaBatch(items=[DELTA]),
     m.ApiMetricsRequest(),
-    m.ApiMetricsSnapshot(replica="a1", exposition="x 1\n"),
+    RECENT,
+    m.ApiMetricsSnapshot(replica="a1", exposition="x 1\n", recent_requests=[RECENT]),
     m.Heartbeat(service="scheduler", instance_id="s1", engine_id="e0", num_running=1,
                 num_waiting=2, num_free_blocks=3, num_total_blocks=4, block_size=16,
                 num_handled=5, num_reconnects=6, role="decode", num_queued_tokens=7,
@@ -144,8 +148,8 @@ GOLDEN = {
     "UnknownCompletion": "93a2723101a26431",
     "EngineStatsRequest": "90",
     "EngineStats": (
-        "dc0019a265300102030405060708090a0bcb3ff8000000000000cb3fe00000000000000c0d0e0f1011cb"
-        "3fd0000000000000cb3fc00000000000001213cb3fe8000000000000"),
+        "dc001aa265300102030405060708090a0bcb3ff8000000000000cb3fe00000000000000c0d0e0f1011cb"
+        "3fd0000000000000cb3fc00000000000001213cb3fe800000000000014"),
     "ModelInfoRequest": "90",
     "ModelInfo": "93a16dcd2000a26530",
     "ExecutorInfoRequest": "90",
@@ -191,7 +195,12 @@ GOLDEN = {
     "ApiMetricsRequest": "90",
     # retyped from sample lines by metric name to one exposition text (prometheus-client),
     # which only api copies of one version exchange
-    "ApiMetricsSnapshot": "92a26131a47820310a",
+    "ApiMetricsSnapshot": (
+        "93a26131a47820310a919aaa63686174636d706c2d31a26131cb3ff8000000000000a866696e69736865"
+        "64a473746f700203cb3fd0000000000000cb3fe0000000000000a26162"),
+    "RecentRequest": (
+        "9aaa63686174636d706c2d31a26131cb3ff8000000000000a866696e6973686564a473746f700203cb3f"
+        "d0000000000000cb3fe0000000000000a26162"),
     "Heartbeat": (
         "9da97363686564756c6572a27331a2653001020304100506a66465636f64650708"),
     "Ping": "90",

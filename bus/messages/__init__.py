@@ -29,6 +29,7 @@ from llmbus.bus.messages.to_api import (
     ApiMetricsRequest,
     ApiMetricsSnapshot,
     DeltaBatch,
+    RecentRequest,
     TextDelta,
     TextLogprob,
 )
@@ -81,8 +82,8 @@ __all__ = [
     "ExecutorInfo", "ExecutorInfoRequest", "FinishReason", "GenerateRequest", "GrammarReply",
     "GrammarRequest", "Heartbeat", "KvChunk", "KvDestination", "KvLayout", "KvReceive", "KvReply",
     "KvTransferReport", "ModelInfo", "ModelInfoRequest", "NewRequestData", "Ping", "Pong",
-    "PrefillDone", "PrefillReply", "PrefillRequest", "RequestTokens", "ResumedCompletion",
-    "SamplingParams", "ScheduledRequest", "StepPlan", "StepResult", "StructuredOutput",
-    "SubmitRequest", "TextDelta", "TextLogprob", "TokenBatch", "TokenLogprobs",
-    "UnknownCompletion",
+    "PrefillDone", "PrefillReply", "PrefillRequest", "RecentRequest", "RequestTokens",
+    "ResumedCompletion", "SamplingParams", "ScheduledRequest", "StepPlan", "StepResult",
+    "StructuredOutput", "SubmitRequest", "TextDelta", "TextLogprob", "TokenBatch",
+    "TokenLogprobs", "UnknownCompletion",
 ]

@@ -45,8 +45,26 @@ class ApiMetricsRequest(Message):
     pass
 
 
+class RecentRequest(Message):
+    """One request an api copy served lately, for the pipeline page (services/api/pipeline.py).
+    `status` is "running", "finished", "aborted" (its client left) or "error"."""
+
+    request_id: str
+    replica: str
+    created: float  # unix time of arrival
+    status: str
+    finish_reason: str = ""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    ttft_seconds: float = -1.0  # -1: no token yet
+    seconds: float = 0.0  # from arrival to its end (or to the snapshot, while running)
+    trace_id: str = ""  # hex; empty when the request had no valid span context
+
+
 class ApiMetricsSnapshot(Message):
-    """One api copy's request metrics, in the Prometheus text format."""
+    """One api copy's request metrics, in the Prometheus text format, and its recent
+    requests."""
 
     replica: str
     exposition: str = ""
+    recent_requests: list[RecentRequest] = []

@@ -77,6 +77,7 @@ class EngineStats(Message):
     num_prefilled_for_others: int = 0  # a prefill engine's
     num_prefill_engines: int = 0  # a decode engine's: prefill engines it hears from now
     kv_wait_seconds: float = 0.0  # PrefillDone.wait_seconds, summed
+    num_generated_tokens: int = 0  # output tokens sampled since start (a rate by difference)
 
 
 class ModelInfoRequest(Message):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from llmbus.services.api.engine_client import EngineClient
 from llmbus.services.api.errors import EXCEPTION_HANDLERS, OpenAIError, bad_request
 from llmbus.services.api.generation import Generation
 from llmbus.services.api.metrics import ApiMetrics
+from llmbus.services.api.pages import PAGE_ROUTES
+from llmbus.services.api.pipeline import TokenRates, pipeline_view
 from llmbus.services.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,6 +48,7 @@ class ApiSettings:
     limits: Limits = field(default_factory=Limits)
     max_body_bytes: int = 4 * 2**20
     api_key: str | None = None
+    trace_url: str | None = None  # a trace viewer's URL with `{trace_id}` in it
 
 
 def _version() -> str:
@@ -167,6 +171,24 @@ async def metrics(state: State) -> str:
     return registry.render(copies)
 
 
+@get("/pipeline")
+async def pipeline(state: State) -> dict:
+    """Every stage's live copies, the engines' load, recent requests (the pipeline page)."""
+    engine: EngineClient = state.engine
+    try:
+        model: str | None = (await engine.model_info()).model_name
+    except OpenAIError:  # no engine yet: the page still shows who is there
+        model = None
+    stats, snapshots = await asyncio.gather(engine.engine_stats(), engine.api_metrics())
+    now = time.monotonic()
+    rates = {s.engine_id: state.token_rates.observe(s.engine_id, s.num_generated_tokens, now)
+             for s in stats}
+    return pipeline_view(
+        model=model, replica=engine.runtime.instance_id, copies=engine.live_copies(),
+        stats=stats, rates=rates, recent=[r for c in snapshots for r in c.recent_requests],
+        trace_url=state.settings.trace_url)
+
+
 @get("/health")
 async def health(state: State) -> Response:
     """200 when every stage answers ready; 503 otherwise (a load balancer stops sending)."""
@@ -209,12 +231,14 @@ def create_app(engine: EngineClient, settings: ApiSettings | None = None) -> Lit
     async def state_lifespan(app: Litestar) -> AsyncIterator[None]:
         app.state.engine = engine
         app.state.settings = settings
+        app.state.token_rates = TokenRates()
         yield
 
-    v1 = Router(path="/v1", route_handlers=[chat_completions, completions, models],
+    v1 = Router(path="/v1", route_handlers=[chat_completions, completions, models, pipeline],
                 guards=[_require_api_key])
     return Litestar(
-        route_handlers=[v1, tokenize, detokenize, health, version_route, metrics],
+        route_handlers=[v1, tokenize, detokenize, health, version_route, metrics,
+                        *PAGE_ROUTES],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[state_lifespan],
         request_max_body_size=settings.max_body_bytes,

@@ -203,6 +203,13 @@ class EngineClient:
         now = self.runtime.bus_time()
         return {stage: len(liveness.alive(now)) for stage, liveness in self.copies.items()}
 
+    def live_copies(self) -> dict[str, list[tuple[Heartbeat, float]]]:
+        """Each stage's live copies, with the seconds since each one's last heartbeat."""
+        alive_at, now = self.runtime.bus_time(), time.monotonic()
+        return {stage: [(h, now - liveness.last_seen[h.instance_id])
+                        for h in liveness.alive(alive_at)]
+                for stage, liveness in self.copies.items()}
+
     async def _watch_engines(self) -> None:
         """When an engine falls silent, its requests resume on another engine (migration).
         Nothing is judged while this copy is off the bus: the silence is ours."""

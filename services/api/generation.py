@@ -38,6 +38,7 @@ from llmbus.services.tool_calls import Call, parse_calls
 
 log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.api")
+CLIENT_GONE = "the client went away"
 
 
 @dataclass
@@ -116,6 +117,12 @@ class Generation:
                     gen.num_prompt_tokens += admission.num_prompt_tokens
                 log.info("request admitted", num_prompt_tokens=gen.num_prompt_tokens,
                          num_choices=len(gen.choices))
+            if metrics is not None:
+                span_context = gen.span.get_span_context()
+                metrics.recent.started(
+                    gen.id, time.time() - (time.monotonic() - gen.started_at),
+                    gen.num_prompt_tokens,
+                    format(span_context.trace_id, "032x") if span_context.is_valid else "")
         except BaseException as exc:
             await engine.release(gen.request_ids, finished=False)
             gen._end_span(error=str(exc), admitted=False)  # refused: not a request served
@@ -136,9 +143,16 @@ class Generation:
             "gen_ai.usage.input_tokens": self.num_prompt_tokens,
             "gen_ai.usage.output_tokens": num_output,
             "gen_ai.response.finish_reasons": reasons, "gen_ai.response.id": self.id})
-        if self.first_token_at is not None:
-            span.set_attribute("llmbus.time_to_first_token_s",
-                               self.first_token_at - self.started_at)
+        ttft = None if self.first_token_at is None else self.first_token_at - self.started_at
+        if ttft is not None:
+            span.set_attribute("llmbus.time_to_first_token_s", ttft)
+        if self.metrics is not None and admitted:
+            self.metrics.recent.ended(
+                self.id, status="finished" if error is None
+                else "aborted" if error == CLIENT_GONE else "error",
+                finish_reason=",".join(sorted(set(reasons))) if error is None else "",
+                num_output_tokens=num_output,
+                ttft_seconds=ttft, seconds=time.monotonic() - self.started_at)
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
             if self.metrics is not None and admitted:  # cut short: client gone, pipeline error
@@ -146,8 +160,7 @@ class Generation:
                     [fmt.finish_reason_name(c.finish_reason) or "abort" for c in self.choices])
         elif self.metrics is not None:
             self.metrics.observe_request(
-                ttft=None if self.first_token_at is None
-                else self.first_token_at - self.started_at,
+                ttft=ttft,
                 itls=self._itls, e2e=time.monotonic() - self.started_at,
                 queue=self.queue_seconds, num_prompt_tokens=self.num_prompt_tokens,
                 num_output_tokens=num_output, finish_reasons=reasons)
@@ -184,7 +197,7 @@ class Generation:
     async def collect(self) -> dict:
         """Wait for every choice; the whole non-streamed response body."""
         finished = False
-        error: str | None = "the client went away"
+        error: str | None = CLIENT_GONE
         try:
             async for delta in self.engine.deltas(self.queue, len(self.choices)):
                 if delta.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
@@ -221,7 +234,7 @@ class Generation:
     async def stream(self) -> AsyncIterator[str]:
         """SSE data lines; a client that goes away cancels this and the requests are aborted."""
         finished = False
-        error: str | None = "the client went away"
+        error: str | None = CLIENT_GONE
         stream_span = _tracer.start_span("sse_stream", context=trace.set_span_in_context(
             self.span)) if self.span is not None else None
         try:

@@ -12,6 +12,7 @@ registry of their own; the copy a scrape reaches gathers every copy's exposition
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
 from prometheus_client import (
@@ -26,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from llmbus.bus.messages import ApiMetricsSnapshot, EngineStats
+from llmbus.services.api.pipeline import RecentRequests
 
 disable_created_metrics()  # no `_created` series: vLLM's dashboards do not read them
 
@@ -81,6 +83,7 @@ class ApiMetrics:
                                   "Requests resumed on an engine mid-stream (one per move).", R,
                                   registry=reg)
         self.engine_stats: list[EngineStats] = []
+        self.recent = RecentRequests(replica)  # for the pipeline page
 
     def observe_request(self, *, ttft: float | None, itls: list[float], e2e: float,
                         queue: float, num_prompt_tokens: int, num_output_tokens: int,
@@ -106,9 +109,11 @@ class ApiMetrics:
             self.finished.labels(*self.labels, reason).inc()
 
     def snapshot(self) -> ApiMetricsSnapshot:
-        """This copy's request metrics, for the copy a scrape reached."""
+        """This copy's request metrics and recent requests, for the copy a scrape (or the
+        pipeline page's poll) reached."""
         return ApiMetricsSnapshot(replica=self.labels[1],
-                                  exposition=generate_latest(self.registry).decode())
+                                  exposition=generate_latest(self.registry).decode(),
+                                  recent_requests=self.recent.snapshot(time.time()))
 
     def set_engine_stats(self, stats: list[EngineStats]) -> None:
         self.engine_stats = list(stats)

@@ -30,6 +30,12 @@ def _migration_limit(text: str) -> int:
     return value
 
 
+def _trace_url(text: str) -> str:
+    if "{trace_id}" not in text:
+        raise argparse.ArgumentTypeError(f"must contain {{trace_id}}, got {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=os.environ.get("LLMBUS_HOST", "127.0.0.1"),
                         help="address the HTTP server binds (default: 127.0.0.1)")
@@ -57,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds for open requests to finish; /health answers "
                              "503 from the start so load balancers stop sending (default: 30)")
+    parser.add_argument("--trace-url", type=_trace_url,
+                        default=os.environ.get("LLMBUS_TRACE_URL") or None,
+                        help="a trace viewer's URL with {trace_id} in it, e.g. "
+                             "http://127.0.0.1:16686/trace/{trace_id} (Jaeger): the pipeline "
+                             "page links each recent request to its trace (default: "
+                             "$LLMBUS_TRACE_URL; unset = no links)")
     parser.add_argument("--api-key", default=os.environ.get("LLMBUS_API_KEY"),
                         help="require `Authorization: Bearer KEY` on every /v1 route "
                              "(default: $LLMBUS_API_KEY; unset = no key)")
@@ -109,7 +121,8 @@ async def main(args: argparse.Namespace) -> None:
         app = create_app(engine, ApiSettings(
             limits=Limits(max_tokens=args.max_tokens_cap, max_n=args.max_n,
                           max_prompts=args.max_prompts),
-            max_body_bytes=args.max_body_size, api_key=args.api_key))
+            max_body_bytes=args.max_body_size, api_key=args.api_key,
+            trace_url=args.trace_url))
         server = DrainingServer(app, uvicorn.Config(
             app, host=args.host, port=args.port, log_config=None, access_log=False,
             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"))

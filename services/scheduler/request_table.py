@@ -95,3 +95,4 @@ class Counters:
     num_accepted_tokens: int = 0
     num_remote_prefills: int = 0  # disaggregation: prompts sent to a prefill engine
     num_remote_fallbacks: int = 0  # ... of which were prefilled here after all
+    num_generated_tokens: int = 0  # output tokens kept (tokens after a stop are not)

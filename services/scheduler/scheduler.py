@@ -599,6 +599,7 @@ class Scheduler:
         verified run after a stop token, or past max_tokens, is dropped)."""
         for token_id, token_logprobs in tokens:
             request.output_token_ids.append(token_id)
+            self.counters.num_generated_tokens += 1
             if token_logprobs is not None:
                 request.output_logprobs.append(token_logprobs)
             reason = stop_reason(request, token_id, self.config.eos_token_ids)

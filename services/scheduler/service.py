@@ -320,7 +320,8 @@ class SchedulerService:
             handoff_seconds=self.decode_side.handoff_seconds if self.decode_side else 0.0,
             num_prefilled_for_others=self.prefill_side.num_done if self.prefill_side else 0,
             num_prefill_engines=len(s.prefill_engines),
-            kv_wait_seconds=self.decode_side.kv_wait_seconds if self.decode_side else 0.0)
+            kv_wait_seconds=self.decode_side.kv_wait_seconds if self.decode_side else 0.0,
+            num_generated_tokens=s.counters.num_generated_tokens)
 
     def _expired(self, now: float) -> list[RequestTokens]:
         """Requests queued past --queue-timeout; the queue is walked at most once a second,

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import re
@@ -117,6 +118,18 @@ def test_compose_stack_is_locked():
         "${LLMBUS_API_KEY:?")
     assert all(port.startswith("127.0.0.1:")
                for port in compose["services"]["jaeger"]["ports"])
+
+
+def test_compose_pipeline_page_links_to_the_published_trace_viewer():
+    from llmbus.services.api.service import _trace_url
+
+    for file in ("compose.yaml", "compose.cluster.yaml"):
+        compose = yaml.safe_load((REPO / file).read_text())
+        url = _trace_url(compose["services"]["api"]["environment"]["LLMBUS_TRACE_URL"])
+        [published] = compose["services"]["jaeger"]["ports"]  # host address:port:16686
+        assert url == f"http://{published.rsplit(':', 1)[0]}/trace/{{trace_id}}", file
+    with pytest.raises(argparse.ArgumentTypeError, match="trace_id"):
+        _trace_url("http://127.0.0.1:16686/trace/")  # refused at start-up, by argparse
 
 
 async def test_compose_bus_config_admits_only_its_users(tmp_path):

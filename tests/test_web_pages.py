@@ -138,6 +138,9 @@ async def test_no_call_succeeds_until_the_key_is_entered(web_stack, browser, req
     page.on("response", lambda r: statuses.append((r.url, r.status)) if "/v1/" in r.url
             else None)
     try:
+        await page.goto(base + "/pipeline")
+        await page.locator("#key-form").wait_for()  # /v1/pipeline answered 401
+        assert await page.locator(".stage").count() == 0
         await page.goto(base + "/")
         await page.locator("#key-form").wait_for()  # /v1/models answered 401
         await _settings(page, temperature="0", max_tokens="24")

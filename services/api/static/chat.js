@@ -124,7 +124,8 @@ async function send(text) {
     const seconds = firstAt ? (performance.now() - firstAt) / 1000 : 0;
     answer.stats = answer.error && !firstAt ? null : { tokens, exact: usage != null,
       stopped: answer.stopped, ttftMs: firstAt ? firstAt - startedAt : null,
-      tokensPerSecond: tokens > 1 && seconds > 0 ? (tokens - 1) / seconds : null };
+      // Known only with the usage chunk: one delta may carry several tokens.
+      tokensPerSecond: usage && tokens > 1 && seconds > 0 ? (tokens - 1) / seconds : null };
     fill(item, answer);
     running = null;
     setRunning(false);

@@ -33,10 +33,13 @@ class TinySpec:
     tied: bool = False
     bos_token_id: int = 1
     eos_token_id: int = 2
+    # A head size other than hidden / heads (Qwen3's 128 at any width), written as
+    # `<arch>.attention.key_length`.
+    head_size: int | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
 
 
 def permute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -84,6 +87,23 @@ def random_k_quant(kind, rows: int, cols: int, seed: int) -> np.ndarray:
     return blocks(kind.name, rows, cols, np.random.default_rng(seed))
 
 
+def family_tensors(spec: TinySpec, arch: str, seed: int) -> dict[str, np.ndarray]:
+    """What a family adds to llama's tensors: qwen2's Q/K/V biases, qwen3's Q/K norms."""
+    rng = np.random.default_rng(seed + 1000)
+    extra = {}
+    for i in range(spec.num_layers):
+        if arch == "qwen2":
+            for n, heads in (("q", spec.num_heads), ("k", spec.num_kv_heads),
+                             ("v", spec.num_kv_heads)):
+                extra[f"blk.{i}.attn_{n}.bias"] = \
+                    (0.5 * rng.standard_normal(heads * spec.head_dim)).astype(np.float32)
+        elif arch == "qwen3":
+            for n in "qk":
+                extra[f"blk.{i}.attn_{n}_norm.weight"] = \
+                    (1.0 + 0.3 * rng.standard_normal(spec.head_dim)).astype(np.float32)
+    return extra
+
+
 def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
                      quantized: str | None = None, rope_freqs: np.ndarray | None = None,
                      rope_scaling: tuple[str, float] | None = None,
@@ -96,21 +116,15 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
     they are returned dequantized, so references computed from them stay exact. RoPE scaling
     as llama.cpp writes it: `rope_freqs` (Llama 3.1+: a factor per frequency, as a tensor) or
     `rope_scaling` (type, factor) in the metadata. `arch="qwen2"`: Q/K/V biases, and Q/K rows
-    in HF's order (llama.cpp permutes them for llama files only). `vocab_from`: a GGUF whose
+    in HF's order (llama.cpp permutes them for llama files only); `arch="qwen3"`: Q/K norms
+    per head instead of biases, rows in HF's order. `vocab_from`: a GGUF whose
     tokenizer (vocabulary, merges, chat template; spec.vocab_size must match) this file takes,
     so that the whole stack can serve it. `k_quants`: matrices whose name ends with a key are
     random blocks of that K-quant type instead (returned dequantized, as the file holds them).
     """
     import gguf
 
-    weights = tiny_weights(spec, seed)
-    if arch == "qwen2":
-        rng = np.random.default_rng(seed + 1000)
-        for i in range(spec.num_layers):
-            for n, heads in (("q", spec.num_heads), ("k", spec.num_kv_heads),
-                             ("v", spec.num_kv_heads)):
-                weights[f"blk.{i}.attn_{n}.bias"] = \
-                    (0.5 * rng.standard_normal(heads * spec.head_dim)).astype(np.float32)
+    weights = tiny_weights(spec, seed) | family_tensors(spec, arch, seed)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny-random-llama")
     writer.add_block_count(spec.num_layers)
@@ -121,6 +135,9 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
     writer.add_head_count_kv(spec.num_kv_heads)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    if spec.head_size is not None:
+        writer.add_key_length(spec.head_size)
+        writer.add_value_length(spec.head_size)
     if vocab_from is None:
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list([f"<t{i}>" for i in range(spec.vocab_size)])

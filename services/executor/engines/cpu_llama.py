@@ -28,13 +28,14 @@ import torch
 
 from llmbus.services.executor.attention.cpu_paged import PagedAttention
 from llmbus.services.executor.attention.metadata import AttentionMetadata
+from llmbus.services.executor.attention.qk_norm import qk_rms_norm
 from llmbus.services.executor.attention.rope import rope_tables
 from llmbus.services.executor.attention.torch_paged import paged_attention, rope_write_kv
 from llmbus.services.executor.engines.int_step import IntStep
 from llmbus.services.executor.engines.onnx_graphs import MatrixSource, head_graph, layer_graphs
 from llmbus.services.executor.kernels.cpu.library import load_library
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.weights.gguf_loader import LlamaConfig, qkv_bias
+from llmbus.services.executor.weights.gguf_loader import LlamaConfig, qk_norm_weights, qkv_bias
 from llmbus.services.executor.weights.gguf_quants import QUANT_GROUP, NativeWeight, Q8_0Weight
 from llmbus.services.executor.weights.matrices import LAYER_MATRICES
 from llmbus.services.executor.weights.quant_parts import (
@@ -176,10 +177,13 @@ class CpuLlamaModel:
             self._build_graphs(config, dense, native, num_threads)
         self.embed = _Embedding(native.get("token_embd.weight"), dense.get("token_embd.weight"))
         self.qkv_biases = [qkv_bias(dense, i) for i in range(config.num_layers)]
+        self.qk_norms = [qk_norm_weights(dense, i) for i in range(config.num_layers)]
         # The integer kernel's layers and the attention in one C++ call (step_layers.cpp),
-        # where no QKV bias comes between them; tests turn it off to compare the two loops.
+        # where no QKV bias or Q/K norm comes between them; tests turn it off to compare the
+        # two loops.
         self.fused_layers = (self.int_step is not None and self.paged_attention is not None
-                             and all(b is None for b in self.qkv_biases))
+                             and all(b is None for b in self.qkv_biases)
+                             and all(n is None for n in self.qk_norms))
         self.set_max_positions(max_positions)
         self.scale = config.head_dim ** -0.5
         _return_freed_memory()  # the load's temporaries: unpacked codes, dequantized blocks
@@ -214,10 +218,16 @@ class CpuLlamaModel:
         """Size the rotary tables for positions [0, max_positions)."""
         self.cos, self.sin = rope_tables(self.config, max_positions)  # [P, Dh]
 
-    def _biased(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv plus the layer's Q/K/V bias (qwen2); every path's projection comes out here."""
-        bias = self.qkv_biases[layer]
-        return qkv if bias is None else qkv + bias
+    def _projected(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv plus the layer's Q/K/V bias (qwen2), Q and K heads normalised (qwen3); every
+        path's projection comes out here, before RoPE."""
+        bias, norms = self.qkv_biases[layer], self.qk_norms[layer]
+        if bias is not None:
+            qkv = qkv + bias
+        if norms is not None:
+            cfg = self.config
+            qkv = qk_rms_norm(qkv, *norms, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
+        return qkv
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -240,7 +250,7 @@ class CpuLlamaModel:
         layers[0].run({"hidden": hidden}, {"qkv": qkv})
         for index, graph in enumerate(layers[1:]):
             k_cache, v_cache = kv_cache.layer(index)
-            attn = self.attend(self._biased(index, qkv), cos, sin, k_cache, v_cache,
+            attn = self.attend(self._projected(index, qkv), cos, sin, k_cache, v_cache,
                                meta)  # [T, H * Dh]
             outputs = {"hidden_out": spare}
             if "qkv" in graph.output_widths:
@@ -262,7 +272,8 @@ class CpuLlamaModel:
         hidden = self.embed(input_ids)  # [T, D], the residual stream
 
         def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:
-            return self.attend(self._biased(index, qkv), cos, sin, *kv_cache.layer(index), meta)
+            return self.attend(self._projected(index, qkv), cos, sin, *kv_cache.layer(index),
+                               meta)
 
         *layers, head = (self.single_thread_graphs if num_tokens <= SINGLE_THREAD_TOKENS
                          else self.graphs) or [None]

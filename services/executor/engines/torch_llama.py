@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from llmbus.services.executor.attention.metadata import AttentionMetadata
+from llmbus.services.executor.attention.qk_norm import qk_rms_norm
 from llmbus.services.executor.attention.rope import rope_tables
 from llmbus.services.executor.attention.torch_paged import paged_attention, rope_write_kv
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.weights.gguf_loader import LlamaConfig, qkv_bias
+from llmbus.services.executor.weights.gguf_loader import LlamaConfig, qk_norm_weights, qkv_bias
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,6 +76,7 @@ class _Layer:
     gate_up: torch.Tensor  # [2 F, D], gate and up fused
     down: torch.Tensor  # [D, F]
     qkv_bias: torch.Tensor | None = None  # [(H + 2 Hkv) * Dh] (qwen2)
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # Q's and K's, [Dh] each (qwen3)
 
 
 class LlamaModel:
@@ -113,7 +115,10 @@ class LlamaModel:
                 gate_up=stacked(p + "ffn_gate.weight", p + "ffn_up.weight"),
                 down=stacked(p + "ffn_down.weight"),
                 qkv_bias=None if qkv_bias(weights, i) is None
-                else qkv_bias(weights, i).to(device=device, dtype=dtype)))
+                else qkv_bias(weights, i).to(device=device, dtype=dtype),
+                qk_norm=None if qk_norm_weights(weights, i) is None
+                else tuple(t.to(device=device, dtype=dtype)
+                           for t in qk_norm_weights(weights, i))))
         self.embed = w("token_embd.weight")  # [V, D]
         self.lm_head = self.embed if config.tie_word_embeddings else w("output.weight")  # [V, D]
         self.output_norm = w("output_norm.weight")
@@ -142,6 +147,8 @@ class LlamaModel:
             qkv = self.linear(x, layer.qkv)  # [T, (H + 2 Hkv) * Dh]
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
+            if layer.qk_norm is not None:
+                qkv = qk_rms_norm(qkv, *layer.qk_norm, cfg.num_heads, cfg.num_kv_heads, eps)
             k_cache, v_cache = kv_cache.layer(index)
             q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                                   cfg.num_heads)  # [T, H, Dh]

@@ -1,10 +1,13 @@
-"""Load a llama-family GGUF (architectures `llama` and `qwen2`) into a config and float weights.
+"""Load a llama-family GGUF (architectures `llama`, `qwen2`, `qwen3`) into a config and float
+weights.
 
 Weights keep their GGUF names (`blk.{i}.attn_q.weight`, ...) in HF layout: `[out, in]`, with a
 llama file's Q and K un-permuted from llama.cpp's interleaved rotary layout to the rotate_half
-convention (qwen2 files keep HF's), so one RoPE implementation matches HF transformers on the
-same file. Metadata is read under the file's architecture (`qwen2.block_count`, ...); qwen2's
-Q/K/V biases load as `blk.{i}.attn_{q,k,v}.bias`.
+convention (qwen2 and qwen3 files keep HF's), so one RoPE implementation matches HF transformers
+on the same file. Metadata is read under the file's architecture (`qwen2.block_count`, ...);
+qwen2's Q/K/V biases load as `blk.{i}.attn_{q,k,v}.bias`, qwen3's per-head Q/K norms as
+`blk.{i}.attn_{q,k}_norm.weight` (and its head size, wider than hidden / heads, comes from
+`qwen3.attention.key_length`).
 
 `load_gguf(..., keep_native=True)` also returns the quantized matrices in a native form (codes
 plus a scale, and for the 4-bit form a minimum, per 32 weights), for the quantized CPU matmuls.
@@ -23,7 +26,7 @@ import torch
 
 from llmbus.services.executor.weights.gguf_quants import NativeWeight, native_parsers
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 class UnsupportedModelError(ValueError):
@@ -50,8 +53,9 @@ class LlamaConfig:
     rope_linear_factor: float = 1.0
     rope_freq_factors: tuple[float, ...] | None = None
     # llama.cpp stores a llama file's Q/K rows with each head's rotary pairs interleaved (the
-    # loader restores HF's halves); a qwen2 file keeps HF's layout.
+    # loader restores HF's halves); a qwen2 or qwen3 file keeps HF's layout.
     rotary_pairs_interleaved: bool = True
+    qk_norm: bool = False  # qwen3: an RMSNorm on each Q and K head before RoPE
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -125,7 +129,19 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
         tie_word_embeddings="output.weight" not in tensor_shapes,
         rope_linear_factor=linear,
         rotary_pairs_interleaved=arch == "llama",
+        qk_norm=arch == "qwen3",
     )
+
+
+def _check_family_tensors(config: LlamaConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The tensors the architecture needs beyond llama's are there (named when not)."""
+    if config.qk_norm:
+        for name in (f"blk.{i}.attn_{n}_norm.weight" for i in range(config.num_layers)
+                     for n in "qk"):
+            if shapes.get(name) != (config.head_dim,):
+                raise UnsupportedModelError(
+                    f"GGUF lacks {name!r}" if name not in shapes else
+                    f"{name!r} has shape {shapes[name]}, expected ({config.head_dim},)")
 
 
 def _drop_pages(reader: Any, tensor: Any) -> None:
@@ -159,6 +175,7 @@ def load_gguf(
     # Reader shapes are ggml order (innermost first); numpy order is reversed.
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     config = read_config(reader, shapes)
+    _check_family_tensors(config, shapes)
     weights: dict[str, torch.Tensor] = {}
     native: dict[str, NativeWeight] = {}
     for tensor in reader.tensors:
@@ -191,6 +208,15 @@ def load_gguf(
         if "token_embd.weight" in native:
             native["output.weight"] = native["token_embd.weight"]
     return config, weights, native
+
+
+def qk_norm_weights(weights: dict[str, torch.Tensor],
+                    layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Layer `layer`'s per-head Q and K norm weights ([Dh] each; qwen3 files), or None."""
+    names = (f"blk.{layer}.attn_q_norm.weight", f"blk.{layer}.attn_k_norm.weight")
+    if names[0] not in weights:
+        return None
+    return weights[names[0]], weights[names[1]]
 
 
 def qkv_bias(weights: dict[str, torch.Tensor], layer: int) -> torch.Tensor | None:

@@ -1,6 +1,7 @@
 """GGUF families beyond llama, on tiny generated files compared with HF transformers loading the
-same file: qwen2 (Q/K/V biases, Q/K rows in HF order) on the torch backend and on every
-ONNX Runtime path (graphs, llmbus's integer kernel, the bfloat16 prefill)."""
+same file: qwen2 (Q/K/V biases, Q/K rows in HF order) and qwen3 (a per-head RMSNorm of Q and
+K, heads of 128 wider than hidden / heads) on the torch backend and on every CPU path (ONNX
+Runtime's graphs in the exact mode, llmbus's integer kernel in the fast one)."""
 
 from __future__ import annotations
 
@@ -13,21 +14,23 @@ from llmbus.services.executor.engines.cpu_llama import CpuLlamaModel
 from llmbus.services.executor.engines.torch_llama import LlamaModel
 from llmbus.services.executor.kernels.cpu.library import load_library
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.weights.gguf_loader import load_gguf
+from llmbus.services.executor.weights.gguf_loader import UnsupportedModelError, load_gguf
 from tests.gguf_fixtures import TinySpec, write_tiny_llama
 
 pytest.importorskip("transformers")
 
 SPEC = TinySpec()
+# transformers reads no head size from a qwen3 GGUF: its default, 128, as in every Qwen3.
+QWEN3_SPEC = TinySpec(head_size=128)
 TOKENS = [int(t) for t in np.random.default_rng(1).integers(3, SPEC.vocab_size, 40)]
 
 
-def _hf_logits(path) -> torch.Tensor:
+def _hf_logits(path, family: str = "Qwen2") -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                  dtype=torch.float32).eval()
-    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert type(model).__name__ == f"{family}ForCausalLM"
     with torch.inference_mode():
         return model(torch.tensor([TOKENS])).logits[0]
 
@@ -66,9 +69,61 @@ def test_qwen2_on_the_torch_backend(qwen2):
     assert (unbiased - want).abs().max() > 0.1  # the biases matter to this model
 
 
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3") / "tiny-qwen3.gguf"
+    write_tiny_llama(path, QWEN3_SPEC, seed=3, arch="qwen3")
+    return path, _hf_logits(path, "Qwen3")
+
+
+@pytest.fixture(scope="module")
+def qwen3_q8(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3q8") / "tiny-qwen3-q8_0.gguf"
+    write_tiny_llama(path, QWEN3_SPEC, seed=3, arch="qwen3", quantized="Q8_0")
+    return path, _hf_logits(path, "Qwen3")
+
+
+def test_qwen3_on_the_torch_backend(qwen3):
+    path, want = qwen3
+    config, dense, _ = load_gguf(path)
+    assert (config.head_dim, config.qk_norm, config.rotary_pairs_interleaved) == (128, True,
+                                                                                  False)
+    got = _forward(LlamaModel(config, dense, max_positions=64), config)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    for i in range(config.num_layers):
+        dense[f"blk.{i}.attn_q_norm.weight"] = torch.ones(128)
+    unnormed = _forward(LlamaModel(config, dense, max_positions=64), config)
+    assert (unnormed - want).abs().max() > 0.1  # the norms' weights matter to this model
+
+
+def test_qwen3_without_its_norms_is_refused_by_name(tmp_path):
+    import gguf
+
+    path = tmp_path / "broken-qwen3.gguf"
+    weights = write_tiny_llama(tmp_path / "whole.gguf", QWEN3_SPEC, seed=3, arch="qwen3")
+    reader = gguf.GGUFReader(str(tmp_path / "whole.gguf"))
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    for field in reader.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(field.name, field.contents(), field.types[0],
+                                 field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY
+                                 else None)
+    for name, array in weights.items():
+        if name != "blk.1.attn_k_norm.weight":
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="blk.1.attn_k_norm.weight"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("path_name", ["graphs", "int_step"])
-def test_qwen2_on_every_cpu_engine(qwen2_q8, path_name):
-    path, want = qwen2_q8
+def test_every_cpu_engine(request, family, path_name):
+    path, want = request.getfixturevalue(f"{family}_q8")
     config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
     exact = path_name == "graphs"
     if not exact and load_library() is None:

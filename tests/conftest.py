@@ -120,6 +120,7 @@ TEST_KINDS = {
     "test_packaging.py": "unit",
     "test_pipeline_view.py": "unit",
     "test_prefix_tree.py": "unit",
+    "test_reasoning.py": "unit",
     "test_rope_scaling.py": "unit",
     "test_sampler.py": "unit",
     "test_scheduler.py": "unit",

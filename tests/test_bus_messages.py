@@ -45,12 +45,13 @@ EXAMPLES = [
     m.GenerateRequest(request_id="r1", reply_subject="api.x", model="m", params=PARAMS,
                       messages=[CHAT], prompt="p", prompt_token_ids=[1],
                       add_generation_prompt=False, n=2, tools_json="[]", attempt=1,
-                      resumed=[RESUMED], avoid_instance_id="s1"),
+                      resumed=[RESUMED], avoid_instance_id="s1",
+                      chat_template_kwargs_json='{"enable_thinking":false}'),
     m.Admission(num_prompt_tokens=3, error_code=m.ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 error_message="too long", error_param="messages", scheduler_instance_id="s1",
-                scheduler_reconnects=2),
+                scheduler_reconnects=2, reasoning=True, reasoning_open=True),
     m.EncodeRequest(messages=[CHAT], prompt="p", add_generation_prompt=False,
-                    add_special_tokens=False),
+                    add_special_tokens=False, chat_template_kwargs_json="{}"),
     m.EncodeResult(token_ids=[1, 2], error_message="e"),
     m.DecodeRequest(token_ids=[1, 2]),
     m.DecodeResult(text="t", error_message="e"),
@@ -128,12 +129,13 @@ GOLDEN = {
     "TokenLogprobs": "93cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000",
     "ChatMessage": "94a475736572a26869a25b5da26331",
     "GenerateRequest": (
-        "9da27231a56170692e78a16ddc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10a"
+        "9ea27231a56170692e78a16ddc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10a"
         "c3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cb"
         "bff000000000000093a57265676578a65b302d395d2bac6775696465645f72656765789194a475736572"
-        "a26869a25b5da26331a1709101c202a25b5d01919201912aa27331"),
-    "Admission": "960302a8746f6f206c6f6e67a86d65737361676573a2733102",
-    "EncodeRequest": "949194a475736572a26869a25b5da26331a170c2c2",
+        "a26869a25b5da26331a1709101c202a25b5d01919201912aa27331b97b22656e61626c655f7468696e6b"
+        "696e67223a66616c73657d"),
+    "Admission": "980302a8746f6f206c6f6e67a86d65737361676573a2733102c3c3",
+    "EncodeRequest": "959194a475736572a26869a25b5da26331a170c2c2a27b7d",
     "EncodeResult": "92920102a165",
     "DecodeRequest": "91920102",
     "DecodeResult": "92a174a165",

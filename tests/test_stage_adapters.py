@@ -233,4 +233,4 @@ def test_an_executor_refuses_a_file_it_cannot_serve_in_one_line(bus, tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "llmbus executor: other.gguf: unsupported model architecture 'gemma3'; supported: "
-        "('llama', 'qwen2')")
+        "('llama', 'qwen2', 'qwen3')")

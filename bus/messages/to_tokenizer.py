@@ -27,6 +27,9 @@ class GenerateRequest(Message):
     attempt: int = 0
     resumed: list[ResumedCompletion] = []
     avoid_instance_id: str = ""
+    # Extra variables for the chat template, a JSON object (`chat_template_kwargs`, vLLM's
+    # extension: `{"enable_thinking": false}`); empty: none.
+    chat_template_kwargs_json: str = ""
 
 
 class Admission(Message):
@@ -40,6 +43,11 @@ class Admission(Message):
     # often it had reconnected when it took it: a later reconnect may have lost its messages.
     scheduler_instance_id: str = ""
     scheduler_reconnects: int = 0
+    # A chat whose model thinks (services/api/reasoning.py): split its output at the think
+    # tags into reasoning and content; `reasoning_open`: the prompt itself opened the think
+    # block, so the output starts as reasoning.
+    reasoning: bool = False
+    reasoning_open: bool = False
 
 
 class EncodeRequest(Message):
@@ -49,6 +57,7 @@ class EncodeRequest(Message):
     prompt: str | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    chat_template_kwargs_json: str = ""  # as in GenerateRequest
 
 
 class EncodeResult(Message):

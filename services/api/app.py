@@ -40,6 +40,7 @@ from llmbus.services.api.schemas import (
     completion_prompts,
     decode_body,
     sampling_params,
+    template_kwargs_json,
 )
 
 
@@ -93,7 +94,8 @@ async def chat_completions(request: Request, state: State) -> Response:
     params.structured, tools = await asyncio.to_thread(output_constraint, req, chat=True)
     generation = await Generation.start(
         engine, chat=True, model=model, params=params, n=req.n,
-        sources=[{"messages": messages, "tools_json": tools.tools_json if tools else ""}],
+        sources=[{"messages": messages, "tools_json": tools.tools_json if tools else "",
+                  "chat_template_kwargs_json": template_kwargs_json(req.chat_template_kwargs)}],
         include_usage=_include_usage(req), metrics=_metrics(state, model), tools=tools)
     return await _respond(generation, req.stream)
 
@@ -139,6 +141,7 @@ async def tokenize(request: Request, state: State) -> dict:
                            add_special_tokens=req.add_special_tokens)
     if req.messages is not None:
         encode.messages = chat_messages(req.messages)
+        encode.chat_template_kwargs_json = template_kwargs_json(req.chat_template_kwargs)
     else:
         encode.prompt = req.prompt
     token_ids = await engine.encode(encode)

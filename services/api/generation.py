@@ -34,6 +34,7 @@ from llmbus.services.api.constraints import ToolUse
 from llmbus.services.api.engine_client import EngineClient
 from llmbus.services.api.errors import OpenAIError
 from llmbus.services.api.metrics import ApiMetrics
+from llmbus.services.api.reasoning import ReasoningSplitter, split_reasoning
 from llmbus.services.tool_calls import Call, parse_calls
 
 log = structlog.get_logger()
@@ -53,6 +54,8 @@ class Choice:
     held: list[str] = field(default_factory=list)
     held_logprobs: list[TextLogprob] = field(default_factory=list)
     holding: bool | None = None
+    # A thinking model's chat: its text split into reasoning and content as it streams.
+    splitter: ReasoningSplitter | None = None
 
 
 @dataclass
@@ -78,6 +81,8 @@ class Generation:
     queue_seconds: float = 0.0
     _itls: list[float] = field(default_factory=list)
     tools: ToolUse | None = None  # chat requests that may call functions
+    reasoning: bool = False  # split the output at the think tags (the tokenizer decides)
+    reasoning_open: bool = False  # ... the prompt opened the think block
 
     def _calls(self, choice: Choice, text: str) -> list[Call] | None:
         """The function calls a finished choice made, if it made calls."""
@@ -115,6 +120,10 @@ class Generation:
                         request_id=request_id, reply_subject=engine.reply_subject, model=model,
                         params=params, n=n, **source), gen.queue)
                     gen.num_prompt_tokens += admission.num_prompt_tokens
+                    gen.reasoning = chat and admission.reasoning
+                    gen.reasoning_open = admission.reasoning_open
+                for choice in gen.choices if gen.reasoning else []:
+                    choice.splitter = ReasoningSplitter(gen.reasoning_open)
                 log.info("request admitted", num_prompt_tokens=gen.num_prompt_tokens,
                          num_choices=len(gen.choices))
             if metrics is not None:
@@ -214,12 +223,16 @@ class Generation:
             text = echo + "".join(choice.text)
             reason = fmt.finish_reason_name(choice.finish_reason)
             if self.chat:
+                reasoning, text = (split_reasoning(text, self.reasoning_open) if self.reasoning
+                                   else (None, text))
                 message: dict[str, Any] = {"role": "assistant", "content": text}
-                calls = self._calls(choice, text)
+                calls = self._calls(choice, text)  # in the answer, not the reasoning
                 if calls:
                     message = {"role": "assistant", "content": None,
                                "tool_calls": fmt.tool_calls(calls, stream=False)}
                     reason = "tool_calls"
+                if self.reasoning:
+                    message["reasoning_content"] = reasoning
                 choices.append({"index": index, "message": message,
                                 "logprobs": fmt.chat_logprobs(choice.logprobs)
                                 if self.with_logprobs else None, "finish_reason": reason})
@@ -249,13 +262,8 @@ class Generation:
                     yield _json({"error": {"message": error, "type": "server_error",
                                            "param": None, "code": None}})
                     break  # not `finished`: the rest of the request is aborted everywhere
-                index, choice = self._apply(delta)
-                reason = fmt.finish_reason_name(delta.finish_reason)
-                if self.tools is not None:
-                    for chunk in self._tool_chunks(index, choice, delta, reason):
-                        yield chunk
-                elif delta.text or delta.logprobs or reason:
-                    yield self._chunk(index, delta.text, reason, delta.logprobs, choice)
+                for chunk in self._delta_chunks(delta):
+                    yield chunk
             else:
                 finished, error = True, None
                 if self.include_usage:
@@ -269,26 +277,55 @@ class Generation:
                 stream_span.end()
             self._end_span(error)
 
-    def _tool_chunks(self, index: int, choice: Choice, delta: TextDelta,
-                     reason: str | None) -> list[str]:
+    def _delta_chunks(self, delta: TextDelta) -> list[str]:
+        """The SSE chunks one delta makes: its reasoning and its content (held while it may
+        be function calls)."""
+        index, choice = self._apply(delta)
+        reason = fmt.finish_reason_name(delta.finish_reason)
+        reasoning, text = self._split(choice, delta.text, reason)
+        if self.tools is not None:
+            chunks = ([self._chunk(index, {"reasoning_content": reasoning}, None, None)]
+                      if reasoning else [])
+            return chunks + self._tool_chunks(index, choice, text, delta.logprobs, reason)
+        if reasoning:
+            body = {"reasoning_content": reasoning} | ({"content": text} if text else {})
+            return [self._chunk(index, body, reason, delta.logprobs, choice)]
+        if text or delta.logprobs or reason:
+            return [self._chunk(index, text, reason, delta.logprobs, choice)]
+        return []
+
+    @staticmethod
+    def _split(choice: Choice, text: str, reason: str | None) -> tuple[str, str]:
+        """A delta's text as (reasoning, content) to send now; ("", text) when not split."""
+        if choice.splitter is None:
+            return "", text
+        reasoning, content = choice.splitter.feed(text)
+        if reason:  # the choice ended: what was held back goes too
+            more_reasoning, more_content = choice.splitter.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
+    def _tool_chunks(self, index: int, choice: Choice, text: str,
+                     logprobs: list[TextLogprob], reason: str | None) -> list[str]:
         """Stream a choice that may call functions: text that opens like calls (`[`, `{` or
         `<tool_call>`) is held to the end, then sent as tool-call deltas if it parses as calls
         (one delta per call, whole, which the OpenAI SDK accumulates as it would pieces);
         other text streams as content, with its logprobs."""
         if choice.holding is False:
-            if delta.text or delta.logprobs or reason:
-                return [self._chunk(index, delta.text, reason, delta.logprobs, choice)]
+            if text or logprobs or reason:
+                return [self._chunk(index, text, reason, logprobs, choice)]
             return []
-        choice.held.append(delta.text)
-        choice.held_logprobs.extend(delta.logprobs)
+        choice.held.append(text)
+        choice.held_logprobs.extend(logprobs)
         if choice.holding is None:
             start = "".join(choice.held).lstrip()
             choice.holding = _opens_calls(start) if start else None
         if not reason and choice.holding is not False:
             return []
+        # Held since the answer began (its start decided the holding): the whole answer.
         text, logprobs = "".join(choice.held), choice.held_logprobs
         choice.held, choice.held_logprobs = [], []
-        calls = self._calls(choice, "".join(choice.text)) if reason else None
+        calls = self._calls(choice, text) if reason else None
         if calls:
             return [self._chunk(index, {"tool_calls": fmt.tool_calls(calls, stream=True)},
                                 "tool_calls", logprobs)]

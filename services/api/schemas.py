@@ -91,6 +91,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     parallel_tool_calls: bool | None = None  # default: several calls may come at once
+    # Extra variables for the chat template (vLLM's extension), e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -107,6 +109,12 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessageIn] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def template_kwargs_json(kwargs: dict[str, Any] | None) -> str:
+    """`chat_template_kwargs` for the tokenizer stage, as JSON text ("" when unset)."""
+    return msgspec.json.encode(kwargs).decode() if kwargs else ""
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

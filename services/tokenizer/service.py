@@ -34,7 +34,7 @@ from llmbus.services.gguf_tokenizer import GGUFTokenizer
 from llmbus.services.model_files import resolve_model
 from llmbus.services.tokenizer.chat_template import ChatTemplateError
 from llmbus.services.tokenizer.router import Router
-from llmbus.services.tokenizer.tokenization import Tokenization
+from llmbus.services.tokenizer.tokenization import REASONING_PARSERS, Prompt, Tokenization
 
 log = structlog.get_logger()
 _tracer = trace.get_tracer("llmbus.tokenizer")
@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how requests are spread over engines: to the engine caching "
                              "the longest prefix, balanced against load; or at random "
                              "(default: cache-aware)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
+                        help="split a chat's output at <think>...</think> into "
+                             "`reasoning_content` and `content`, as vLLM's reasoning parsers "
+                             "do: 'think' always, 'auto' where the model's chat template "
+                             "writes <think> (Qwen3, DeepSeek-R1 distills), 'none' never "
+                             "(default: auto)")
 
 
 ADMISSION_TIMEOUT = 3.0  # seconds an engine has to answer a submit before the next is tried
@@ -121,7 +127,7 @@ class TokenizerService:
         await runtime.on_request(subjects.TOKENIZER_DECODE, DecodeRequest, self.on_decode,
                                  queue=group)
 
-    def _prompt_token_ids(self, request: GenerateRequest) -> list[int] | Admission:
+    def _prompt(self, request: GenerateRequest) -> Prompt | Admission:
         """The prompt's token ids, or the refusal of a request that cannot be tokenized."""
         try:
             self.tokenization.check_token_ids(list(request.params.logit_bias),
@@ -132,26 +138,26 @@ class TokenizerService:
         with _tracer.start_as_current_span("tokenize", attributes={
                 "llmbus.request_id": request.request_id}) as span:
             try:
-                token_ids = self.tokenization.prompt_token_ids(request)
+                prompt = self.tokenization.prompt(request)
             except (ValueError, ChatTemplateError) as exc:
                 param = "messages" if request.messages else "prompt"
                 return Admission(error_code=ErrorCode.INVALID_REQUEST,
                                  error_message=str(exc), error_param=param)
-            span.set_attribute("gen_ai.usage.input_tokens", len(token_ids))
-        if not token_ids:
+            span.set_attribute("gen_ai.usage.input_tokens", len(prompt.token_ids))
+        if not prompt.token_ids:
             return Admission(error_code=ErrorCode.INVALID_REQUEST,
                              error_message="the prompt is empty after tokenization",
                              error_param="prompt")
-        return token_ids
+        return prompt
 
     async def on_generate(self, request: GenerateRequest, _: Msg) -> Admission:
         self.runtime.num_handled += 1
-        token_ids = self._prompt_token_ids(request)
-        if isinstance(token_ids, Admission):
-            return token_ids
+        prompt = self._prompt(request)
+        if isinstance(prompt, Admission):
+            return prompt
         submit = SubmitRequest(request_id=request.request_id,
                                reply_subject=request.reply_subject,
-                               prompt_token_ids=token_ids, params=request.params,
+                               prompt_token_ids=prompt.token_ids, params=request.params,
                                arrival_time=time.time(), n=request.n, attempt=request.attempt,
                                resumed=request.resumed)
         admission = await submit_to_an_engine(self.runtime, self.router, submit,
@@ -161,6 +167,7 @@ class TokenizerService:
             admission.error_param = admission.error_param or "messages"
         elif admission.error_param == "messages" and not request.messages:
             admission.error_param = "prompt"
+        admission.reasoning, admission.reasoning_open = prompt.reasoning, prompt.reasoning_open
         return admission
 
     async def on_engine_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
@@ -186,7 +193,8 @@ class TokenizerService:
 
 
 async def main(args: argparse.Namespace) -> None:
-    tokenization = Tokenization(GGUFTokenizer.from_gguf(resolve_model(args.model)))
+    tokenization = Tokenization(GGUFTokenizer.from_gguf(resolve_model(args.model)),
+                                reasoning_parser=args.reasoning_parser)
     async with ServiceRuntime("tokenizer", args.nats_url, args.instance_id) as runtime:
         await TokenizerService(runtime, tokenization, Router(policy=args.routing)).subscribe()
         log.info("vocabulary loaded", vocab_size=tokenization.tokenizer.vocab_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 from llmbus.bus.messages import ChatMessage, EncodeRequest, GenerateRequest
 from llmbus.services.gguf_tokenizer import GGUFTokenizer
@@ -12,13 +13,37 @@ from llmbus.services.tokenizer.chat_template import render_chat_template
 from llmbus.services.tool_calls import function_of, template_messages, tools_system_prompt
 
 _USES_TOOLS = re.compile(r"\btools\b")  # a template that renders `tools` itself
+# What llmbus itself gives the template; `chat_template_kwargs` may not set these.
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt",
+                               "bos_token", "eos_token")
+THINK_START, THINK_END = "<think>", "</think>"
+REASONING_PARSERS = ("auto", "think", "none")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    # The output is to be split at the think tags (a chat, the parser on), and whether the
+    # prompt already opened the think block (DeepSeek-R1's template ends in `<think>\n`).
+    reasoning: bool = False
+    reasoning_open: bool = False
 
 
 class Tokenization:
-    """Prompt text or messages -> token ids, with the model's own template and vocabulary."""
+    """Prompt text or messages -> token ids, with the model's own template and vocabulary.
 
-    def __init__(self, tokenizer: GGUFTokenizer) -> None:
+    `reasoning_parser`: "think" splits every chat's output at `<think>`/`</think>` into
+    reasoning and content (the api does, services/api/reasoning.py); "auto" does so where the
+    file's chat template writes `<think>` (Qwen3, DeepSeek-R1 distills, QwQ); "none" never.
+    """
+
+    def __init__(self, tokenizer: GGUFTokenizer, reasoning_parser: str = "auto") -> None:
+        if reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning parser {reasoning_parser!r}: expected one of "
+                             f"{', '.join(REASONING_PARSERS)}")
         self.tokenizer = tokenizer
+        self.reasoning = reasoning_parser == "think" or (
+            reasoning_parser == "auto" and THINK_START in (tokenizer.chat_template or ""))
 
     def check_token_ids(self, token_ids: list[int], what: str = "token id") -> None:
         bad = [t for t in token_ids if not 0 <= t < self.tokenizer.vocab_size]
@@ -28,10 +53,15 @@ class Tokenization:
 
     def prompt_token_ids(self, request: GenerateRequest | EncodeRequest) -> list[int]:
         """Raises ValueError with a client-facing message on bad input."""
+        return self.prompt(request).token_ids
+
+    def prompt(self, request: GenerateRequest | EncodeRequest) -> Prompt:
+        """The prompt's token ids and how its output is parsed; raises ValueError with a
+        client-facing message on bad input."""
         tok = self.tokenizer
         if isinstance(request, GenerateRequest) and request.prompt_token_ids is not None:
             self.check_token_ids(request.prompt_token_ids)
-            return list(request.prompt_token_ids)
+            return Prompt(list(request.prompt_token_ids))
         if request.messages:
             if not tok.chat_template:
                 raise ValueError("this model has no chat template; use /v1/completions")
@@ -44,9 +74,26 @@ class Tokenization:
             text = render_chat_template(
                 tok.chat_template, messages, add_generation_prompt=request.add_generation_prompt,
                 bos_token=tok.bos_token, eos_token=tok.eos_token,
-                tools=tools if has_tools else None)
-            return tok.encode(text)
-        return tok.encode(request.prompt or "", add_special_tokens=True)
+                tools=tools if has_tools else None,
+                **_template_kwargs(request.chat_template_kwargs_json))
+            return Prompt(tok.encode(text), reasoning=self.reasoning,
+                          reasoning_open=self.reasoning
+                          and text.rfind(THINK_START) > text.rfind(THINK_END))
+        return Prompt(tok.encode(request.prompt or "", add_special_tokens=True))
+
+
+def _template_kwargs(text: str) -> dict:
+    """`chat_template_kwargs` (a JSON object) as template variables; ValueError if it is not
+    one or sets what llmbus gives the template itself."""
+    if not text:
+        return {}
+    kwargs = json.loads(text)
+    if not isinstance(kwargs, dict):
+        raise ValueError("`chat_template_kwargs` must be an object")
+    for name in RESERVED_TEMPLATE_VARIABLES:
+        if name in kwargs:
+            raise ValueError(f"`chat_template_kwargs` may not set `{name}`")
+    return kwargs
 
 
 def _as_dict(message: ChatMessage) -> dict:

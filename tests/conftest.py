@@ -157,6 +157,7 @@ TEST_KINDS = {
     "test_e2e.py": "e2e",
     "test_e2e_model_families.py": "e2e",
     "test_e2e_preemption.py": "e2e",
+    "test_e2e_reasoning.py": "e2e",
     "test_e2e_speculation.py": "e2e",
     "test_e2e_structured_output.py": "e2e",
     "test_engine_moves.py": "e2e",

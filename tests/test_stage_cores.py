@@ -53,6 +53,35 @@ def test_tokenization_refuses_what_the_model_cannot_take():
         tokenization.check_token_ids([-1], "logit_bias key")
 
 
+THINKING = TEMPLATE.replace("<s>assistant: ", "<s>assistant: {% if opened %}<think>{% endif %}")
+
+
+@pytest.mark.parametrize(("parser", "template", "reasoning"), [
+    ("auto", THINKING, True), ("auto", TEMPLATE, False), ("think", TEMPLATE, True),
+    ("none", THINKING, False)])
+def test_which_chats_have_their_reasoning_split(parser, template, reasoning):
+    tokenization = Tokenization(tiny_tokenizer(chat_template=template), parser)
+    chat = [ChatMessage(role="user", content="hi")]
+    prompt = tokenization.prompt(_generate(messages=chat))
+    assert (prompt.reasoning, prompt.reasoning_open) == (reasoning, False)
+    assert not tokenization.prompt(_generate(prompt="hi")).reasoning  # a completion: never
+    if template is THINKING:  # the prompt opened the block: the output starts inside it
+        opened = tokenization.prompt(_generate(
+            messages=chat, chat_template_kwargs_json='{"opened": true}'))
+        assert tokenization.tokenizer.decode(opened.token_ids).endswith("assistant: <think>")
+        assert (opened.reasoning, opened.reasoning_open) == (reasoning, reasoning)
+
+
+def test_chat_template_kwargs_may_not_replace_what_llmbus_gives():
+    tokenization = Tokenization(tiny_tokenizer(chat_template=TEMPLATE))
+    for name in ("messages", "add_generation_prompt", "tools"):
+        with pytest.raises(ValueError, match=f"may not set `{name}`"):
+            tokenization.prompt(_generate(messages=[ChatMessage(role="user", content="hi")],
+                                          chat_template_kwargs_json=f'{{"{name}": 1}}'))
+    with pytest.raises(ValueError, match="reasoning parser 'r1'"):
+        Tokenization(tiny_tokenizer(), "r1")
+
+
 def _tokens(text_ids: list[int], *, index: int = 0, finish=FinishReason.NONE,
             reply: str | None = "api", stop: tuple[str, ...] = (), traceparent: str = "",
             logprobs: list[TokenLogprobs] = (), replay: list[int] = (),

@@ -27,11 +27,13 @@ import numpy as np
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
-def random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+def random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator,
+                   scale: float = 1.0) -> np.ndarray:
     """Valid blocks of K-quant `kind` (gguf-py has no K-quant quantizer) with random codes and
-    sub-block scales, weights within about ±1: [rows, bytes per row]."""
+    sub-block scales, weights within about ±`scale`: [rows, bytes per row]."""
     blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
-    d = rng.uniform(2e-4, 1e-3, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+    d = rng.uniform(2e-4 * scale, 1e-3 * scale, (rows, cols // 256, 1)).astype(np.float16) \
+        .view(np.uint8)
     if kind == "Q6_K":  # ql, qh, 16 int8 scales, then float16 d
         blocks[..., 208:210] = d
     else:  # float16 d and dmin first

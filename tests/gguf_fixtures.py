@@ -80,11 +80,12 @@ def tiny_weights(spec: TinySpec, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def random_k_quant(kind, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Random but valid blocks of a K-quant GGMLQuantizationType (see bench/k_quant_memory)."""
+def random_k_quant(kind, rows: int, cols: int, seed: int, scale: float = 1.0) -> np.ndarray:
+    """Random but valid blocks of a K-quant GGMLQuantizationType (see bench/k_quant_memory),
+    weights within about ±`scale`."""
     from llmbus.bench.k_quant_memory import random_k_quant as blocks
 
-    return blocks(kind.name, rows, cols, np.random.default_rng(seed))
+    return blocks(kind.name, rows, cols, np.random.default_rng(seed), scale)
 
 
 def family_tensors(spec: TinySpec, arch: str, seed: int) -> dict[str, np.ndarray]:
@@ -108,19 +109,22 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
                      quantized: str | None = None, rope_freqs: np.ndarray | None = None,
                      rope_scaling: tuple[str, float] | None = None,
                      arch: str = "llama", vocab_from: Path | None = None,
-                     k_quants: dict[str, object] | None = None) -> dict[str, np.ndarray]:
+                     k_quants: dict[str, object] | None = None,
+                     k_quant_scale: float = 1.0) -> dict[str, np.ndarray]:
     """Write a llama GGUF (Q/K permuted like llama.cpp); returns the HF-layout weights.
 
-    Tensors are F32. With `quantized` ("Q4_1", "Q4_0" or "Q8_0"), as in llama.cpp's files of
-    that type: the layers' matmul weights take that format, the embedding and vocab head Q8_0;
+    Tensors are F32. With `quantized` ("Q4_1", "Q4_0", "Q5_0", "Q5_1" or "Q8_0"), as in
+    llama.cpp's files of that type: the layers' matmul weights take that format, the embedding
+    and vocab head Q8_0;
     they are returned dequantized, so references computed from them stay exact. RoPE scaling
     as llama.cpp writes it: `rope_freqs` (Llama 3.1+: a factor per frequency, as a tensor) or
     `rope_scaling` (type, factor) in the metadata. `arch="qwen2"`: Q/K/V biases, and Q/K rows
     in HF's order (llama.cpp permutes them for llama files only); `arch="qwen3"`: Q/K norms
     per head instead of biases, rows in HF's order. `vocab_from`: a GGUF whose
     tokenizer (vocabulary, merges, chat template; spec.vocab_size must match) this file takes,
-    so that the whole stack can serve it. `k_quants`: matrices whose name ends with a key are
-    random blocks of that K-quant type instead (returned dequantized, as the file holds them).
+    so that the whole stack can serve it. `k_quants`: matrices whose name ends with a key take
+    that type instead: random blocks of a K-quant (returned dequantized, as the file holds
+    them, within about ±`k_quant_scale`), or the weights quantized by gguf-py.
     """
     import gguf
 
@@ -155,13 +159,15 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
                  spec.num_kv_heads if name.endswith("attn_k.weight") else None)
         array = permute_qk(hf_array, heads) if heads and arch == "llama" else hf_array
         kind = next((k for suffix, k in (k_quants or {}).items() if name.endswith(suffix)), None)
-        if kind is not None and array.ndim == 2:
-            raw = random_k_quant(kind, *array.shape, seed=seed * 7919 + zlib.crc32(name.encode()))
+        if kind is None and quantized and array.ndim == 2:
+            kind = gguf.GGMLQuantizationType[quantized if name.startswith("blk.") else "Q8_0"]
+        if kind is not None and array.ndim == 2 and kind.name.endswith("_K"):
+            raw = random_k_quant(kind, *array.shape, seed=seed * 7919 + zlib.crc32(name.encode()),
+                                 scale=k_quant_scale)
             writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
             values = np.asarray(gguf.quants.dequantize(raw, kind), np.float32).reshape(array.shape)
             weights[name] = unpermute_qk(values, heads) if heads and arch == "llama" else values
-        elif quantized and array.ndim == 2:
-            kind = gguf.GGMLQuantizationType[quantized if name.startswith("blk.") else "Q8_0"]
+        elif kind is not None and array.ndim == 2:
             writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
             # Blocks run along rows and the rotary permutation moves whole rows, so the exact
             # HF-layout values are those of the unpermuted array's own blocks.

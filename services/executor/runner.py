@@ -157,7 +157,8 @@ class ModelRunner:
         # never holds every matrix twice. ONNX Runtime's graphs read the loaded forms.
         tiled = plan.engine == "integer-kernel"
         config, dense, native = load_gguf(model_path, keep_native=True, dense_for_native=False,
-                                          transform=tile_as_loaded if tiled else None)
+                                          transform=tile_as_loaded if tiled else None,
+                                          exact=plan.exact)
         self.model = CpuLlamaModel(
             config, dense, native, max_positions=1, exact=plan.exact, integer_kernel=tiled,
             isa=plan.isa, num_threads=self.num_threads, release_native=True)

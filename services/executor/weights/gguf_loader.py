@@ -159,18 +159,20 @@ def _drop_pages(reader: Any, tensor: Any) -> None:
 def load_gguf(
     path: str | Path, dtype: torch.dtype = torch.float32, *, keep_native: bool = False,
     dense_for_native: bool = True, transform: Callable[[str, NativeWeight], Any] | None = None,
+    exact: bool = False,
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, NativeWeight]]:
     """Read the config and dequantize every tensor to `dtype` (HF layout, see module doc).
 
     With `keep_native`, the third item holds each quantized matrix's native form as well (same
     names, same un-permuted layout): Q4_1 and Q8_0 as they are, Q4_0 and Q4_K in Q4_1 form
-    (exactly), Q5_K and Q6_K requantized to Q8_0; otherwise it is empty.
+    and Q5_0 in Q8_0 form (exactly), Q5_1, Q5_K and Q6_K requantized to Q8_0 unless `exact`
+    (then they load dense, with the file's values); otherwise it is empty.
     Without `dense_for_native`, a matrix with a native form has no dense copy in the second.
     `transform(name, native)` replaces each native form as soon as it is parsed.
     """
     import gguf  # heavy import, only where a model is loaded
 
-    parsers = native_parsers(gguf)
+    parsers = native_parsers(gguf, exact=exact)
     reader = gguf.GGUFReader(str(path))
     # Reader shapes are ggml order (innermost first); numpy order is reversed.
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}

@@ -2,7 +2,8 @@
 
 Two forms serve every format: Q4_1Weight (4-bit codes, a scale and a minimum per 32 weights)
 and Q8_0Weight (int8 codes, a scale per 32). Q4_1 and Q8_0 are those forms; Q4_0 and Q4_K
-convert to Q4_1 exactly; Q5_K and Q6_K are requantized to Q8_0.
+convert to Q4_1 exactly, Q5_0 to Q8_0 exactly; Q5_1, Q5_K and Q6_K are requantized to Q8_0,
+in the fast mode only (`native_parsers(exact=True)` leaves them to be dequantized exactly).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ Q4_1_GROUP = QUANT_GROUP  # one float16 scale and one float16 minimum, 4-bit cod
 _Q4_1_BLOCK_BYTES = 4 + QUANT_GROUP // 2
 _Q8_0_BLOCK_BYTES = 2 + QUANT_GROUP  # one float16 scale, int8 codes
 _Q4_0_BLOCK_BYTES = 2 + QUANT_GROUP // 2  # one float16 scale, 4-bit codes
+_Q5_0_BLOCK_BYTES = 2 + 4 + QUANT_GROUP // 2  # float16 scale, the codes' 5th bits, 4-bit codes
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,8 @@ def parse_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
 
 def requantize_q8_0(values: np.ndarray) -> Q8_0Weight:
     """float32 [out, in] -> Q8_0 form with float32 scales (amax / 127 per 32 weights): for
-    Q5_K and Q6_K, whose 16- and 32-weight sub-blocks no 8-bit kernel here takes exactly. Each
+    Q5_1, Q5_K and Q6_K, whose minimums or 16-weight sub-blocks no 8-bit kernel here takes
+    exactly. Each
     weight moves by at most half a step of 1/254 of its block's range."""
     out, inp = values.shape
     groups = values.reshape(out, inp // QUANT_GROUP, QUANT_GROUP)
@@ -168,14 +171,34 @@ def parse_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> Q8_0Weight:
     return Q8_0Weight(torch.from_numpy(codes), torch.from_numpy(_float16_field(blocks, 0)))
 
 
+def parse_q5_0(raw: np.ndarray, shape: tuple[int, int]) -> Q8_0Weight:
+    """Q5_0 bytes -> the same weights in Q8_0 form, exactly: d * (code - 16) with the code in
+    0..31, so code - 16 is an int8 and d the block's scale.
+
+    Each 22-byte block is float16 d, a little-endian uint32 whose bit j is the 5th bit of
+    input j, then 16 bytes in Q4_1's nibble order (low nibbles inputs 0..15).
+    """
+    out, inp = shape
+    blocks = np.ascontiguousarray(raw).reshape(out, inp // QUANT_GROUP, _Q5_0_BLOCK_BYTES)
+    high_bits = blocks[..., 2:6].copy().view("<u4")  # [out, groups, 1]
+    fifth = (high_bits >> np.arange(QUANT_GROUP, dtype=np.uint32)) & 1  # [out, groups, 32]
+    codes = _nibbles(blocks[..., 6:], (out, inp // QUANT_GROUP, QUANT_GROUP)) \
+        | (fifth.astype(np.uint8) << 4)
+    signed = (codes.astype(np.int16) - 16).astype(np.int8).reshape(out, inp)
+    return Q8_0Weight(torch.from_numpy(signed), torch.from_numpy(_float16_field(blocks, 0)))
+
+
 NativeWeight = Q4_1Weight | Q8_0Weight
 
 
 REQUANTIZE_ROWS = 1024
 
 
-def native_parsers(gguf: Any) -> dict[Any, Any]:
-    """GGML type -> the parse of its bytes into a native form the quantized kernels take."""
+def native_parsers(gguf: Any, exact: bool = False) -> dict[Any, Any]:
+    """GGML type -> the parse of its bytes into a native form the quantized kernels take.
+
+    `exact`: only the types whose native form holds the file's values exactly; the others
+    (requantized in the fast mode) are then left to be dequantized, as gguf-py does."""
     def requantized(kind: Any):
         def parse(raw: np.ndarray, shape: tuple[int, int]) -> Q8_0Weight:
             rows = np.ascontiguousarray(raw).reshape(shape[0], -1)
@@ -191,6 +214,8 @@ def native_parsers(gguf: Any) -> dict[Any, Any]:
         return parse
 
     kinds = gguf.GGMLQuantizationType
-    return {kinds.Q4_0: parse_q4_0, kinds.Q4_1: parse_q4_1, kinds.Q8_0: parse_q8_0,
-            kinds.Q4_K: parse_q4_k, kinds.Q5_K: requantized(kinds.Q5_K),
-            kinds.Q6_K: requantized(kinds.Q6_K)}
+    exactly = {kinds.Q4_0: parse_q4_0, kinds.Q4_1: parse_q4_1, kinds.Q8_0: parse_q8_0,
+               kinds.Q4_K: parse_q4_k, kinds.Q5_0: parse_q5_0}
+    if exact:
+        return exactly
+    return exactly | {kind: requantized(kind) for kind in (kinds.Q5_1, kinds.Q5_K, kinds.Q6_K)}

@@ -1,6 +1,8 @@
-"""K-quants (Q4_K, Q5_K, Q6_K: what most GGUF downloads are) kept quantized: Q4_K exactly in
-the Q4_1 form every quantized kernel takes, Q5_K and Q6_K requantized to Q8_0 within half a
-step; no dense copy of them in memory; a model of them against its dequantized reference."""
+"""K-quants (Q4_K, Q5_K, Q6_K: what most GGUF downloads are) and the Q5_0/Q5_1 that Q4_K_M
+files mix in, kept quantized: Q4_K exactly in the Q4_1 form every quantized kernel takes, Q5_0
+exactly in the Q8_0 form, Q5_1, Q5_K and Q6_K requantized to Q8_0 within half a step in the
+fast mode only; no dense copy of them in memory; a model of them against its dequantized
+reference, and in the exact mode against HF transformers on the same file."""
 
 from __future__ import annotations
 
@@ -14,7 +16,11 @@ from llmbus.services.executor.engines.cpu_llama import CpuLlamaModel
 from llmbus.services.executor.engines.torch_llama import LlamaModel
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import load_gguf
-from llmbus.services.executor.weights.gguf_quants import parse_q4_k, requantize_q8_0
+from llmbus.services.executor.weights.gguf_quants import (
+    parse_q4_k,
+    parse_q5_0,
+    requantize_q8_0,
+)
 from tests.gguf_fixtures import TinySpec, random_k_quant, write_tiny_llama
 
 KINDS = gguf.GGMLQuantizationType
@@ -32,9 +38,25 @@ def test_q4_k_is_q4_1_exactly():
                                                                          (16, 1024))))
 
 
-@pytest.mark.parametrize("kind", [KINDS.Q5_K, KINDS.Q6_K], ids=lambda k: k.name)
-def test_q5_k_and_q6_k_requantize_within_half_a_step(kind):
-    values = dequantized(random_k_quant(kind, 16, 1024, seed=1), kind, (16, 1024))
+def test_q5_0_is_q8_0_exactly():
+    values = np.random.default_rng(5).standard_normal((16, 1024)).astype(np.float32)
+    raw = gguf.quants.quantize(values, KINDS.Q5_0)
+    weight = parse_q5_0(raw, (16, 1024))
+    assert weight.codes.min() >= -16 and weight.codes.max() <= 15
+    assert torch.equal(weight.dequantize(), torch.from_numpy(dequantized(raw, KINDS.Q5_0,
+                                                                         (16, 1024))))
+
+
+def _random_blocks(kind, rows: int, cols: int, seed: int) -> np.ndarray:
+    if kind in (KINDS.Q5_0, KINDS.Q5_1):  # gguf-py quantizes these itself
+        values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+        return gguf.quants.quantize(values, kind)
+    return random_k_quant(kind, rows, cols, seed=seed)
+
+
+@pytest.mark.parametrize("kind", [KINDS.Q5_1, KINDS.Q5_K, KINDS.Q6_K], ids=lambda k: k.name)
+def test_q5_1_q5_k_and_q6_k_requantize_within_half_a_step(kind):
+    values = dequantized(_random_blocks(kind, 16, 1024, seed=1), kind, (16, 1024))
     weight = requantize_q8_0(values)
     step = weight.scales.repeat_interleave(32, dim=1)
     error = (weight.dequantize() - torch.from_numpy(values)).abs()
@@ -114,3 +136,61 @@ def test_a_model_that_may_release_the_native_forms_keeps_only_the_embedding(refe
     assert released.int_step is not None
     torch.testing.assert_close(_forward(released, config, torch.float16),
                                _forward(kept, config, torch.float16))
+
+
+# As a Q4_K_M file mixes them: Q4_K, Q5_0 where rows are not multiples of 256 (here: every
+# matrix left), Q6_K for ffn_down and the head, Q5_K, and a Q8_0 embedding. The K-quants'
+# random weights are kept within ±0.1 (1/√256 is 0.06), so the logits have a trained model's
+# scale (|logit| < 20) and float32 rounding stays far below the 1e-4 asked of them.
+K_QUANT_SCALE = 0.1
+MIXED = {"attn_q.weight": KINDS.Q4_K, "ffn_gate.weight": KINDS.Q4_K,
+         "ffn_down.weight": KINDS.Q6_K, "output.weight": KINDS.Q6_K,
+         "attn_v.weight": KINDS.Q5_K}
+
+
+def _hf_logits(path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([TOKENS])).logits[0]
+
+
+@pytest.mark.parametrize("rest", ["Q5_0", "Q5_1"])
+def test_a_mixed_file_in_the_exact_mode_equals_transformers(tmp_path, rest):
+    pytest.importorskip("transformers")
+    path = tmp_path / f"mixed-{rest}.gguf"
+    write_tiny_llama(path, SPEC, seed=6, quantized=rest, k_quants=MIXED,
+                     k_quant_scale=K_QUANT_SCALE)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert {types["blk.0.attn_k.weight"], types["blk.0.attn_q.weight"],
+            types["blk.0.ffn_down.weight"], types["token_embd.weight"]} == {
+        rest, "Q4_K", "Q6_K", "Q8_0"}
+    config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False,
+                                      exact=True)
+    # Nothing requantized: what has no exact native form loads dense, with the file's values.
+    assert "blk.0.ffn_down.weight" in dense and "blk.0.ffn_down.weight" not in native
+    assert ("blk.0.attn_k.weight" in native) == (rest == "Q5_0")
+    model = CpuLlamaModel(config, dense, native, max_positions=64, exact=True)
+    got, want = _forward(model, config), _hf_logits(path)
+    assert want.abs().max() < 20
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_mixed_file_in_the_fast_kernel_takes_every_type(tmp_path):
+    path = tmp_path / "mixed-fast.gguf"
+    write_tiny_llama(path, SPEC, seed=6, quantized="Q5_1", k_quants={
+        **MIXED, "attn_k.weight": KINDS.Q5_0}, k_quant_scale=K_QUANT_SCALE)
+    config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
+    assert not [n for n in native if n in dense]  # no dense copy of any quantized matrix
+    exact = CpuLlamaModel(config, *load_gguf(path, keep_native=True, dense_for_native=False,
+                                             exact=True)[1:], max_positions=64, exact=True)
+    want = _forward(exact, config)
+    fast = CpuLlamaModel(config, dense, native, max_positions=64, num_threads=2)
+    if fast.int_step is None:
+        pytest.skip("no C++ compiler: the integer kernel was not built")
+    got = _forward(fast, config, torch.float16)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    assert (got - want).abs().max() < 0.05 * want.abs().max()

@@ -36,6 +36,7 @@ class TinySpec:
     # A head size other than hidden / heads (Qwen3's 128 at any width), written as
     # `<arch>.attention.key_length`.
     head_size: int | None = None
+    sliding_window: int = 0  # gemma3: `gemma3.attention.sliding_window`
 
     @property
     def head_dim(self) -> int:
@@ -89,7 +90,8 @@ def random_k_quant(kind, rows: int, cols: int, seed: int, scale: float = 1.0) ->
 
 
 def family_tensors(spec: TinySpec, arch: str, seed: int) -> dict[str, np.ndarray]:
-    """What a family adds to llama's tensors: qwen2's Q/K/V biases, qwen3's Q/K norms."""
+    """What a family adds to llama's tensors: qwen2's Q/K/V biases, qwen3's Q/K norms, and
+    gemma3's Q/K norms and post-norms (stored, as llama.cpp converts them, with Gemma's +1)."""
     rng = np.random.default_rng(seed + 1000)
     extra = {}
     for i in range(spec.num_layers):
@@ -98,10 +100,14 @@ def family_tensors(spec: TinySpec, arch: str, seed: int) -> dict[str, np.ndarray
                              ("v", spec.num_kv_heads)):
                 extra[f"blk.{i}.attn_{n}.bias"] = \
                     (0.5 * rng.standard_normal(heads * spec.head_dim)).astype(np.float32)
-        elif arch == "qwen3":
+        elif arch in ("qwen3", "gemma3"):
             for n in "qk":
                 extra[f"blk.{i}.attn_{n}_norm.weight"] = \
                     (1.0 + 0.3 * rng.standard_normal(spec.head_dim)).astype(np.float32)
+        if arch == "gemma3":
+            for n in ("post_attention_norm", "post_ffw_norm"):
+                extra[f"blk.{i}.{n}.weight"] = \
+                    (1.0 + 0.3 * rng.standard_normal(spec.hidden_size)).astype(np.float32)
     return extra
 
 
@@ -142,6 +148,8 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
     if spec.head_size is not None:
         writer.add_key_length(spec.head_size)
         writer.add_value_length(spec.head_size)
+    if spec.sliding_window:
+        writer.add_sliding_window(spec.sliding_window)
     if vocab_from is None:
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list([f"<t{i}>" for i in range(spec.vocab_size)])

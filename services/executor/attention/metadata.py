@@ -31,15 +31,22 @@ class AttentionLayout:
     kv_blocks: torch.Tensor  # [Bg * blocks] int64 block ids, row-major (pads: block 0)
     context_width: int  # blocks * block_size: the padded context length L
     attn_mask: torch.Tensor  # [Bg, 1, max_q, L] bool, True = may attend
-    _folded_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    query_positions: torch.Tensor  # [Bg, max_q] int64 (pads run past the context)
+    _folded_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
-    def folded_mask(self, group: int) -> torch.Tensor:
-        """The mask for queries folded as [Bg, Hkv, group * max_q] (torch_paged.attend_layout)."""
-        if self.attn_mask.shape[2] == 1:
-            return self.attn_mask  # decodes: one query per sequence, the mask broadcasts
-        if group not in self._folded_masks:
-            self._folded_masks[group] = self.attn_mask.repeat(1, 1, group, 1)
-        return self._folded_masks[group]
+    def folded_mask(self, group: int, window: int = 0) -> torch.Tensor:
+        """The mask for queries folded as [Bg, Hkv, group * max_q] (torch_paged.attend_layout);
+        `window` > 0 also hides keys more than `window - 1` positions before each query."""
+        key = (group, window)
+        if key not in self._folded_masks:
+            mask = self.attn_mask
+            if window:
+                keys = torch.arange(self.context_width, device=mask.device)
+                mask = mask & (keys > self.query_positions[:, None, :, None] - window)
+            # decodes: one query per sequence, the mask broadcasts over the group
+            self._folded_masks[key] = mask if mask.shape[2] == 1 else mask.repeat(
+                1, 1, group, 1)
+        return self._folded_masks[key]
 
 
 @dataclass
@@ -114,4 +121,4 @@ def _layout(seq_ids: list[int], query_lens: Sequence[int], context_lens: Sequenc
         query_gather=starts[:, None] + torch.minimum(qi[None], q_lens[:, None] - 1),
         query_scatter=local * max_q + index_in_seq,
         kv_blocks=table[ids][:, :num_blocks].reshape(-1).long(), context_width=width,
-        attn_mask=attn_mask[:, None])
+        attn_mask=attn_mask[:, None], query_positions=q_pos)

@@ -21,8 +21,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of q [T, H, Dh] over each sequence's cached context -> [T, H * Dh].
+                    meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+    """Causal attention of q [T, H, Dh] over each sequence's cached context -> [T, H * Dh];
+    `window` > 0: over its last `window` positions only (a sliding-window layer).
 
     Torch reference path: per layout (decodes, prefill chunks), gather the paged KV into
     padded per-sequence tensors and run one batched SDPA. For GQA the `group = H // Hkv` query
@@ -30,15 +31,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     num_tokens, num_heads, head_dim = q.shape
     if len(meta.layouts) == 1 and meta.layouts[0].token_index.numel() == num_tokens:
-        return attend_layout(q, k_cache, v_cache, meta.layouts[0], scale)  # one group: no scatter
+        # one group: no scatter
+        return attend_layout(q, k_cache, v_cache, meta.layouts[0], scale, window)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for layout in meta.layouts:
-        out[layout.token_index] = attend_layout(q, k_cache, v_cache, layout, scale)
+        out[layout.token_index] = attend_layout(q, k_cache, v_cache, layout, scale, window)
     return out
 
 
 def attend_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            layout: AttentionLayout, scale: float) -> torch.Tensor:
+                  layout: AttentionLayout, scale: float, window: int = 0) -> torch.Tensor:
     """Attention of one layout's tokens -> [Tg, H * Dh], in the layout's token order.
 
     For GQA the `group = H // Hkv` query heads sharing a KV head are folded into the query
@@ -56,7 +58,7 @@ def attend_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     qp = qp.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qp = qp.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)  # [Bg, Hkv, g*max_q, Dh]
     out = F.scaled_dot_product_attention(
-        qp, k.transpose(1, 2), v.transpose(1, 2), attn_mask=layout.folded_mask(group),
+        qp, k.transpose(1, 2), v.transpose(1, 2), attn_mask=layout.folded_mask(group, window),
         scale=scale)  # [Bg, Hkv, g*max_q, Dh]
     out = out.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     out = out.reshape(num_seqs * max_q, num_heads * head_dim)  # [Bg*max_q, H*Dh]

@@ -29,6 +29,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU as Gemma computes it: tanh-approximated GELU of the gate times up."""
+    gate, up = gate_up.chunk(2, dim=-1)  # each [T, F]
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class TorchOps:
     """The non-matmul ops in plain torch, unfused (the CPU path of this engine).
 
@@ -77,6 +83,10 @@ class _Layer:
     down: torch.Tensor  # [D, F]
     qkv_bias: torch.Tensor | None = None  # [(H + 2 Hkv) * Dh] (qwen2)
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # Q's and K's, [Dh] each (qwen3)
+    # Gemma 3: norms of the attention's and the MLP's outputs [D], the layer's window
+    post_attention_norm: torch.Tensor | None = None
+    post_ffw_norm: torch.Tensor | None = None
+    window: int = 0
 
 
 class LlamaModel:
@@ -118,17 +128,27 @@ class LlamaModel:
                 else qkv_bias(weights, i).to(device=device, dtype=dtype),
                 qk_norm=None if qk_norm_weights(weights, i) is None
                 else tuple(t.to(device=device, dtype=dtype)
-                           for t in qk_norm_weights(weights, i))))
+                           for t in qk_norm_weights(weights, i)),
+                post_attention_norm=w(p + "post_attention_norm.weight")
+                if config.post_norms else None,
+                post_ffw_norm=w(p + "post_ffw_norm.weight") if config.post_norms else None,
+                window=config.window(i)))
+        if self.ops is not TorchOps and any(layer.window for layer in self.layers):
+            raise ValueError("sliding-window attention (Gemma 3) runs in the torch ops only: "
+                             "not yet in the Triton kernels")
         self.embed = w("token_embd.weight")  # [V, D]
         self.lm_head = self.embed if config.tie_word_embeddings else w("output.weight")  # [V, D]
         self.output_norm = w("output_norm.weight")
         self.set_max_positions(max_positions)
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.scale
 
     def set_max_positions(self, max_positions: int) -> None:
-        """Size the rotary tables for positions [0, max_positions)."""
-        cos, sin = rope_tables(self.config, max_positions)
-        self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
+        """Size the rotary tables for positions [0, max_positions): the global layers', and
+        the local layers' where they have their own (Gemma 3)."""
+        tables = [rope_tables(self.config, max_positions, local)
+                  for local in (False, True)[:1 + (self.config.local_rope_theta is not None)]]
+        self.rope = [(cos.to(self.device, self.dtype), sin.to(self.device, self.dtype))
+                     for cos, sin in tables]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KVCache,
@@ -138,11 +158,14 @@ class LlamaModel:
         Writes this step's K/V into `kv_cache` at `meta.slot_mapping`.
         """
         cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
-        cos, sin = self.cos[positions], self.sin[positions]  # [T, Dh]
+        rope = [(cos[positions], sin[positions]) for cos, sin in self.rope]  # [T, Dh] each
         h = self.embed[input_ids]  # [T, D], the residual stream
+        if cfg.embedding_scale != 1.0:
+            h = h * torch.tensor(cfg.embedding_scale, dtype=h.dtype)
         # Each sublayer's output joins the residual inside the next norm (one fused kernel).
         delta: torch.Tensor | None = None  # [T, D]
         for index, layer in enumerate(self.layers):
+            cos, sin = rope[cfg.local_rope(index)]
             x, h = ops.add_rms_norm(h, delta, layer.attn_norm, eps)
             qkv = self.linear(x, layer.qkv)  # [T, (H + 2 Hkv) * Dh]
             if layer.qkv_bias is not None:
@@ -152,9 +175,17 @@ class LlamaModel:
             k_cache, v_cache = kv_cache.layer(index)
             q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                                   cfg.num_heads)  # [T, H, Dh]
-            attn = ops.attention(q, k_cache, v_cache, meta, self.scale)  # [T, H * Dh]
-            x, h = ops.add_rms_norm(h, self.linear(attn, layer.attn_output), layer.ffn_norm, eps)
-            delta = self.linear(ops.silu_mul(self.linear(x, layer.gate_up)), layer.down)
+            attn = (ops.attention(q, k_cache, v_cache, meta, self.scale, layer.window)
+                    if layer.window else ops.attention(q, k_cache, v_cache, meta, self.scale))
+            out = self.linear(attn, layer.attn_output)  # [T, D]
+            if layer.post_attention_norm is not None:
+                out = rms_norm(out, layer.post_attention_norm, eps)
+            x, h = ops.add_rms_norm(h, out, layer.ffn_norm, eps)
+            gate_up = self.linear(x, layer.gate_up)  # [T, 2F]
+            delta = self.linear(gelu_mul(gate_up) if cfg.gelu else ops.silu_mul(gate_up),
+                                layer.down)
+            if layer.post_ffw_norm is not None:
+                delta = rms_norm(delta, layer.post_ffw_norm, eps)
         # Only the positions that sample pay for the norm and the vocab projection.
         tail = None if delta is None else delta[logits_indices]
         h, _ = ops.add_rms_norm(h[logits_indices], tail, self.output_norm, eps)  # [S, D]

@@ -26,7 +26,13 @@ import torch
 
 from llmbus.services.executor.weights.gguf_quants import NativeWeight, native_parsers
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+# Gemma 3 as llama.cpp runs it: every 6th layer attends globally, the others in a sliding
+# window with RoPE base 10,000 (the global layers' comes from the file); attention scaled by
+# 1/√head_dim, by 1/√(hidden / heads) in the 27B (62 layers). (transformers' GGUF loader takes
+# the same defaults.)
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 
 
 class UnsupportedModelError(ValueError):
@@ -55,7 +61,31 @@ class LlamaConfig:
     # llama.cpp stores a llama file's Q/K rows with each head's rotary pairs interleaved (the
     # loader restores HF's halves); a qwen2 or qwen3 file keeps HF's layout.
     rotary_pairs_interleaved: bool = True
-    qk_norm: bool = False  # qwen3: an RMSNorm on each Q and K head before RoPE
+    qk_norm: bool = False  # qwen3, gemma3: an RMSNorm on each Q and K head before RoPE
+    # Gemma 3: embeddings times √hidden, norms after attention and after the MLP too, GeGLU
+    # (tanh-approximated GELU), its own attention scale, and sliding-window layers.
+    embedding_scale: float = 1.0
+    post_norms: bool = False
+    gelu: bool = False
+    attention_scale: float | None = None  # None: 1/√head_dim
+    sliding_window: int = 0  # keys a local layer's query sees, itself included; 0: none
+    sliding_window_pattern: int = 0  # every n-th layer is global, the others local
+    local_rope_theta: float | None = None  # the local layers' RoPE base, where it differs
+
+    @property
+    def scale(self) -> float:
+        return self.attention_scale or self.head_dim ** -0.5
+
+    def window(self, layer: int) -> int:
+        """Keys layer `layer` attends to back from each query (itself included); 0: all."""
+        if not self.sliding_window or (self.sliding_window_pattern
+                                       and (layer + 1) % self.sliding_window_pattern == 0):
+            return 0
+        return self.sliding_window
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` takes the local layers' RoPE (their base, no scaling)."""
+        return bool(self.window(layer)) and self.local_rope_theta is not None
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -112,7 +142,7 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
 
     eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    return LlamaConfig(
+    config = LlamaConfig(
         num_layers=int(required("block_count")),
         hidden_size=hidden,
         intermediate_size=int(required("feed_forward_length")),
@@ -129,12 +159,31 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
         tie_word_embeddings="output.weight" not in tensor_shapes,
         rope_linear_factor=linear,
         rotary_pairs_interleaved=arch == "llama",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
     )
+    return _gemma3(config, field) if arch == "gemma3" else config
+
+
+def _gemma3(config: LlamaConfig, field: Callable[..., Any]) -> LlamaConfig:
+    num_layers = config.num_layers
+    return replace(
+        config, embedding_scale=float(np.float32(config.hidden_size ** 0.5)),  # as HF rounds it
+        post_norms=True, gelu=True,
+        attention_scale=(config.hidden_size / config.num_heads) ** -0.5 if num_layers == 62
+        else None,
+        sliding_window=int(field("attention.sliding_window", 0)),
+        sliding_window_pattern=int(field("attention.sliding_window_pattern",
+                                         GEMMA3_SLIDING_WINDOW_PATTERN)),
+        local_rope_theta=GEMMA3_LOCAL_ROPE_THETA)
 
 
 def _check_family_tensors(config: LlamaConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     """The tensors the architecture needs beyond llama's are there (named when not)."""
+    if config.post_norms:
+        for name in (f"blk.{i}.{n}.weight" for i in range(config.num_layers)
+                     for n in ("post_attention_norm", "post_ffw_norm")):
+            if name not in shapes:
+                raise UnsupportedModelError(f"GGUF lacks {name!r}")
     if config.qk_norm:
         for name in (f"blk.{i}.attn_{n}_norm.weight" for i in range(config.num_layers)
                      for n in "qk"):

@@ -5,6 +5,8 @@ Runtime's graphs in the exact mode, llmbus's integer kernel in the fast one)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -136,3 +138,31 @@ def test_every_cpu_engine(request, family, path_name):
     else:  # int8 activations: close, and the same next tokens nearly always
         assert (got - want).abs().max() < 0.25
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+# Gemma 3 at its real head size (256, what transformers scales attention by): six layers, so
+# five slide and the sixth attends globally; a window of 8 keys, well short of the 40 tokens.
+GEMMA3_SPEC = TinySpec(num_layers=6, num_heads=2, num_kv_heads=1, head_size=256,
+                       rope_theta=1_000_000.0, rms_norm_eps=1e-6, tied=True, sliding_window=8)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3") / "tiny-gemma3.gguf"
+    write_tiny_llama(path, GEMMA3_SPEC, seed=5, arch="gemma3")
+    return path, _hf_logits(path, "Gemma3")
+
+
+def test_gemma3_on_the_torch_backend(gemma3):
+    path, want = gemma3
+    config, dense, _ = load_gguf(path)
+    assert [config.window(i) for i in range(6)] == [8, 8, 8, 8, 8, 0]
+    assert (config.embedding_scale, config.scale) == (8.0, 1 / 16)
+    got = _forward(LlamaModel(config, dense, max_positions=64), config)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    # The window matters: a window wider than the context is another model past 8 tokens.
+    unwindowed = _forward(LlamaModel(replace(config, sliding_window=1000), dense,
+                                     max_positions=64), config)
+    assert (unwindowed - want)[8:].abs().max() > 1e-2
+    torch.testing.assert_close(unwindowed[:8], want[:8], atol=1e-4, rtol=1e-4)

@@ -185,7 +185,7 @@ class CpuLlamaModel:
                              and all(b is None for b in self.qkv_biases)
                              and all(n is None for n in self.qk_norms))
         self.set_max_positions(max_positions)
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.scale
         _return_freed_memory()  # the load's temporaries: unpacked codes, dequantized blocks
 
     def _build_graphs(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
@@ -215,8 +215,10 @@ class CpuLlamaModel:
         _return_freed_memory()
 
     def set_max_positions(self, max_positions: int) -> None:
-        """Size the rotary tables for positions [0, max_positions)."""
-        self.cos, self.sin = rope_tables(self.config, max_positions)  # [P, Dh]
+        """Size the rotary tables for positions [0, max_positions): the global layers', and
+        the local layers' where they have their own (Gemma 3)."""
+        self.rope = [rope_tables(self.config, max_positions, local)  # [P, Dh] each
+                     for local in (False, True)[:1 + (self.config.local_rope_theta is not None)]]
 
     def _projected(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         """qkv plus the layer's Q/K/V bias (qwen2), Q and K heads normalised (qwen3); every
@@ -231,27 +233,35 @@ class CpuLlamaModel:
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+               meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
         """RoPE, the K/V write and attention of one layer: qkv [T, (H + 2 Hkv) Dh] ->
-        [T, H * Dh]; the C++ kernel where it was built, else the torch reference."""
-        if self.paged_attention is not None:
+        [T, H * Dh]; the C++ kernel where it was built, else (and for a sliding window, which
+        the kernel does not mask yet) the torch reference."""
+        if self.paged_attention is not None and not window:
             return self.paged_attention(qkv, cos, sin, k_cache, v_cache, meta,
                                         self.config.num_heads, self.scale)
         q = rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                           self.config.num_heads)  # [T, H, Dh]
-        return paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return paged_attention(q, k_cache, v_cache, meta, self.scale, window)
 
-    def _layers(self, layers: list[_Graph], hidden: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def _attend_layer(self, index: int, qkv: torch.Tensor,
+                      rope: list[tuple[torch.Tensor, torch.Tensor]], kv_cache: KVCache,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """Layer `index`'s attention: its projection fixed up, its RoPE, its window."""
+        cos, sin = rope[self.config.local_rope(index)]
+        return self.attend(self._projected(index, qkv), cos, sin, *kv_cache.layer(index), meta,
+                           self.config.window(index))
+
+    def _layers(self, layers: list[_Graph], hidden: torch.Tensor,
+                rope: list[tuple[torch.Tensor, torch.Tensor]], kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
         """Every layer through the ONNX Runtime graphs: hidden [T, D] -> the residual stream
         after the last layer."""
         spare = torch.empty_like(hidden)  # graphs write the new residual beside the old one
         qkv = torch.empty(hidden.shape[0], layers[0].output_widths["qkv"])
         layers[0].run({"hidden": hidden}, {"qkv": qkv})
         for index, graph in enumerate(layers[1:]):
-            k_cache, v_cache = kv_cache.layer(index)
-            attn = self.attend(self._projected(index, qkv), cos, sin, k_cache, v_cache,
-                               meta)  # [T, H * Dh]
+            attn = self._attend_layer(index, qkv, rope, kv_cache, meta)  # [T, H * Dh]
             outputs = {"hidden_out": spare}
             if "qkv" in graph.output_widths:
                 outputs["qkv"] = qkv
@@ -268,22 +278,23 @@ class CpuLlamaModel:
         """
         cfg = self.config
         num_tokens = input_ids.shape[0]
-        cos, sin = self.cos[positions], self.sin[positions]  # [T, Dh]
+        rope = [(cos[positions], sin[positions]) for cos, sin in self.rope]  # [T, Dh] each
         hidden = self.embed(input_ids)  # [T, D], the residual stream
+        if cfg.embedding_scale != 1.0:
+            hidden = hidden * cfg.embedding_scale
 
         def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:
-            return self.attend(self._projected(index, qkv), cos, sin, *kv_cache.layer(index),
-                               meta)
+            return self._attend_layer(index, qkv, rope, kv_cache, meta)
 
         *layers, head = (self.single_thread_graphs if num_tokens <= SINGLE_THREAD_TOKENS
                          else self.graphs) or [None]
         if self.int_step is not None and self.fused_layers and PagedAttention.takes_whole(meta):
-            hidden = self.int_step.layers_with_attention(hidden, cos, sin, kv_cache, meta,
+            hidden = self.int_step.layers_with_attention(hidden, *rope[0], kv_cache, meta,
                                                          self.scale)
         elif self.int_step is not None:
             hidden = self.int_step.layers(hidden, attend)
         else:
-            hidden = self._layers(layers, hidden, cos, sin, kv_cache, meta)
+            hidden = self._layers(layers, hidden, rope, kv_cache, meta)
         rows = hidden[logits_indices].contiguous()  # [S, D]
         if not rows.shape[0]:  # a step of prefill chunks alone samples nothing
             return torch.empty(0, cfg.vocab_size)

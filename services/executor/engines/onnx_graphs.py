@@ -28,6 +28,7 @@ VNNI or AMX) on the GGUF's own codes:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +77,18 @@ class _GraphBuilder:
     def rms_norm(self, x: str, weight: np.ndarray, eps: float) -> str:
         return self.op("SimplifiedLayerNormalization", [x, self.const("norm", weight)],
                        axis=-1, epsilon=eps, stash_type=1)[0]
+
+    def gelu_tanh(self, x: str) -> str:
+        """GELU, tanh-approximated as Gemma's `gelu_pytorch_tanh`:
+        0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))."""
+        def const(value: float) -> str:
+            return self.const("c", np.array(value, dtype=np.float32))
+
+        cube = self.op("Mul", [self.op("Mul", [x, x])[0], x])[0]
+        inner = self.op("Add", [x, self.op("Mul", [cube, const(0.044715)])[0]])[0]
+        tanh = self.op("Tanh", [self.op("Mul", [inner, const(math.sqrt(2 / math.pi))])[0]])[0]
+        half_x = self.op("Mul", [x, const(0.5)])[0]
+        return self.op("Mul", [half_x, self.op("Add", [tanh, const(1.0)])[0]])[0]
 
     def skip_rms_norm(self, x: str, residual: str, weight: np.ndarray,
                       eps: float) -> tuple[str, str]:
@@ -185,11 +198,16 @@ def layer_graphs(config: LlamaConfig, matrices: dict[str, MatrixSource],
             p = f"blk.{i - 1}."
             inputs.append(("attn", attn_width))
             o = g.linear("attn", [matrices[p + "attn_output.weight"]])
+            if config.post_norms:  # Gemma 3: the attention's output is normalised first
+                o = g.rms_norm(o, norms[p + "post_attention_norm.weight"], eps)
             x, hidden = g.skip_rms_norm(o, hidden, norms[p + "ffn_norm.weight"], eps)
             gate_up = g.linear(x, [matrices[p + "ffn_gate.weight"], matrices[p + "ffn_up.weight"]])
             gate, up = g.op("Split", [gate_up], 2, axis=-1)
-            act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])[0]])[0], up])[0]
+            act = g.op("Mul", [g.gelu_tanh(gate) if config.gelu else
+                               g.op("Mul", [gate, g.op("Sigmoid", [gate])[0]])[0], up])[0]
             down = g.linear(act, [matrices[p + "ffn_down.weight"]])
+            if config.post_norms:
+                down = g.rms_norm(down, norms[p + "post_ffw_norm.weight"], eps)
             if i == config.num_layers:
                 outputs["hidden_out"] = (g.op("Add", [down, hidden])[0], d)
             else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from os import PathLike
 
-from llmbus.services.gguf_metadata import read_tensor_infos
+from llmbus.services.gguf_metadata import read_metadata, read_tensor_infos
 
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 COLUMNS = 8  # output columns per column group: one 8-lane vector of the kernels
@@ -14,11 +14,19 @@ COLUMNS = 8  # output columns per column group: one 8-lane vector of the kernels
 NATIVE_GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 
 
+# The architectures whose layers the integer kernel computes (Gemma 3's norms after the
+# attention and the MLP, and its GeGLU, are not in it).
+KERNEL_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
 def kernel_takes_file(path: str | PathLike[str]) -> bool:
-    """Every layer matrix and the vocabulary head (the embedding where tied) in a type with a
-    native form, N a multiple of 8: what quant_parts.kernel_takes checks after the load."""
+    """An architecture of the kernel's, every layer matrix and the vocabulary head (the
+    embedding where tied) in a type with a native form, N a multiple of 8: what
+    quant_parts.kernel_takes checks after the load."""
     import gguf
 
+    if read_metadata(path).get("general.architecture") not in KERNEL_ARCHITECTURES:
+        return False
     native_types = {int(gguf.GGMLQuantizationType[t]) for t in NATIVE_GGML_TYPES}
     infos = read_tensor_infos(path)
     layers = {name.split(".")[1] for name in infos if name.startswith("blk.")}

@@ -139,8 +139,10 @@ def covers(config: LlamaConfig, native: dict[str, NativeWeight | QuantPart]) -> 
 
 
 def kernel_takes(config: LlamaConfig, native: dict[str, NativeWeight | QuantPart]) -> bool:
-    """Whether the integer kernel can run every matmul of the file, the vocabulary head too."""
-    return (covers(config, native) and "output.weight" in native
+    """Whether the integer kernel can run every matmul of the file, the vocabulary head too,
+    in its layer's shape (llama's: not Gemma 3's norms after the attention and the MLP)."""
+    return (not config.post_norms and not config.gelu
+            and covers(config, native) and "output.weight" in native
             and rows(native["output.weight"]) % COLUMNS == 0)
 
 

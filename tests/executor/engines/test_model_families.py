@@ -166,3 +166,28 @@ def test_gemma3_on_the_torch_backend(gemma3):
                                      max_positions=64), config)
     assert (unwindowed - want)[8:].abs().max() > 1e-2
     torch.testing.assert_close(unwindowed[:8], want[:8], atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def gemma3_q8(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3q8") / "tiny-gemma3-q8_0.gguf"
+    write_tiny_llama(path, GEMMA3_SPEC, seed=5, arch="gemma3", quantized="Q8_0")
+    return path, _hf_logits(path, "Gemma3")
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "fast"])
+def test_gemma3_on_the_cpu_engine(gemma3_q8, exact):
+    """ONNX Runtime's graphs (the integer kernel does not take Gemma's layers), the window in
+    the torch attention; exact: equal to transformers; fast (int8 activations, float16 KV):
+    close, the same next tokens nearly always."""
+    path, want = gemma3_q8
+    config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False,
+                                      exact=exact)
+    model = CpuLlamaModel(config, dense, native, max_positions=64, num_threads=2, exact=exact)
+    assert model.int_step is None
+    got = _forward(model, config, torch.float32 if exact else torch.float16)
+    if exact:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    else:
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+        assert (got - want).abs().max() < 0.05 * want.abs().max()

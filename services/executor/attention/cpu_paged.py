@@ -23,7 +23,8 @@ KV_DTYPES = (torch.float32, torch.float16)
 
 
 class PagedAttention:
-    """`__call__(qkv, cos, sin, k_cache, v_cache, meta, num_heads, scale)` -> [T, H * Dh]."""
+    """`__call__(qkv, cos, sin, k_cache, v_cache, meta, num_heads, scale, window)` ->
+    [T, H * Dh]."""
 
     def __init__(self, lib: ctypes.CDLL, num_threads: int) -> None:
         self._kernels = {torch.float32: lib.paged_attention_f32,
@@ -38,9 +39,10 @@ class PagedAttention:
 
     def __call__(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 num_heads: int, scale: float) -> torch.Tensor:
+                 num_heads: int, scale: float, window: int = 0) -> torch.Tensor:
         """qkv [T, (H + 2 Hkv) * Dh] float32, cos/sin [T, Dh]; caches
-        [num_blocks, block_size, Hkv, Dh]. Writes the step's K/V into the caches."""
+        [num_blocks, block_size, Hkv, Dh]. Writes the step's K/V into the caches. `window`
+        > 0: each query attends to its last `window` positions only."""
         num_tokens = qkv.shape[0]
         num_kv_heads, head_dim = k_cache.shape[2:]
         if qkv.dtype != torch.float32 or k_cache.dtype not in KV_DTYPES \
@@ -61,11 +63,12 @@ class PagedAttention:
             meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1],
             meta.cu_seqlens_q.data_ptr(), meta.context_lens.data_ptr(), tables.shape[0],
             meta.block_size, KERNEL_MAX_QUERY_LEN, scale, q.data_ptr(), out.data_ptr(),
-            self.num_threads)
+            self.num_threads, window)
         if status != 0:
             raise RuntimeError(f"paged attention kernel failed ({status}): head_dim "
                                f"{head_dim}, {num_heads} / {num_kv_heads} heads")
         for layout in meta.layouts:
             if layout.query_gather.shape[1] > KERNEL_MAX_QUERY_LEN:  # prefill chunks
-                out[layout.token_index] = attend_layout(q, k_cache, v_cache, layout, scale)
+                out[layout.token_index] = attend_layout(q, k_cache, v_cache, layout, scale,
+                                                        window)
         return out

@@ -235,11 +235,11 @@ class CpuLlamaModel:
                k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
         """RoPE, the K/V write and attention of one layer: qkv [T, (H + 2 Hkv) Dh] ->
-        [T, H * Dh]; the C++ kernel where it was built, else (and for a sliding window, which
-        the kernel does not mask yet) the torch reference."""
-        if self.paged_attention is not None and not window:
+        [T, H * Dh]; the C++ kernel where it was built, else the torch reference. `window`:
+        a sliding-window layer's (Gemma 3), 0 for a global one."""
+        if self.paged_attention is not None:
             return self.paged_attention(qkv, cos, sin, k_cache, v_cache, meta,
-                                        self.config.num_heads, self.scale)
+                                        self.config.num_heads, self.scale, window)
         q = rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                           self.config.num_heads)  # [T, H, Dh]
         return paged_attention(q, k_cache, v_cache, meta, self.scale, window)

@@ -17,13 +17,13 @@ int paged_attention_f32(const float* qkv, int64_t num_tokens, int64_t num_heads,
                         const int32_t* tables, int64_t max_blocks, const int64_t* starts,
                         const int64_t* ctx, int64_t num_seqs, int64_t block_size,
                         int64_t max_query_len, float scale, float* q_out, float* out,
-                        int num_threads);
+                        int num_threads, int64_t window);
 int paged_attention_f16(const float* qkv, int64_t num_tokens, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, const float* cos,
                         const float* sin, _Float16* k_cache, _Float16* v_cache,
                         const int64_t* slots, const int32_t* tables, int64_t max_blocks,
                         const int64_t* starts, const int64_t* ctx, int64_t num_seqs,
                         int64_t block_size, int64_t max_query_len, float scale, float* q_out,
-                        float* out, int num_threads);
+                        float* out, int num_threads, int64_t window);
 
 }  // extern "C"

@@ -50,7 +50,7 @@ _ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES = {
     "paged_attention_f32": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
                              _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr,
-                             _i32], _i32),
+                             _i32, _i64], _i32),
     # int_step.cpp; its structures are int_step.py's, passed by address
     "int_linear": ([_ptr, _ptr, _i64, _ptr, _i32, _i32], _i32),
     "int_boundary": ([_ptr, _i64, _i64, ctypes.c_float, _ptr, _ptr, _ptr, _i32], _i32),

@@ -8,7 +8,10 @@
 //        (`attend_rows`);
 //      - decodes whose tables share leading blocks (a cached prompt prefix) attend over those
 //        together as rows of `attend_rows`, each over the rest alone, and the two softmax
-//        states merge (cascade attention).
+//        states merge (cascade attention);
+//      - with a sliding `window` (Gemma 3's local layers), a query attends to its last `window`
+//        positions only: the blocks before them are never read (a decode costs the window, not
+//        the context), and the keys of the first block that fall before it score -inf.
 //
 // Sequences with longer queries get only step 1; their roped Q is returned in `q_out` for an
 // attention elsewhere (torch SDPA).
@@ -307,7 +310,8 @@ inline void prefetch_rows(const Cache<KV>& c, int64_t seq, int64_t pos, int64_t 
 // loops keep to registers; 0 = runtime-sized.
 template <int CH, typename KV>
 void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int64_t h0,
-            int64_t h1, int64_t key_start, int64_t num_keys, float* out, float* state) {
+            int64_t h1, int64_t key_start, int64_t num_keys, float* out, float* state,
+            int64_t mask_before) {
     constexpr int NCH = CH ? CH : MAX_HEAD_DIM / 8;
     constexpr bool WIDEN = !std::is_same<KV, float>::value;
     const int64_t dh = c.head_dim, chunks = CH ? CH : dh / 8, bs = c.block_size;
@@ -369,6 +373,7 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
                     const v8 scores = lane_sums(part);
                     __builtin_memcpy(&s[j0], &scores, sizeof scores);
                 }
+                for (int64_t j = 0; j < n && first + j < mask_before; ++j) s[j] = -INFINITY;
                 const float shrink = softmax_step(s, n, m[g], l[g]);
                 pv<CH>(s, n, vrow, chunks, shrink, acc[g]);
             }
@@ -382,7 +387,8 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
 }
 
 // Attention of `rows` query rows [rows, Dh] (scaled), all for KV head `h`, over the keys of
-// sequence `seq`'s blocks: row r sees keys [0, row_keys[r]), and row_keys ascends. Leaves each
+// sequence `seq`'s blocks: row r sees keys [0, row_keys[r]), and row_keys ascends; with a
+// `window`, keys [row_keys[r] - window, row_keys[r]) only. Leaves each
 // row's online-softmax state: running max m, sum l and unnormalized output acc [rows, Dh].
 // Two uses: a prefill chunk's tokens (row_keys grows by one per token: causal), and decodes of
 // several sequences over the prefix blocks they share (every row sees the whole prefix).
@@ -392,7 +398,7 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
 // sums; then each row's online softmax, and P @ V two rows per V load where registers allow.
 template <int CH, typename KV>
 void attend_rows(const float* q, int64_t rows, const int64_t* row_keys, const Cache<KV>& c,
-                 int64_t seq, int64_t h, float* m, float* l, float* acc) {
+                 int64_t seq, int64_t h, float* m, float* l, float* acc, int64_t window) {
     const int64_t dh = c.head_dim, chunks = CH ? CH : dh / 8;
     const int64_t num_keys = row_keys[rows - 1];
     alignas(64) float kt[MAX_HEAD_DIM][CHUNK_SPAN];  // K transposed: kt[d][j]
@@ -404,7 +410,11 @@ void attend_rows(const float* q, int64_t rows, const int64_t* row_keys, const Ca
         for (int64_t i = 0; i < dh; ++i) acc[r * dh + i] = 0.f;
     }
     for (int64_t j = 0; j < CHUNK_SPAN; ++j) vrow[j] = vw[j];
-    for (int64_t first = 0; first < num_keys; first += CHUNK_SPAN) {
+    // each row's first key; keys before the first row's are skipped whole
+    const auto row_lo = [&](int64_t r) {
+        return window ? std::max<int64_t>(0, row_keys[r] - window) : int64_t(0);
+    };
+    for (int64_t first = row_lo(0); first < num_keys; first += CHUNK_SPAN) {
         const int64_t n = std::min(CHUNK_SPAN, num_keys - first);
         for (int64_t j0 = 0; j0 < CHUNK_SPAN; j0 += 8) {  // eight keys at a time
             const KV* krows[8];
@@ -440,15 +450,19 @@ void attend_rows(const float* q, int64_t rows, const int64_t* row_keys, const Ca
             int64_t keys[ROW_TILE];  // each row's keys in this span (causal), 0: none
             float shrink[ROW_TILE];
             for (int64_t t = 0; t < tile; ++t) {
-                const int64_t r = r0 + t;
+                const int64_t r = r0 + t, lo = row_lo(r) - first;
                 keys[t] = std::max<int64_t>(0, std::min(n, row_keys[r] - first));
+                if (lo >= keys[t]) keys[t] = 0;  // its window begins after this span's keys
+                for (int64_t j = 0; j < lo && j < keys[t]; ++j) scores[t][j] = -INFINITY;
                 if (keys[t]) shrink[t] = softmax_step(scores[t], keys[t], m[r], l[r]);
             }
             int64_t t = 0;
 #if defined(__AVX512F__)  // two rows' sums and a V row fit 32 registers, not 16
             for (; t + 1 < tile; t += 2) {  // rows come in position order: keys[t] <= keys[t+1]
                 const int64_t r = r0 + t, common = keys[t];
-                if (common == 0) {  // row t sees none of these keys yet
+                if (common == 0 || keys[t + 1] < common) {  // t sees none yet, or t + 1 none
+                    if (common)  // (a window can leave the later row none of this span)
+                        pv<CH>(scores[t], common, vrow, chunks, shrink[t], acc + r * dh);
                     if (keys[t + 1])
                         pv<CH>(scores[t + 1], keys[t + 1], vrow, chunks, shrink[t + 1],
                                acc + (r + 1) * dh);
@@ -487,7 +501,7 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
         int64_t head_dim, const float* cos, const float* sin, KV* k_cache, KV* v_cache,
         const int64_t* slots, const int32_t* tables, int64_t max_blocks, const int64_t* starts,
         const int64_t* ctx, int64_t num_seqs, int64_t block_size, int64_t max_query_len,
-        float scale, float* q_out, float* out, int num_threads) {
+        float scale, float* q_out, float* out, int num_threads, int64_t window) {
     const int64_t group = num_heads / num_kv_heads;
     if (head_dim > MAX_HEAD_DIM || head_dim % 8 || group > MAX_GROUP ||
         num_heads % num_kv_heads || block_size > MAX_BLOCK)
@@ -507,7 +521,8 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
     struct Shared { int64_t first, count, keys; };  // decodes[first, first + count)
     std::vector<Shared> shared;
     const int64_t max_members = std::max<int64_t>(1, MAX_CHUNK_ROWS / group);
-    for (size_t i = 0; i < decodes.size();) {
+    // (a window starts each decode's keys at its own position: no prefix to share)
+    for (size_t i = 0; i < decodes.size() && !window;) {
         // the longest run of sorted decodes whose tables agree on at least MIN_SHARED_KEYS
         const int32_t* lead = tables + decodes[i] * max_blocks;
         int64_t common = (ctx[decodes[i]] - 1) / block_size;  // whole blocks before its query
@@ -555,13 +570,14 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
             for (int64_t t = starts[b]; t < starts[b + 1]; t += tile_tokens)
                 for (int64_t h = 0; h < num_kv_heads; ++h)
                     items.push_back({CHUNK, t, h, h + 1, std::min(tile_tokens, starts[b + 1] - t)});
-            work += len * ctx[b] * num_heads * head_dim;
+            work += len * (window ? std::min(window + len, ctx[b]) : ctx[b]) * num_heads *
+                    head_dim;
         }
     }
     for (int64_t b : decodes) {
         for (int64_t h = 0; h < num_kv_heads; h += heads_per_item)
             items.push_back({DECODE, starts[b], h, std::min(num_kv_heads, h + heads_per_item), 0});
-        work += ctx[b] * num_heads * head_dim;
+        work += (window ? std::min(window, ctx[b]) : ctx[b]) * num_heads * head_dim;
     }
     std::vector<int64_t> seq_of(num_tokens);
     for (int64_t b = 0; b < num_seqs; ++b)
@@ -600,8 +616,12 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
                 float* state = prefix_keys[b]
                                    ? own_state.data() + 2 * (t * num_heads + item.h0 * group)
                                    : nullptr;
-                attend_fn(q, group, c, b, item.h0, item.h1, prefix_keys[b], ctx[b],
-                          out + first, state);
+                // a window's first key, and the start of its cache block (blocks are read
+                // whole): the keys between score -inf
+                const int64_t lo = window ? std::max<int64_t>(0, ctx[b] - window) : 0;
+                const int64_t key_start = window ? lo - lo % block_size : prefix_keys[b];
+                attend_fn(q, group, c, b, item.h0, item.h1, key_start, ctx[b], out + first,
+                          state, lo);
                 continue;
             }
             // rows (token, query head of KV head h): gathered, attended, scattered back
@@ -627,7 +647,8 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
                 for (int64_t g = 0; g < group; ++g) row_keys[i * group + g] = keys;
                 for (int64_t x = 0; x < size; ++x) q[i * size + x] = from[x] * scale;
             }
-            rows_fn(q, count * group, row_keys, c, seq, h, m, l, o);
+            rows_fn(q, count * group, row_keys, c, seq, h, m, l, o,
+                    item.kind == CHUNK ? window : 0);
             for (int64_t i = 0; i < count; ++i) {
                 const int64_t at = token[i] * num_heads + h * group;
                 for (int64_t g = 0; g < group; ++g) {
@@ -677,10 +698,10 @@ int paged_attention_f32(const float* qkv, int64_t num_tokens, int64_t num_heads,
                         const int32_t* tables, int64_t max_blocks, const int64_t* starts,
                         const int64_t* ctx, int64_t num_seqs, int64_t block_size,
                         int64_t max_query_len, float scale, float* q_out, float* out,
-                        int num_threads) {
+                        int num_threads, int64_t window) {
     return run(qkv, num_tokens, num_heads, num_kv_heads, head_dim, cos, sin, k_cache, v_cache,
                slots, tables, max_blocks, starts, ctx, num_seqs, block_size, max_query_len,
-               scale, q_out, out, num_threads);
+               scale, q_out, out, num_threads, window);
 }
 
 int paged_attention_f16(const float* qkv, int64_t num_tokens, int64_t num_heads,
@@ -689,10 +710,10 @@ int paged_attention_f16(const float* qkv, int64_t num_tokens, int64_t num_heads,
                         const int64_t* slots, const int32_t* tables, int64_t max_blocks,
                         const int64_t* starts, const int64_t* ctx, int64_t num_seqs,
                         int64_t block_size, int64_t max_query_len, float scale, float* q_out,
-                        float* out, int num_threads) {
+                        float* out, int num_threads, int64_t window) {
     return run(qkv, num_tokens, num_heads, num_kv_heads, head_dim, cos, sin, k_cache, v_cache,
                slots, tables, max_blocks, starts, ctx, num_seqs, block_size, max_query_len,
-               scale, q_out, out, num_threads);
+               scale, q_out, out, num_threads, window);
 }
 
 }  // extern "C"

@@ -34,7 +34,7 @@ int run_layers(Attend attend, const IntBoundary* const* boundaries, int64_t num_
         if (attend(qkv, T, num_heads, num_kv_heads, head_dim, cos, sin,
                    k_cache + i * layer_stride, v_cache + i * layer_stride, slots, tables,
                    max_blocks, starts, ctx, num_seqs, block_size, max_query_len, scale, q_out,
-                   attn, num_threads) != 0)
+                   attn, num_threads, /*window=*/0) != 0)
             return 2000 + static_cast<int>(i);
     }
     return 0;

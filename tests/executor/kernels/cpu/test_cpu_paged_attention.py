@@ -41,7 +41,8 @@ def _case(query_lens, context_lens, *, num_heads, num_kv_heads, head_dim, block_
     return meta, qkv, emb.cos(), emb.sin(), caches
 
 
-CASES = {  # (query_lens, context_lens, heads, kv heads, head dim, block size, shared blocks)
+CASES = {  # (query_lens, context_lens, heads, kv heads, head dim, block size, shared blocks,
+           #  [sliding window])
     "one decode": ([1], [1], 4, 2, 16, 4, 0),
     "decodes of mixed lengths": ([1, 1, 1, 1], [5, 17, 64, 3], 9, 3, 64, 16, 0),
     "decodes beside prefill chunks": ([1, 7, 1, 12], [33, 7, 40, 30], 8, 2, 32, 4, 0),
@@ -64,6 +65,17 @@ CASES = {  # (query_lens, context_lens, heads, kv heads, head dim, block size, s
     # more decodes than one team of 8, all behind a 4-block prefix, one of them a prefill
     "shared prefix": ([1] * 10 + [6], [33, 40, 47, 35, 64, 38, 33, 41, 50, 39, 37],
                       9, 3, 64, 8, 4),
+    # Sliding windows (Gemma 3's local layers): decodes whose window starts mid-block, is
+    # block-aligned, or is longer than the context; prefill chunks whose rows' windows begin
+    # in different spans (one row of a tile sees none of a span another row sees); decodes
+    # behind a shared prefix (shared no more: each starts at its own window); head size 256.
+    "window, decodes": ([1, 1, 1, 1], [100, 64, 5, 1030], 8, 2, 64, 16, 0, 20),
+    "window, block-aligned start": ([1, 1], [48, 49], 4, 2, 32, 16, 0, 32),
+    "window, prefill chunks": ([70, 1, 41, 130], [70, 90, 133, 300], 9, 3, 64, 16, 0, 37),
+    "window, short, no GQA": ([9, 1], [9, 40], 4, 4, 48, 8, 0, 3),
+    "window, shared prefix": ([1] * 6 + [5], [100 + 3 * i for i in range(6)] + [90],
+                              9, 3, 64, 16, 5, 24),
+    "window, head size 256": ([1, 7], [300, 50], 4, 1, 256, 16, 0, 17),
 }
 
 
@@ -71,7 +83,8 @@ CASES = {  # (query_lens, context_lens, heads, kv heads, head dim, block size, s
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_matches_torch_reference(isa, kv_dtype, case):
-    query_lens, context_lens, heads, kv_heads, head_dim, block_size, shared = case
+    query_lens, context_lens, heads, kv_heads, head_dim, block_size, shared, *window = case
+    window = window[0] if window else 0
     lib = load_library(isa)
     if lib is None:
         pytest.skip("no C++ compiler here")
@@ -81,9 +94,10 @@ def test_matches_torch_reference(isa, kv_dtype, case):
     k, v = k.to(kv_dtype), v.to(kv_dtype)
     k_ref, v_ref = k.float(), v.float()
     q_ref = TorchOps.rope_write_kv(qkv, cos, sin, k_ref, v_ref, meta.slot_mapping, heads)
-    expected = TorchOps.attention(q_ref, k_ref, v_ref, meta, head_dim ** -0.5)
+    expected = TorchOps.attention(q_ref, k_ref, v_ref, meta, head_dim ** -0.5, window)
 
-    out = PagedAttention(lib, num_threads=2)(qkv, cos, sin, k, v, meta, heads, head_dim ** -0.5)
+    out = PagedAttention(lib, num_threads=2)(qkv, cos, sin, k, v, meta, heads, head_dim ** -0.5,
+                                             window)
     atol, rtol = TOLERANCES[kv_dtype]
     # the cache got the roped K and V of every token, rounded to its dtype
     torch.testing.assert_close(k.float(), k_ref.to(kv_dtype).float(), atol=atol, rtol=rtol)

@@ -226,11 +226,11 @@ def test_an_executor_refuses_a_file_it_cannot_serve_in_one_line(bus, tmp_path):
 
     url, _ = bus
     model = tmp_path / "other.gguf"
-    write_tiny_llama(model, arch="gemma3")
+    write_tiny_llama(model, arch="phi3")
     result = subprocess.run([sys.executable, "-m", "llmbus.services.cli", "serve", "executor",
                              "--model", str(model), "--nats-url", url, "--threads", "1"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        "llmbus executor: other.gguf: unsupported model architecture 'gemma3'; supported: "
-        "('llama', 'qwen2', 'qwen3')")
+        "llmbus executor: other.gguf: unsupported model architecture 'phi3'; supported: "
+        "('llama', 'qwen2', 'qwen3', 'gemma3')")

@@ -107,6 +107,10 @@ _TOKENIZER_KEYS = (("tokenizer.ggml.model", "add_tokenizer_model"),
                    ("tokenizer.ggml.bos_token_id", "add_bos_token_id"),
                    ("tokenizer.ggml.eos_token_id", "add_eos_token_id"),
                    ("tokenizer.ggml.unknown_token_id", "add_unk_token_id"),
+                   ("tokenizer.ggml.padding_token_id", "add_pad_token_id"),
+                   ("tokenizer.ggml.add_bos_token", "add_add_bos_token"),
+                   ("tokenizer.ggml.add_eos_token", "add_add_eos_token"),
+                   ("tokenizer.ggml.add_space_prefix", "add_add_space_prefix"),
                    ("tokenizer.chat_template", "add_chat_template"))
 
 

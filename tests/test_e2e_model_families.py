@@ -14,7 +14,7 @@ from llmbus.services.gguf_tokenizer import GGUFTokenizer
 from llmbus.services.model_files import default_model_path
 from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama
 from tests.stack import needs_default_model, start_stack, stop_stack
-from tests.test_sentencepiece_tokenizer import write_vocab
+from tests.test_sentencepiece_tokenizer import write_gemma_vocab, write_vocab
 
 pytestmark = [pytest.mark.model, needs_default_model()]
 
@@ -27,7 +27,7 @@ def _llama3_factors() -> np.ndarray:
     return np.array([1.0, 1.5, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0], dtype=np.float32)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama3", "sentencepiece"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3", "sentencepiece", "gemma3"])
 def test_a_generated_family_is_served(tmp_path, family):
     path, vocab, spec = tmp_path / f"tiny-{family}.gguf", default_model_path(), SPEC
     if family == "sentencepiece":  # Llama 2 / Mistral style: a scored vocabulary
@@ -35,10 +35,20 @@ def test_a_generated_family_is_served(tmp_path, family):
         write_vocab(vocab)
         spec = TinySpec(vocab_size=len(GGUFTokenizer.from_gguf(vocab).backend.get_vocab(
             with_added_tokens=False)))
+    if family == "gemma3":  # Gemma's vocabulary; a window of 8, shorter than the prompt
+        vocab = tmp_path / "gemma-vocab.gguf"
+        spec = TinySpec(vocab_size=write_gemma_vocab(vocab), num_layers=6, num_heads=2,
+                        num_kv_heads=1, head_size=256, tied=True, sliding_window=8)
+    if family == "qwen3":
+        spec = TinySpec(vocab_size=SPEC.vocab_size, head_size=128)
     write_tiny_llama(path, spec, seed=7, quantized="Q8_0", vocab_from=vocab,
-                     arch="qwen2" if family == "qwen2" else "llama",
+                     arch=family if family in ("qwen2", "qwen3", "gemma3") else "llama",
                      rope_freqs=_llama3_factors() if family == "llama3" else None)
     prompt = GGUFTokenizer.from_gguf(path).encode(PROMPT, add_special_tokens=True)
+    if family == "gemma3":  # its vocabulary's settings came along: BOS first, no space prefix
+        assert prompt[0] == 2 and len(prompt) + MAX_TOKENS > spec.sliding_window
+        assert GGUFTokenizer.from_gguf(path).encode(" the") != \
+            GGUFTokenizer.from_gguf(path).encode("the")
     runner = ModelRunner(path, model_name="tiny", num_blocks=64, engine="auto")
     want = generate(runner, [prompt], max_tokens=MAX_TOKENS,
                     params=[SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,

@@ -1,6 +1,6 @@
-"""SentencePiece-style GGUF vocabularies (Llama 2, Mistral: `tokenizer.ggml.model` llama): ids
-equal HF transformers' on the same file, for multilingual text, digits, whitespace and
-characters only byte fallback can spell; text decodes back."""
+"""SentencePiece-style GGUF vocabularies (Llama 2, Mistral, Gemma 3: `tokenizer.ggml.model`
+llama): ids equal HF transformers' on the same file, for multilingual text, digits, whitespace
+and characters only byte fallback can spell; text decodes back."""
 
 from __future__ import annotations
 
@@ -60,6 +60,80 @@ def write_vocab(path, *, scores: bool = True, add_space_prefix: bool | None = No
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+GEMMA_CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA_TEMPLATE = (  # Gemma 3's, its system message folded into the first user turn
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first = "
+    "messages[0]['content'] + '\\n\\n' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}"
+    "{%- set first = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}{{ '<start_of_turn>' + ('model' if message['role'] =="
+    " 'assistant' else message['role']) + '\\n' + (first if loop.first else '') + "
+    "message['content'] | trim + '<end_of_turn>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
+
+
+def write_gemma_vocab(path) -> int:
+    """Gemma 3's vocabulary as its GGUF holds it, small: `pre` default, no space prefix (a
+    word's leading space is its own piece), BOS added, <pad> <eos> <bos> <unk> and the turn
+    markers as control tokens, pieces for newlines and runs of spaces; returns its size."""
+    pieces = [SPACE, *"abcdefghijklmnopqrstuvwxyzHTWÜïöéçñ,.:!0123456789日本", "\n", "\t",
+              SPACE * 2]
+    for word in WORDS:
+        for start in (SPACE + word, word):
+            for end in range(2, len(start) + 1):
+                if start[:end] not in pieces:
+                    pieces.append(start[:end])
+    pieces += ["12", "123", "10", "100", "ab", "yz", "bc", "xy"]
+    tokens = [*GEMMA_CONTROL, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [3, 3, 3, 2, 3, 3, *([6] * 256), *([1] * len(pieces))]
+    scores = [0.0] * (len(GEMMA_CONTROL) + 256) + [
+        -1000.0 - i if len(p) == 1 else -float(i) / 10 - 1.0 / len(p)
+        for i, p in enumerate(pieces)]
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_space_prefix(False)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(GEMMA_TEMPLATE)
+    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64),
+                       (writer.add_embedding_length, 8), (writer.add_head_count, 1)):
+        add(value)  # what transformers needs to read the file's config
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return len(tokens)
+
+
+def test_a_gemma_vocabulary_equals_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "gemma.gguf"
+    write_gemma_vocab(path)
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    assert type(theirs).__name__ == "GemmaTokenizer"
+    ours = GGUFTokenizer.from_gguf(path)
+    chat = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "hello world "}]
+    for text in [*TEXTS, "<start_of_turn>user\nthe text<end_of_turn>\n", "a\n\n  b"]:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
+        assert ours.encode(text, add_special_tokens=True) == theirs.encode(text), text
+    from llmbus.services.tokenizer.chat_template import render_chat_template
+
+    rendered = render_chat_template(ours.chat_template, chat, add_generation_prompt=True,
+                                    bos_token=ours.bos_token, eos_token=ours.eos_token)
+    assert rendered == theirs.apply_chat_template(chat, tokenize=False,
+                                                  add_generation_prompt=True)
+    assert rendered == ("<bos><start_of_turn>user\nBe brief.\n\nhello world<end_of_turn>\n"
+                        "<start_of_turn>model\n")
 
 
 @pytest.fixture(scope="module")

@@ -104,6 +104,7 @@ TEST_KINDS = {
     "test_detokenizer_routing.py": "unit",
     "test_engine_loop.py": "unit",
     "test_executor_constraints.py": "unit",
+    "test_family_fast_mode.py": "unit",
     "test_executor_model.py": "unit",
     "test_executor_multi_step.py": "unit",
     "test_executor_onnx.py": "unit",

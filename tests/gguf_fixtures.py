@@ -37,6 +37,10 @@ class TinySpec:
     # `<arch>.attention.key_length`.
     head_size: int | None = None
     sliding_window: int = 0  # gemma3: `gemma3.attention.sliding_window`
+    # qwen3moe: experts per layer, used per token, and each expert's MLP width
+    num_experts: int = 0
+    num_experts_used: int = 0
+    expert_size: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -90,20 +94,30 @@ def random_k_quant(kind, rows: int, cols: int, seed: int, scale: float = 1.0) ->
 
 
 def family_tensors(spec: TinySpec, arch: str, seed: int) -> dict[str, np.ndarray]:
-    """What a family adds to llama's tensors: qwen2's Q/K/V biases, qwen3's Q/K norms, and
-    gemma3's Q/K norms and post-norms (stored, as llama.cpp converts them, with Gemma's +1)."""
+    """What a family adds to llama's tensors: qwen2's Q/K/V biases, qwen3's Q/K norms,
+    gemma3's Q/K norms and post-norms (stored, as llama.cpp converts them, with Gemma's +1),
+    qwen3moe's Q/K norms, router and stacked experts ([E, F, D] gate and up, [E, D, F] down,
+    in place of the dense MLP)."""
     rng = np.random.default_rng(seed + 1000)
     extra = {}
+    d, e, f = spec.hidden_size, spec.num_experts, spec.expert_size
     for i in range(spec.num_layers):
         if arch == "qwen2":
             for n, heads in (("q", spec.num_heads), ("k", spec.num_kv_heads),
                              ("v", spec.num_kv_heads)):
                 extra[f"blk.{i}.attn_{n}.bias"] = \
                     (0.5 * rng.standard_normal(heads * spec.head_dim)).astype(np.float32)
-        elif arch in ("qwen3", "gemma3"):
+        elif arch in ("qwen3", "gemma3", "qwen3moe"):
             for n in "qk":
                 extra[f"blk.{i}.attn_{n}_norm.weight"] = \
                     (1.0 + 0.3 * rng.standard_normal(spec.head_dim)).astype(np.float32)
+        if arch == "qwen3moe":
+            extra[f"blk.{i}.ffn_gate_inp.weight"] = \
+                (2.0 * rng.standard_normal((e, d)) / np.sqrt(d)).astype(np.float32)
+            for n, shape, fan_in in (("gate", (e, f, d), d), ("up", (e, f, d), d),
+                                     ("down", (e, d, f), f)):
+                extra[f"blk.{i}.ffn_{n}_exps.weight"] = \
+                    (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
         if arch == "gemma3":
             for n in ("post_attention_norm", "post_ffw_norm"):
                 extra[f"blk.{i}.{n}.weight"] = \
@@ -135,6 +149,9 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
     import gguf
 
     weights = tiny_weights(spec, seed) | family_tensors(spec, arch, seed)
+    if spec.num_experts:  # experts instead of the dense MLP
+        weights = {n: w for n, w in weights.items()
+                   if not n.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))}
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny-random-llama")
     writer.add_block_count(spec.num_layers)
@@ -150,6 +167,10 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
         writer.add_value_length(spec.head_size)
     if spec.sliding_window:
         writer.add_sliding_window(spec.sliding_window)
+    if spec.num_experts:
+        writer.add_expert_count(spec.num_experts)
+        writer.add_expert_used_count(spec.num_experts_used)
+        writer.add_expert_feed_forward_length(spec.expert_size)
     if vocab_from is None:
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list([f"<t{i}>" for i in range(spec.vocab_size)])
@@ -167,7 +188,7 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
                  spec.num_kv_heads if name.endswith("attn_k.weight") else None)
         array = permute_qk(hf_array, heads) if heads and arch == "llama" else hf_array
         kind = next((k for suffix, k in (k_quants or {}).items() if name.endswith(suffix)), None)
-        if kind is None and quantized and array.ndim == 2:
+        if kind is None and quantized and array.ndim >= 2 and not name.endswith("_inp.weight"):
             kind = gguf.GGMLQuantizationType[quantized if name.startswith("blk.") else "Q8_0"]
         if kind is not None and array.ndim == 2 and kind.name.endswith("_K"):
             raw = random_k_quant(kind, *array.shape, seed=seed * 7919 + zlib.crc32(name.encode()),
@@ -175,7 +196,7 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
             writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
             values = np.asarray(gguf.quants.dequantize(raw, kind), np.float32).reshape(array.shape)
             weights[name] = unpermute_qk(values, heads) if heads and arch == "llama" else values
-        elif kind is not None and array.ndim == 2:
+        elif kind is not None and array.ndim >= 2:
             writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
             # Blocks run along rows and the rotary permutation moves whole rows, so the exact
             # HF-layout values are those of the unpermuted array's own blocks.

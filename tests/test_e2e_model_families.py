@@ -27,7 +27,8 @@ def _llama3_factors() -> np.ndarray:
     return np.array([1.0, 1.5, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0], dtype=np.float32)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3", "sentencepiece", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3", "sentencepiece", "gemma3",
+                                    "qwen3moe"])
 def test_a_generated_family_is_served(tmp_path, family):
     path, vocab, spec = tmp_path / f"tiny-{family}.gguf", default_model_path(), SPEC
     if family == "sentencepiece":  # Llama 2 / Mistral style: a scored vocabulary
@@ -41,8 +42,12 @@ def test_a_generated_family_is_served(tmp_path, family):
                         num_kv_heads=1, head_size=256, tied=True, sliding_window=8)
     if family == "qwen3":
         spec = TinySpec(vocab_size=SPEC.vocab_size, head_size=128)
+    if family == "qwen3moe":  # (the torch engine runs it: the plan's choice for experts)
+        spec = TinySpec(vocab_size=SPEC.vocab_size, head_size=128, num_experts=4,
+                        num_experts_used=2, expert_size=96)
     write_tiny_llama(path, spec, seed=7, quantized="Q8_0", vocab_from=vocab,
-                     arch=family if family in ("qwen2", "qwen3", "gemma3") else "llama",
+                     arch=family if family in ("qwen2", "qwen3", "gemma3", "qwen3moe")
+                     else "llama",
                      rope_freqs=_llama3_factors() if family == "llama3" else None)
     prompt = GGUFTokenizer.from_gguf(path).encode(PROMPT, add_special_tokens=True)
     if family == "gemma3":  # its vocabulary's settings came along: BOS first, no space prefix

@@ -17,8 +17,14 @@ takes every matrix); nothing is loaded to decide.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from os import PathLike
+
+from llmbus.services.executor.weights.matrices import (
+    MOE_ARCHITECTURES,
+    WINDOWED_ARCHITECTURES,
+    architecture,
+)
 
 ENGINES = ("auto", "integer-kernel", "onnxruntime", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -63,10 +69,22 @@ def resolve_plan(model_path: str | PathLike[str] | None, *, engine: str = "auto"
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     device = device if device != "auto" else ("cuda" if cuda_available else "cpu")
+    arch = _architecture(model_path)
+    moe = arch in MOE_ARCHITECTURES
     if engine == "auto":
-        engine = "torch" if device != "cpu" or dtype != "float32" else "cpu"
+        engine = "torch" if device != "cpu" or dtype != "float32" or moe else "cpu"
     if engine == "torch":
-        return _torch_plan(device, exact, dtype)
+        plan = _torch_plan(device, exact, dtype)
+        if moe and device == "cpu":
+            plan = replace(plan, note="a mixture of experts: the CPU engines do not take "
+                                      "experts yet")
+        if arch in WINDOWED_ARCHITECTURES and device == "cuda":
+            plan = replace(plan, attention="torch attention",
+                           note="sliding windows are not in the Triton kernels yet")
+        return plan
+    if moe:
+        raise ValueError(f"--engine {engine} cannot run a mixture of experts ({arch}) yet; "
+                         "use --engine torch (the default for it)")
     if device != "cpu":
         raise ValueError(f"the {engine} engine runs on the CPU, not {device}; use --engine "
                          "torch there")
@@ -74,6 +92,15 @@ def resolve_plan(model_path: str | PathLike[str] | None, *, engine: str = "auto"
         raise ValueError(f"--dtype {dtype} is for the torch engine; the CPU engines compute "
                          "in float32 (--exact or not chooses their precision)")
     return _cpu_plan(model_path, engine, exact, isa)
+
+
+def _architecture(model_path: str | PathLike[str] | None) -> str | None:
+    if model_path is None:
+        return None
+    try:
+        return architecture(model_path)
+    except (OSError, ValueError):  # the loader names what is wrong with the file
+        return None
 
 
 def _torch_plan(device: str, exact: bool, dtype: str) -> ExecutionPlan:

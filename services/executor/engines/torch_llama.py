@@ -10,6 +10,7 @@ Dh (head dim), S (sequences that sample), V (vocab).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from llmbus.services.executor.attention.metadata import AttentionMetadata
 from llmbus.services.executor.attention.qk_norm import qk_rms_norm
 from llmbus.services.executor.attention.rope import rope_tables
 from llmbus.services.executor.attention.torch_paged import paged_attention, rope_write_kv
+from llmbus.services.executor.engines.moe import moe_mlp
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import LlamaConfig, qk_norm_weights, qkv_bias
 
@@ -87,6 +89,11 @@ class _Layer:
     post_attention_norm: torch.Tensor | None = None
     post_ffw_norm: torch.Tensor | None = None
     window: int = 0
+    # A mixture of experts (Qwen3-MoE): the router [E, D] and each expert's gate_up [E, 2F, D]
+    # and down [E, D, F]; gate_up and down above are then empty.
+    router: torch.Tensor | None = None
+    experts_gate_up: torch.Tensor | None = None
+    experts_down: torch.Tensor | None = None
 
 
 class LlamaModel:
@@ -105,6 +112,8 @@ class LlamaModel:
                  max_positions: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", kernels: str | None = None) -> None:
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        if kernels is None and config.sliding_window:  # not in the Triton kernels yet
+            kernels = "torch"
         self.ops = select_ops(kernels, self.device)
 
         def w(name: str) -> torch.Tensor:
@@ -114,6 +123,16 @@ class LlamaModel:
             """The row-stack of the weights `names`: one matmul for all of them."""
             return torch.cat([w(n) for n in names])
 
+        def mlp(p: str) -> dict[str, torch.Tensor]:
+            if config.num_experts:
+                return {"gate_up": torch.empty(0), "down": torch.empty(0),
+                        "router": w(p + "ffn_gate_inp.weight"),
+                        "experts_gate_up": torch.cat([w(p + "ffn_gate_exps.weight"),
+                                                      w(p + "ffn_up_exps.weight")], dim=1),
+                        "experts_down": w(p + "ffn_down_exps.weight")}
+            return {"gate_up": stacked(p + "ffn_gate.weight", p + "ffn_up.weight"),
+                    "down": stacked(p + "ffn_down.weight")}
+
         self.layers = []
         for i in range(config.num_layers):
             p = f"blk.{i}."
@@ -121,9 +140,7 @@ class LlamaModel:
                 attn_norm=w(p + "attn_norm.weight"),
                 qkv=stacked(*(p + f"attn_{n}.weight" for n in "qkv")),
                 attn_output=stacked(p + "attn_output.weight"),
-                ffn_norm=w(p + "ffn_norm.weight"),
-                gate_up=stacked(p + "ffn_gate.weight", p + "ffn_up.weight"),
-                down=stacked(p + "ffn_down.weight"),
+                ffn_norm=w(p + "ffn_norm.weight"), **mlp(p),
                 qkv_bias=None if qkv_bias(weights, i) is None
                 else qkv_bias(weights, i).to(device=device, dtype=dtype),
                 qk_norm=None if qk_norm_weights(weights, i) is None
@@ -149,6 +166,11 @@ class LlamaModel:
                   for local in (False, True)[:1 + (self.config.local_rope_theta is not None)]]
         self.rope = [(cos.to(self.device, self.dtype), sin.to(self.device, self.dtype))
                      for cos, sin in tables]
+
+    def _expert(self, layer: _Layer, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """One expert's SwiGLU MLP on the rows routed to it: [n, D] -> [n, D]."""
+        gate_up = self.linear(rows, layer.experts_gate_up[expert])  # [n, 2F]
+        return self.linear(self.ops.silu_mul(gate_up), layer.experts_down[expert])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KVCache,
@@ -181,9 +203,13 @@ class LlamaModel:
             if layer.post_attention_norm is not None:
                 out = rms_norm(out, layer.post_attention_norm, eps)
             x, h = ops.add_rms_norm(h, out, layer.ffn_norm, eps)
-            gate_up = self.linear(x, layer.gate_up)  # [T, 2F]
-            delta = self.linear(gelu_mul(gate_up) if cfg.gelu else ops.silu_mul(gate_up),
-                                layer.down)
+            if layer.router is not None:
+                delta = moe_mlp(x, layer.router, partial(self._expert, layer),
+                                cfg.num_experts_used)
+            else:
+                gate_up = self.linear(x, layer.gate_up)  # [T, 2F]
+                delta = self.linear(gelu_mul(gate_up) if cfg.gelu else ops.silu_mul(gate_up),
+                                    layer.down)
             if layer.post_ffw_norm is not None:
                 delta = rms_norm(delta, layer.post_ffw_norm, eps)
         # Only the positions that sample pay for the norm and the vocab projection.

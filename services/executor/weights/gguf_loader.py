@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from llmbus.services.executor.weights.gguf_quants import NativeWeight, native_parsers
+from llmbus.services.executor.weights.matrices import MOE_ARCHITECTURES
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 # Gemma 3 as llama.cpp runs it: every 6th layer attends globally, the others in a sliding
 # window with RoPE base 10,000 (the global layers' comes from the file); attention scaled by
 # 1/√head_dim, by 1/√(hidden / heads) in the 27B (62 layers). (transformers' GGUF loader takes
@@ -71,6 +72,12 @@ class LlamaConfig:
     sliding_window: int = 0  # keys a local layer's query sees, itself included; 0: none
     sliding_window_pattern: int = 0  # every n-th layer is global, the others local
     local_rope_theta: float | None = None  # the local layers' RoPE base, where it differs
+    # A mixture of experts (Qwen3-MoE): each layer's MLP is `num_experts` experts of
+    # `expert_intermediate_size`, of which a router picks `num_experts_used` per token, their
+    # weights the softmax's top-k renormalised to sum to 1.
+    num_experts: int = 0
+    num_experts_used: int = 0
+    expert_intermediate_size: int = 0
 
     @property
     def scale(self) -> float:
@@ -118,6 +125,7 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
 
     def required(key: str) -> Any:
         return _required(reader, f"{arch}.{key}")
+    moe = arch in MOE_ARCHITECTURES
     if isinstance(field("feed_forward_length"), list):
         raise UnsupportedModelError("per-layer feed_forward_length is not supported")
     scaling = field("rope.scaling.type", "none")
@@ -145,7 +153,8 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
     config = LlamaConfig(
         num_layers=int(required("block_count")),
         hidden_size=hidden,
-        intermediate_size=int(required("feed_forward_length")),
+        intermediate_size=int(field("feed_forward_length", 0) if moe
+                              else required("feed_forward_length")),
         num_heads=num_heads,
         num_kv_heads=int(field("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
@@ -159,8 +168,12 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
         tie_word_embeddings="output.weight" not in tensor_shapes,
         rope_linear_factor=linear,
         rotary_pairs_interleaved=arch == "llama",
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "gemma3", "qwen3moe"),
     )
+    if moe:
+        config = replace(config, num_experts=int(required("expert_count")),
+                         num_experts_used=int(required("expert_used_count")),
+                         expert_intermediate_size=int(required("expert_feed_forward_length")))
     return _gemma3(config, field) if arch == "gemma3" else config
 
 
@@ -179,6 +192,17 @@ def _gemma3(config: LlamaConfig, field: Callable[..., Any]) -> LlamaConfig:
 
 def _check_family_tensors(config: LlamaConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     """The tensors the architecture needs beyond llama's are there (named when not)."""
+    if config.num_experts:
+        e, d, f = config.num_experts, config.hidden_size, config.expert_intermediate_size
+        for i in range(config.num_layers):
+            for name, shape in ((f"blk.{i}.ffn_gate_inp.weight", (e, d)),
+                                (f"blk.{i}.ffn_gate_exps.weight", (e, f, d)),
+                                (f"blk.{i}.ffn_up_exps.weight", (e, f, d)),
+                                (f"blk.{i}.ffn_down_exps.weight", (e, d, f))):
+                if shapes.get(name) != shape:
+                    raise UnsupportedModelError(
+                        f"GGUF lacks {name!r}" if name not in shapes else
+                        f"{name!r} has shape {shapes[name]}, expected {shape}")
     if config.post_norms:
         for name in (f"blk.{i}.{n}.weight" for i in range(config.num_layers)
                      for n in ("post_attention_norm", "post_ffw_norm")):

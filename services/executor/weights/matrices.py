@@ -17,6 +17,16 @@ NATIVE_GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6
 # The architectures whose layers the integer kernel computes (Gemma 3's norms after the
 # attention and the MLP, and its GeGLU, are not in it).
 KERNEL_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Mixtures of experts: the torch engine runs them (the CPU engines do not take experts yet).
+MOE_ARCHITECTURES = ("qwen3moe",)
+# Sliding-window attention: not in the Triton kernels yet (torch ops on CUDA).
+WINDOWED_ARCHITECTURES = ("gemma3",)
+
+
+def architecture(path: str | PathLike[str]) -> str | None:
+    """The file's `general.architecture`, from its header."""
+    architecture = read_metadata(path).get("general.architecture")
+    return architecture if isinstance(architecture, str) else None
 
 
 def kernel_takes_file(path: str | PathLike[str]) -> bool:
@@ -25,7 +35,7 @@ def kernel_takes_file(path: str | PathLike[str]) -> bool:
     quant_parts.kernel_takes checks after the load."""
     import gguf
 
-    if read_metadata(path).get("general.architecture") not in KERNEL_ARCHITECTURES:
+    if architecture(path) not in KERNEL_ARCHITECTURES:
         return False
     native_types = {int(gguf.GGMLQuantizationType[t]) for t in NATIVE_GGML_TYPES}
     infos = read_tensor_infos(path)

@@ -191,3 +191,42 @@ def test_gemma3_on_the_cpu_engine(gemma3_q8, exact):
     else:
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
         assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+# Qwen3-MoE: eight experts, two per token. Experts of 768 (transformers reads no expert width
+# from a GGUF: its default, 768, is the file's here).
+MOE_SPEC = TinySpec(head_size=128, num_experts=8, num_experts_used=2, expert_size=768)
+
+
+@pytest.fixture(scope="module")
+def qwen3moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3moe") / "tiny-qwen3moe.gguf"
+    write_tiny_llama(path, MOE_SPEC, seed=9, arch="qwen3moe", quantized="Q8_0")
+    return path, _hf_logits(path, "Qwen3Moe")
+
+
+def test_qwen3moe_on_the_torch_backend(qwen3moe, monkeypatch):
+    """Equal to transformers, with the tokens of one batch routed to different experts (the
+    router's choices are recorded as the model makes them)."""
+    from llmbus.services.executor.engines import moe
+
+    path, want = qwen3moe
+    config, dense, _ = load_gguf(path)
+    assert (config.num_experts, config.num_experts_used, config.expert_intermediate_size) == (
+        8, 2, 768)
+    chosen = []
+
+    def recorded_route(x, router, top_k):
+        weights, experts = route(x, router, top_k)
+        chosen.append(experts)
+        return weights, experts
+
+    route = moe.route
+    monkeypatch.setattr(moe, "route", recorded_route)
+    got = _forward(LlamaModel(config, dense, max_positions=64), config)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    assert len(chosen) == config.num_layers
+    for experts in chosen:  # [T, 2] per layer: every expert used, tokens choosing apart
+        assert set(experts.flatten().tolist()) == set(range(8))
+        assert len({tuple(sorted(pair)) for pair in experts.tolist()}) >= 8

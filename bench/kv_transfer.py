@@ -27,7 +27,7 @@ from llmbus.bus.messages import KvChunk, KvDestination, KvReceive, KvReply
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.kv_transfer import KvReceiver, KvSender, gather
-from llmbus.services.executor.weights.gguf_loader import LlamaConfig
+from llmbus.services.executor.weights.model_config import LlamaConfig
 from llmbus.services.launcher import Stack
 
 ENGINE = "bench-receiver"

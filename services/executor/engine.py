@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from llmbus.services.executor.attention.metadata import AttentionMetadata
     from llmbus.services.executor.kv_cache import KVCache
-    from llmbus.services.executor.weights.gguf_loader import LlamaConfig
+    from llmbus.services.executor.weights.model_config import LlamaConfig
 
 
 class Engine(Protocol):

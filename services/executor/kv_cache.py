@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from llmbus.services.executor.weights.gguf_loader import LlamaConfig
+from llmbus.services.executor.weights.model_config import LlamaConfig
 
 DEFAULT_BUDGET_CAP_BYTES = 2 << 30
 DEFAULT_BUDGET_FRACTION = 0.25

@@ -41,7 +41,8 @@ from llmbus.services.executor.sampling.penalties import TokenCounts
 from llmbus.services.executor.sampling.sampler import sample
 from llmbus.services.executor.sampling.sampling_tensors import RequestSampling, SamplingTensors
 from llmbus.services.executor.sampling.speculative import position_tensors, verify
-from llmbus.services.executor.weights.gguf_loader import LlamaConfig, load_gguf
+from llmbus.services.executor.weights.gguf_loader import load_gguf
+from llmbus.services.executor.weights.model_config import LlamaConfig
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher

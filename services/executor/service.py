@@ -138,7 +138,7 @@ def _load_runner(args: argparse.Namespace, plan: ExecutionPlan, path: Path) -> M
     """The model and its KV cache (in the forward thread); a file this executor cannot serve
     (an architecture it does not know, a key missing) stops it with one line naming why."""
     from llmbus.services.executor.runner import ModelRunner  # imports torch: after OpenMP
-    from llmbus.services.executor.weights.gguf_loader import UnsupportedModelError
+    from llmbus.services.executor.weights.model_config import UnsupportedModelError
 
     kv_bytes = int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None
     threads = args.threads or os.cpu_count() or 1

@@ -106,7 +106,7 @@ def test_blocks_land_in_the_held_slots_after_a_cached_prefix(model_path):
 
 def test_a_block_too_big_for_one_message_goes_by_layers():
     spec = TinySpec(num_layers=6)
-    from llmbus.services.executor.weights.gguf_loader import LlamaConfig
+    from llmbus.services.executor.weights.model_config import LlamaConfig
 
     config = LlamaConfig(num_layers=spec.num_layers, hidden_size=64, intermediate_size=128,
                          num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from llmbus.services.executor.weights.gguf_loader import LlamaConfig
+from llmbus.services.executor.weights.model_config import LlamaConfig
 
 
 def rope_tables(config: LlamaConfig, max_positions: int,

@@ -1,3 +1,5 @@
+# Over 300 lines: one model whose two dense paths (the integer kernel, ONNX Runtime's graphs)
+# share its embedding, attention and head, for every family the CPU engines take.
 """The CPU engines: llmbus's integer kernel, or ONNX Runtime's graphs, with paged attention.
 
 Same contract as every engine (engine.Engine), so the runner drives either. Per step: embed the
@@ -35,9 +37,10 @@ from llmbus.services.executor.engines.int_step import IntStep
 from llmbus.services.executor.engines.onnx_graphs import MatrixSource, head_graph, layer_graphs
 from llmbus.services.executor.kernels.cpu.library import load_library
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.weights.gguf_loader import LlamaConfig, qk_norm_weights, qkv_bias
+from llmbus.services.executor.weights.gguf_loader import qk_norm_weights, qkv_bias
 from llmbus.services.executor.weights.gguf_quants import QUANT_GROUP, NativeWeight, Q8_0Weight
 from llmbus.services.executor.weights.matrices import LAYER_MATRICES
+from llmbus.services.executor.weights.model_config import LlamaConfig
 from llmbus.services.executor.weights.quant_parts import (
     PackedRows,
     QuantPart,

@@ -21,7 +21,7 @@ import torch
 from llmbus.services.executor.attention.cpu_paged import KERNEL_MAX_QUERY_LEN, KV_DTYPES
 from llmbus.services.executor.attention.metadata import AttentionMetadata
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.weights.gguf_loader import LlamaConfig
+from llmbus.services.executor.weights.model_config import LlamaConfig
 from llmbus.services.executor.weights.quant_parts import LayerParts, QuantPart
 
 # 4-bit QKV projections take int16 activations in steps of any size (wide_rows=ALWAYS): int8

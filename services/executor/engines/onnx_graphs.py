@@ -35,8 +35,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from llmbus.services.executor.weights.gguf_loader import LlamaConfig
 from llmbus.services.executor.weights.gguf_quants import QUANT_GROUP, Q4_1Weight, Q8_0Weight
+from llmbus.services.executor.weights.model_config import LlamaConfig
 
 OPSET = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 FLOAT = TensorProto.FLOAT

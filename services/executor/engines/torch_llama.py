@@ -21,7 +21,8 @@ from llmbus.services.executor.attention.rope import rope_tables
 from llmbus.services.executor.attention.torch_paged import paged_attention, rope_write_kv
 from llmbus.services.executor.engines.moe import moe_mlp
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.weights.gguf_loader import LlamaConfig, qk_norm_weights, qkv_bias
+from llmbus.services.executor.weights.gguf_loader import qk_norm_weights, qkv_bias
+from llmbus.services.executor.weights.model_config import LlamaConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmbus.services.executor.weights.gguf_loader import LlamaConfig
 from llmbus.services.executor.weights.gguf_quants import (
     QUANT_GROUP,
     NativeWeight,
     Q4_1Weight,
 )
 from llmbus.services.executor.weights.matrices import COLUMNS, LAYER_MATRICES
+from llmbus.services.executor.weights.model_config import LlamaConfig
 
 _GROUPS_AT_ONCE = 128  # column groups tiled in place at a time (a copy of 128 slabs)
 

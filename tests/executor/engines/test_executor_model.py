@@ -16,7 +16,8 @@ from llmbus.services.executor.kv_cache import KVCache, bytes_per_block, num_bloc
 from llmbus.services.executor.runner import ModelRunner
 from llmbus.services.executor.sampling.sampler import sample
 from llmbus.services.executor.sampling.sampling_tensors import SamplingTensors
-from llmbus.services.executor.weights.gguf_loader import UnsupportedModelError, load_gguf
+from llmbus.services.executor.weights.gguf_loader import load_gguf
+from llmbus.services.executor.weights.model_config import UnsupportedModelError
 from tests.gguf_fixtures import GREEDY, TinySpec, generate, write_tiny_llama
 
 SPEC = TinySpec()

@@ -16,7 +16,8 @@ from llmbus.services.executor.engines.cpu_llama import CpuLlamaModel
 from llmbus.services.executor.engines.torch_llama import LlamaModel
 from llmbus.services.executor.kernels.cpu.library import load_library
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.weights.gguf_loader import UnsupportedModelError, load_gguf
+from llmbus.services.executor.weights.gguf_loader import load_gguf
+from llmbus.services.executor.weights.model_config import UnsupportedModelError
 from tests.gguf_fixtures import TinySpec, write_tiny_llama
 
 pytest.importorskip("transformers")

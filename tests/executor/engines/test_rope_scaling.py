@@ -11,7 +11,8 @@ import torch
 from llmbus.services.executor.attention.metadata import build_attention_metadata
 from llmbus.services.executor.engines.torch_llama import LlamaModel
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.weights.gguf_loader import UnsupportedModelError, load_gguf
+from llmbus.services.executor.weights.gguf_loader import load_gguf
+from llmbus.services.executor.weights.model_config import UnsupportedModelError
 from tests.gguf_fixtures import TinySpec, write_tiny_llama
 
 pytest.importorskip("transformers")

@@ -71,27 +71,31 @@ def resolve_plan(model_path: str | PathLike[str] | None, *, engine: str = "auto"
     device = device if device != "auto" else ("cuda" if cuda_available else "cpu")
     arch = _architecture(model_path)
     moe = arch in MOE_ARCHITECTURES
-    if engine == "auto":
-        engine = "torch" if device != "cpu" or dtype != "float32" or moe else "cpu"
+    if engine == "auto":  # (a mixture of experts: the integer kernel's, or torch's)
+        engine = "torch" if device != "cpu" or dtype != "float32" or (moe and exact) else "cpu"
     if engine == "torch":
         plan = _torch_plan(device, exact, dtype)
-        if moe and device == "cpu":
-            plan = replace(plan, note="a mixture of experts: the CPU engines do not take "
-                                      "experts yet")
+        if moe and device == "cpu" and exact:
+            plan = replace(plan, note="a mixture of experts in the exact mode: ONNX Runtime's "
+                                      "graphs do not take experts")
         if arch in WINDOWED_ARCHITECTURES and device == "cuda":
             plan = replace(plan, attention="torch attention",
                            note="sliding windows are not in the Triton kernels yet")
         return plan
-    if moe:
-        raise ValueError(f"--engine {engine} cannot run a mixture of experts ({arch}) yet; "
-                         "use --engine torch (the default for it)")
+    if moe and (engine == "onnxruntime" or exact):
+        raise ValueError(f"ONNX Runtime's graphs cannot run a mixture of experts ({arch}); "
+                         "the integer kernel (the fast mode) or --engine torch can")
     if device != "cpu":
         raise ValueError(f"the {engine} engine runs on the CPU, not {device}; use --engine "
                          "torch there")
     if dtype != "float32":
         raise ValueError(f"--dtype {dtype} is for the torch engine; the CPU engines compute "
                          "in float32 (--exact or not chooses their precision)")
-    return _cpu_plan(model_path, engine, exact, isa)
+    plan = _cpu_plan(model_path, engine, exact, isa)
+    if moe and plan.engine != "integer-kernel":  # no compiler, or matrices it does not take
+        return replace(_torch_plan(device, exact, dtype),
+                       note=f"a mixture of experts, and {plan.note or 'no integer kernel'}")
+    return plan
 
 
 def _architecture(model_path: str | PathLike[str] | None) -> str | None:

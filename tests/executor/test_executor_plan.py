@@ -152,20 +152,24 @@ def test_cpu_summary_names_the_cpu_and_its_flags():
 
 
 def test_the_new_families_get_the_engines_that_take_them(tmp_path):
-    """A mixture of experts runs in the torch engine (a forced CPU engine is refused by
-    name); Gemma 3 is not the integer kernel's (ONNX Runtime's graphs instead), and on CUDA
-    its sliding windows keep the torch ops."""
+    """A mixture of experts runs in the integer kernel in the fast mode and in the torch engine
+    in the exact one (ONNX Runtime's graphs refused by name); Gemma 3 is not the integer
+    kernel's (ONNX Runtime's graphs instead), and on CUDA its windows keep the torch ops."""
     moe, gemma = tmp_path / "moe.gguf", tmp_path / "gemma.gguf"
     write_tiny_llama(moe, TinySpec(head_size=128, num_experts=4, num_experts_used=2,
                                    expert_size=64), arch="qwen3moe", quantized="Q8_0")
     write_tiny_llama(gemma, TinySpec(head_size=256, sliding_window=8, tied=True),
                      arch="gemma3", quantized="Q8_0")
-    plan = resolve_plan(moe)
-    assert (plan.engine, plan.device, plan.exact) == ("torch", "cpu", True)
-    assert "mixture of experts" in plan.describe()
-    for engine in ("integer-kernel", "onnxruntime"):
-        with pytest.raises(ValueError, match="cannot run a mixture of experts"):
-            resolve_plan(moe, engine=engine)
+    assert kernel_takes_file(moe)
+    config, _, native = load_gguf(moe, keep_native=True, dense_for_native=False)
+    assert kernel_takes(config, native)
+    if library.load_library() is not None:
+        assert resolve_plan(moe).engine == "integer-kernel"
+    exact = resolve_plan(moe, exact=True)
+    assert (exact.engine, exact.device, exact.exact) == ("torch", "cpu", True)
+    assert "mixture of experts" in exact.describe()
+    with pytest.raises(ValueError, match="cannot run a mixture of experts"):
+        resolve_plan(moe, engine="onnxruntime")
     assert not kernel_takes_file(gemma)
     assert resolve_plan(gemma).engine == "onnxruntime"
     on_cuda = resolve_plan(gemma, cuda_available=True)

@@ -33,6 +33,7 @@ from llmbus.services.executor.attention.metadata import AttentionMetadata
 from llmbus.services.executor.attention.qk_norm import qk_rms_norm
 from llmbus.services.executor.attention.rope import rope_tables
 from llmbus.services.executor.attention.torch_paged import paged_attention, rope_write_kv
+from llmbus.services.executor.engines.int_moe import IntMoeStep
 from llmbus.services.executor.engines.int_step import IntStep
 from llmbus.services.executor.engines.onnx_graphs import MatrixSource, head_graph, layer_graphs
 from llmbus.services.executor.kernels.cpu.library import load_library
@@ -164,8 +165,14 @@ class CpuLlamaModel:
                                 "the file has matrices it does not take"))
         integer_kernel = takes if integer_kernel is None else integer_kernel
         release = release_native and integer_kernel  # no graph will need them
-        self.int_step = None
-        if integer_kernel:
+        self.int_step = self.int_moe = None
+        if config.num_experts and not integer_kernel:
+            raise ValueError("a mixture of experts runs in the integer kernel (the fast mode, "
+                             "where a compiler built it) or the torch engine, not in ONNX "
+                             "Runtime's graphs")
+        if config.num_experts:
+            self.int_moe = IntMoeStep(config, dense, native, lib, num_threads)
+        elif integer_kernel:
             parts = layer_parts(config, native, release)
             untied = release and native.get("output.weight") is not native.get(
                 "token_embd.weight")  # the embedding keeps a tied table
@@ -176,7 +183,7 @@ class CpuLlamaModel:
         # fast mode's where no compiler built the kernels or the file has matrices they do not
         # take. Where they do, no graph is built, and no copy of the weights kept for one.
         self.graphs = self.single_thread_graphs = []
-        if self.int_step is None:
+        if self.int_step is None and self.int_moe is None:
             self._build_graphs(config, dense, native, num_threads)
         self.embed = _Embedding(native.get("token_embd.weight"), dense.get("token_embd.weight"))
         self.qkv_biases = [qkv_bias(dense, i) for i in range(config.num_layers)]
@@ -291,7 +298,9 @@ class CpuLlamaModel:
 
         *layers, head = (self.single_thread_graphs if num_tokens <= SINGLE_THREAD_TOKENS
                          else self.graphs) or [None]
-        if self.int_step is not None and self.fused_layers and PagedAttention.takes_whole(meta):
+        if self.int_moe is not None:
+            hidden = self.int_moe.layers(hidden, attend)
+        elif self.int_step is not None and self.fused_layers and PagedAttention.takes_whole(meta):
             hidden = self.int_step.layers_with_attention(hidden, *rope[0], kv_cache, meta,
                                                          self.scale)
         elif self.int_step is not None:
@@ -301,6 +310,8 @@ class CpuLlamaModel:
         rows = hidden[logits_indices].contiguous()  # [S, D]
         if not rows.shape[0]:  # a step of prefill chunks alone samples nothing
             return torch.empty(0, cfg.vocab_size)
+        if self.int_moe is not None:
+            return self.int_moe.head(rows)
         if self.int_step is not None:
             return self.int_step.head(rows)
         logits = torch.empty(rows.shape[0], cfg.vocab_size)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from llmbus.services.executor.weights.gguf_quants import NativeWeight, native_parsers
+from llmbus.services.executor.weights.matrices import expert_matrix
 from llmbus.services.executor.weights.model_config import (
     LlamaConfig,
     UnsupportedModelError,
@@ -36,6 +37,26 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp rotary layout (pairs interleaved per head) -> HF layout (halves per head)."""
     out, inp = w.shape  # w: [out, in]
     return w.reshape(num_heads, out // num_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def _add_native(tensor: Any, shape: tuple[int, ...], parse: Callable[..., NativeWeight],
+                heads: int | None, native: dict[str, Any],
+                transform: Callable[[str, Any], Any] | None) -> None:
+    """The native form of a matrix into `native` (through `transform`); a stacked tensor of
+    experts [E, N, K] as one matrix per expert, named expert_matrix's way (views of the
+    stacked codes until `transform` tiles them)."""
+    if len(shape) == 3:
+        num_experts, n, k = shape
+        stacked = parse(tensor.data.reshape(num_experts * n, -1), (num_experts * n, k))
+        pieces = {expert_matrix(tensor.name, e): stacked.map_rows(
+            lambda t, e=e: t[e * n:(e + 1) * n]) for e in range(num_experts)}
+    else:
+        q = parse(tensor.data, shape)
+        if heads:  # the permutation moves whole rows: codes, scales and minimums alike
+            q = q.map_rows(lambda t, h=heads: torch.from_numpy(unpermute_qk(t.numpy(), h)))
+        pieces = {tensor.name: q}
+    for name, piece in pieces.items():
+        native[name] = piece if transform is None else transform(name, piece)
 
 
 def _drop_pages(reader: Any, tensor: Any) -> None:
@@ -80,7 +101,7 @@ def load_gguf(
         if not config.rotary_pairs_interleaved:
             heads = None
         parse = parsers.get(tensor.tensor_type)
-        native_form = keep_native and parse is not None and len(shapes[tensor.name]) == 2
+        native_form = keep_native and parse is not None and len(shapes[tensor.name]) in (2, 3)
         if dense_for_native or not native_form:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             array = np.asarray(array, dtype=np.float32).reshape(shapes[tensor.name])
@@ -90,10 +111,7 @@ def load_gguf(
                 array = array.copy()
             weights[tensor.name] = torch.from_numpy(array).to(dtype)
         if native_form:
-            q = parse(tensor.data, shapes[tensor.name])
-            if heads:  # the permutation moves whole rows: codes, scales and minimums alike
-                q = q.map_rows(lambda t, h=heads: torch.from_numpy(unpermute_qk(t.numpy(), h)))
-            native[tensor.name] = q if transform is None else transform(tensor.name, q)
+            _add_native(tensor, shapes[tensor.name], parse, heads, native, transform)
         _drop_pages(reader, tensor)
     if "rope_freqs.weight" in weights:  # a property of the rotary embedding, not a weight
         factors = tuple(float(f) for f in weights.pop("rope_freqs.weight").float().tolist())

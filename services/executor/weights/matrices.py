@@ -9,6 +9,9 @@ from os import PathLike
 from llmbus.services.gguf_metadata import read_metadata, read_tensor_infos
 
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# A mixture of experts' layer: its experts stacked [E, N, K] in place of the dense MLP.
+MOE_LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_exps",
+                      "ffn_up_exps", "ffn_down_exps")
 COLUMNS = 8  # output columns per column group: one 8-lane vector of the kernels
 # The GGML types with a native form (gguf_quants.native_parsers; a test keeps them equal).
 NATIVE_GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
@@ -16,11 +19,18 @@ NATIVE_GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6
 
 # The architectures whose layers the integer kernel computes (Gemma 3's norms after the
 # attention and the MLP, and its GeGLU, are not in it).
-KERNEL_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-# Mixtures of experts: the torch engine runs them (the CPU engines do not take experts yet).
+KERNEL_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+# Mixtures of experts: the integer kernel runs them in the fast mode (engines/int_moe.py), the
+# torch engine in the exact one (ONNX Runtime's graphs do not take experts).
 MOE_ARCHITECTURES = ("qwen3moe",)
 # Sliding-window attention: not in the Triton kernels yet (torch ops on CUDA).
 WINDOWED_ARCHITECTURES = ("gemma3",)
+
+
+def expert_matrix(name: str, expert: int) -> str:
+    """The name one expert's matrix of a stacked tensor takes once split at load:
+    `blk.3.ffn_up_exps.weight` -> `blk.3.ffn_up_exps.5.weight`."""
+    return f"{name.removesuffix('.weight')}.{expert}.weight"
 
 
 def architecture(path: str | PathLike[str]) -> str | None:
@@ -35,13 +45,15 @@ def kernel_takes_file(path: str | PathLike[str]) -> bool:
     quant_parts.kernel_takes checks after the load."""
     import gguf
 
-    if architecture(path) not in KERNEL_ARCHITECTURES:
+    arch = architecture(path)
+    if arch not in KERNEL_ARCHITECTURES:
         return False
     native_types = {int(gguf.GGMLQuantizationType[t]) for t in NATIVE_GGML_TYPES}
     infos = read_tensor_infos(path)
     layers = {name.split(".")[1] for name in infos if name.startswith("blk.")}
-    names = [f"blk.{i}.{m}.weight" for i in layers for m in LAYER_MATRICES]
+    matrices = (MOE_LAYER_MATRICES if arch in MOE_ARCHITECTURES else LAYER_MATRICES)
+    names = [f"blk.{i}.{m}.weight" for i in layers for m in matrices]
     names.append("output.weight" if "output.weight" in infos else "token_embd.weight")
     return bool(layers) and all(
-        n in infos and infos[n].ggml_type in native_types and len(infos[n].shape) == 2
-        and infos[n].shape[0] % COLUMNS == 0 for n in names)
+        n in infos and infos[n].ggml_type in native_types and len(infos[n].shape) in (2, 3)
+        and infos[n].shape[-2] % COLUMNS == 0 for n in names)

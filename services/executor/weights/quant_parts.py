@@ -14,7 +14,7 @@ from llmbus.services.executor.weights.gguf_quants import (
     NativeWeight,
     Q4_1Weight,
 )
-from llmbus.services.executor.weights.matrices import COLUMNS, LAYER_MATRICES
+from llmbus.services.executor.weights.matrices import COLUMNS, LAYER_MATRICES, expert_matrix
 from llmbus.services.executor.weights.model_config import LlamaConfig
 
 _GROUPS_AT_ONCE = 128  # column groups tiled in place at a time (a copy of 128 slabs)
@@ -134,8 +134,17 @@ def rows(weight: NativeWeight | QuantPart | PackedRows) -> int:
 def covers(config: LlamaConfig, native: dict[str, NativeWeight | QuantPart]) -> bool:
     """Whether every layer matrix of the file is quantized in a shape the kernels tile (N a
     multiple of 8)."""
-    names = [f"blk.{i}.{m}.weight" for i in range(config.num_layers) for m in LAYER_MATRICES]
-    return all(n in native and rows(native[n]) % COLUMNS == 0 for n in names)
+    return all(n in native and rows(native[n]) % COLUMNS == 0 for n in layer_matrices(config))
+
+
+def layer_matrices(config: LlamaConfig) -> list[str]:
+    """The names of every layer's matrices as loaded: a mixture of experts' split per expert."""
+    if not config.num_experts:
+        return [f"blk.{i}.{m}.weight" for i in range(config.num_layers) for m in LAYER_MATRICES]
+    return [name for i in range(config.num_layers) for name in (
+        *(f"blk.{i}.{m}.weight" for m in ("attn_q", "attn_k", "attn_v", "attn_output")),
+        *(expert_matrix(f"blk.{i}.ffn_{m}_exps.weight", e) for m in ("gate", "up", "down")
+          for e in range(config.num_experts)))]
 
 
 def kernel_takes(config: LlamaConfig, native: dict[str, NativeWeight | QuantPart]) -> bool:
@@ -151,8 +160,8 @@ def tile_as_loaded(name: str, weight: NativeWeight) -> NativeWeight | QuantPart 
     head go straight into the kernels' form, so the load never holds every matrix twice. A
     4-bit embedding table packs its codes two a byte (rows are looked up from it; a tied head
     is tiled from it)."""
-    matmul = name == "output.weight" or (name.startswith("blk.") and any(
-        name.endswith(f".{m}.weight") for m in LAYER_MATRICES))
+    matmul = name == "output.weight" or (name.startswith("blk.") and (any(
+        name.endswith(f".{m}.weight") for m in LAYER_MATRICES) or "_exps." in name))
     if name == "token_embd.weight" and isinstance(weight, Q4_1Weight):
         return PackedRows.of(weight)
     if matmul and rows(weight) % COLUMNS == 0:

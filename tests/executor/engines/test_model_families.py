@@ -231,3 +231,40 @@ def test_qwen3moe_on_the_torch_backend(qwen3moe, monkeypatch):
     for experts in chosen:  # [T, 2] per layer: every expert used, tokens choosing apart
         assert set(experts.flatten().tolist()) == set(range(8))
         assert len({tuple(sorted(pair)) for pair in experts.tolist()}) >= 8
+
+
+def test_qwen3moe_in_the_integer_kernel(qwen3moe, monkeypatch):
+    """The fast mode: every expert tiled for the kernel (none dense), close to transformers,
+    and a step runs each expert its tokens chose once, on all of them together."""
+    from llmbus.services.executor.engines import moe
+    from llmbus.services.executor.weights.quant_parts import QuantPart, tile_as_loaded
+
+    if load_library() is None:
+        pytest.skip("no C++ compiler: the integer kernel was not built")
+    path, want = qwen3moe
+    config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False,
+                                      transform=tile_as_loaded)
+    experts = [n for n in native if "_exps." in n]
+    assert len(experts) == 3 * 8 * config.num_layers
+    assert all(isinstance(native[n], QuantPart) for n in experts)
+    assert not [n for n in dense if "_exps" in n]  # no dense copy of any expert
+    model = CpuLlamaModel(config, dense, native, max_positions=64, num_threads=2,
+                          integer_kernel=True, release_native=True)
+    calls = []
+    mlp = moe.moe_mlp
+
+    def counted(x, router, expert_mlp, top_k):
+        def expert(e, rows):
+            calls.append((e, rows.shape[0]))
+            return expert_mlp(e, rows)
+        return mlp(x, router, expert, top_k)
+
+    monkeypatch.setattr("llmbus.services.executor.engines.int_moe.moe_mlp", counted)
+    got = _forward(model, config, torch.float16)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    per_layer = [calls[i:i + 8] for i in range(0, len(calls), 8)]
+    assert len(calls) == 8 * config.num_layers  # every expert once a layer, 40 tokens x 2
+    for layer in per_layer:
+        assert sorted(e for e, _ in layer) == list(range(8))
+        assert sum(n for _, n in layer) == len(TOKENS) * 2

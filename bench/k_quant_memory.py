@@ -6,6 +6,7 @@ process as the executor does (fast mode) and runs one step. Memory is the proces
 set: its peak over the load and the step, less what the process held after its imports.
 
     python -m llmbus.bench.k_quant_memory [--layers 12] [--hidden 1024] [--kv-blocks 256]
+    python -m llmbus.bench.k_quant_memory --experts 16 --experts-used 4   # a Qwen3-MoE file
 
 `--write FILE` only writes the file, with the default model's tokenizer so that it can be
 served and benchmarked (its random weights say nothing; their speed is a real model's): a
@@ -43,15 +44,22 @@ def random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator,
 
 
 def write_model(path: Path, layers: int, hidden: int, vocab: int,
-                tokenizer_from: Path | None = None) -> int:
+                tokenizer_from: Path | None = None, experts: int = 0,
+                experts_used: int = 0) -> int:
     """A Q4_K_M-style llama file; returns its parameter count. With `tokenizer_from`, that
-    file's tokenizer and its vocabulary's size."""
+    file's tokenizer and its vocabulary's size. With `experts`, a Qwen3-MoE (qwen3moe) file
+    instead: that many experts of hidden / 2 a layer, `experts_used` per token."""
     import gguf
 
     from llmbus.services.gguf_metadata import copy_tokenizer
 
     heads, kv_heads, ffn = hidden // 64, hidden // 256, 4 * hidden
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), "qwen3moe" if experts else "llama")
+    if experts:
+        ffn = hidden // 2  # each expert's width, as Qwen3-MoE's are narrow
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(experts_used)
+        writer.add_expert_feed_forward_length(ffn)
     for add, value in ((writer.add_block_count, layers), (writer.add_context_length, 4096),
                        (writer.add_embedding_length, hidden), (writer.add_head_count, heads),
                        (writer.add_feed_forward_length, ffn),
@@ -64,12 +72,14 @@ def write_model(path: Path, layers: int, hidden: int, vocab: int,
     rng = np.random.default_rng(0)
     num_params = 0
 
-    def matrix(name: str, rows: int, cols: int, kind: str) -> None:
+    def matrix(name: str, rows: int, cols: int, kind: str, stacked: int = 0) -> None:
         nonlocal num_params
-        raw = random_k_quant(kind, rows, cols, rng)
+        raw = random_k_quant(kind, rows * max(stacked, 1), cols, rng)
+        if stacked:  # [experts, rows, bytes]
+            raw = raw.reshape(stacked, rows, -1)
         writer.add_tensor(name, raw, raw_shape=raw.shape,
                           raw_dtype=gguf.GGMLQuantizationType[kind])
-        num_params += rows * cols
+        num_params += rows * cols * max(stacked, 1)
 
     matrix("token_embd.weight", vocab, hidden, "Q4_K")
     for i in range(layers):
@@ -80,6 +90,16 @@ def write_model(path: Path, layers: int, hidden: int, vocab: int,
         matrix(p + "attn_k.weight", kv_heads * 64, hidden, "Q4_K")
         matrix(p + "attn_v.weight", kv_heads * 64, hidden, big)
         matrix(p + "attn_output.weight", hidden, hidden, "Q4_K")
+        if experts:
+            for n in ("q", "k"):
+                writer.add_tensor(f"{p}attn_{n}_norm.weight", np.ones(64, dtype=np.float32))
+            writer.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal(
+                (experts, hidden)) / np.sqrt(hidden)).astype(np.float32))
+            num_params += experts * hidden
+            matrix(p + "ffn_gate_exps.weight", ffn, hidden, "Q4_K", stacked=experts)
+            matrix(p + "ffn_up_exps.weight", ffn, hidden, "Q4_K", stacked=experts)
+            matrix(p + "ffn_down_exps.weight", hidden, ffn, big, stacked=experts)
+            continue
         matrix(p + "ffn_gate.weight", ffn, hidden, "Q4_K")
         matrix(p + "ffn_up.weight", ffn, hidden, "Q4_K")
         matrix(p + "ffn_down.weight", hidden, ffn, big)
@@ -131,6 +151,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--kv-blocks", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=0,
+                        help="a Qwen3-MoE file with this many experts a layer (0: llama)")
+    parser.add_argument("--experts-used", type=int, default=4)
     parser.add_argument("--write", type=Path, default=None,
                         help="only write the file here, with the default model's tokenizer")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # the child's run
@@ -148,7 +171,8 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "q4_k_m.gguf"
-        num_params = write_model(path, args.layers, args.hidden, args.vocab)
+        num_params = write_model(path, args.layers, args.hidden, args.vocab,
+                                 experts=args.experts, experts_used=args.experts_used)
         size = path.stat().st_size
         child = subprocess.run([sys.executable, "-m", "llmbus.bench.k_quant_memory",
                                 "--measure", str(path), "--kv-blocks", str(args.kv_blocks)],
@@ -157,6 +181,7 @@ def main() -> None:
     mib = 2 ** 20
     grown_peak, grown_after = m["peak"] - m["baseline"], m["after"] - m["baseline"]
     budget = size + m["kv_bytes"]
+    print(f"engine: {m['engine']}")
     print(f"model: {num_params / 1e6:.0f}M parameters, file {size / mib:.0f} MiB, "
           f"KV cache {m['kv_bytes'] / mib:.0f} MiB; a dense float32 copy would be "
           f"{num_params * 4 / mib:.0f} MiB")

@@ -139,10 +139,44 @@ def measure(path: str, kv_blocks: int) -> dict:
             "r", 0, len(prompt), [1, 2, 3, 4])]))
     assert not result.error, result.error
     cache = runner.kv_cache
-    return {"baseline": baseline, "after": rss(),
-            "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "kv_bytes": cache.k.numel() * cache.k.element_size() * 2,
-            "engine": runner.plan.describe()}
+    out = {"baseline": baseline, "after": rss(),
+           "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "kv_bytes": cache.k.numel() * cache.k.element_size() * 2,
+           "engine": runner.plan.describe()}
+    if runner.config.num_experts:
+        out["expert_calls"] = _expert_calls_at_batch_8(runner)
+    return out
+
+
+def _expert_calls_at_batch_8(runner) -> list[list[int]]:
+    """A decode step of 8 sequences: per layer, how many times each expert ran (the
+    calls are counted as the engine makes them)."""
+    from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+    from llmbus.services.executor.engines import int_moe
+
+    prompts = {f"d{i}": [20 + 7 * i + j for j in range(16)] for i in range(8)}
+    blocks = {seq: [10 + 2 * i, 11 + 2 * i] for i, seq in enumerate(prompts)}
+    runner.step(StepPlan(step_id=1, new_requests=[
+        NewRequestData(seq, ids, SamplingParams(temperature=0.0)) for seq, ids in prompts.items()],
+        scheduled=[ScheduledRequest(seq, 0, 16, blocks[seq]) for seq in prompts]))
+    counts: list[list[int]] = []
+    mlp = int_moe.moe_mlp
+
+    def counted(x, router, expert_mlp, top_k):
+        layer = [0] * router.shape[0]
+        counts.append(layer)
+
+        def expert(e, rows):
+            layer[e] += 1
+            return expert_mlp(e, rows)
+        return mlp(x, router, expert, top_k)
+
+    int_moe.moe_mlp = counted
+    result = runner.step(StepPlan(step_id=2, scheduled=[
+        ScheduledRequest(seq, 16, 1, []) for seq in prompts]))
+    int_moe.moe_mlp = mlp
+    assert not result.error, result.error
+    return counts
 
 
 def main() -> None:
@@ -189,6 +223,12 @@ def main() -> None:
           f"{grown_peak / mib:.0f} MiB, after the step {grown_after / mib:.0f} MiB")
     print(f"peak / (file + KV cache) = {grown_peak / budget:.2f} "
           f"(after the step: {grown_after / budget:.2f}; target <= 1.3)")
+    if "expert_calls" in m:
+        calls = m["expert_calls"]
+        used = [sum(1 for c in layer if c) for layer in calls]
+        print(f"decode step at batch 8: {len(calls)} layers; experts used per layer "
+              f"{min(used)}..{max(used)} of {len(calls[0])}; most runs of one expert in a "
+              f"layer: {max(max(layer) for layer in calls)} (each used expert read once)")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 # Gemma 3 as llama.cpp runs it: every 6th layer attends globally, the others in a sliding
 # window with RoPE base 10,000 (the global layers' comes from the file); attention scaled by
 # 1/√head_dim, by 1/√(hidden / heads) in the 27B (62 layers). (transformers' GGUF loader takes
-# the same defaults.)
+# the same pattern and local base, but scales every size by 1/√256.)
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 

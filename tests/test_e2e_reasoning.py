@@ -181,3 +181,21 @@ def test_chat_template_kwargs_reach_the_template(thinking_stack):
         "messages": QUESTION, "chat_template_kwargs": {"messages": []}})
     assert refused.status_code == 400
     assert refused.json()["error"]["message"] == "`chat_template_kwargs` may not set `messages`"
+
+
+def test_structured_output_constrains_the_answer_not_the_reasoning(thinking_stack):
+    """A choice constraint on a thinking model: the reasoning is written freely, the answer
+    after `</think>` is one of the choices; with thinking off (the template closed the think
+    block) the constraint holds from the first token."""
+    client = _client(thinking_stack)
+    [model] = client.models.list().data
+    choices = {"guided_choice": ["Paris", "Rome"]}
+    reply = client.chat.completions.create(model=model.id, messages=QUESTION, temperature=0,
+                                           max_tokens=30, extra_body=choices)
+    message = reply.choices[0].message
+    assert (message.reasoning_content, message.content) == (REASONING, "Paris")
+    off = client.chat.completions.create(
+        model=model.id, messages=QUESTION, temperature=0, max_tokens=30,
+        extra_body={**choices, "chat_template_kwargs": {"enable_thinking": False}})
+    message = off.choices[0].message
+    assert message.reasoning_content is None and message.content in ("Paris", "Rome")

@@ -53,7 +53,8 @@ def test_tokenization_refuses_what_the_model_cannot_take():
         tokenization.check_token_ids([-1], "logit_bias key")
 
 
-THINKING = TEMPLATE.replace("<s>assistant: ", "<s>assistant: {% if opened %}<think>{% endif %}")
+THINKING = TEMPLATE.replace("<s>assistant: ", "<s>assistant: {% if opened %}<think>{% endif %}"
+                            "{% if closed %}<think></think>{% endif %}")
 
 
 @pytest.mark.parametrize(("parser", "template", "reasoning"), [
@@ -64,12 +65,17 @@ def test_which_chats_have_their_reasoning_split(parser, template, reasoning):
     chat = [ChatMessage(role="user", content="hi")]
     prompt = tokenization.prompt(_generate(messages=chat))
     assert (prompt.reasoning, prompt.reasoning_open) == (reasoning, False)
+    # a structured output waits for the reasoning to end where the model may think first
+    assert prompt.constraint_after == ("</think>" if reasoning else "")
     assert not tokenization.prompt(_generate(prompt="hi")).reasoning  # a completion: never
     if template is THINKING:  # the prompt opened the block: the output starts inside it
         opened = tokenization.prompt(_generate(
             messages=chat, chat_template_kwargs_json='{"opened": true}'))
         assert tokenization.tokenizer.decode(opened.token_ids).endswith("assistant: <think>")
         assert (opened.reasoning, opened.reasoning_open) == (reasoning, reasoning)
+        closed = tokenization.prompt(_generate(
+            messages=chat, chat_template_kwargs_json='{"closed": true}'))
+        assert (closed.reasoning_open, closed.constraint_after) == (False, "")  # answers at once
 
 
 def test_chat_template_kwargs_may_not_replace_what_llmbus_gives():

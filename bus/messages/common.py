@@ -36,11 +36,14 @@ class StructuredOutput(Message):
     kind: "json_schema" (spec: the schema's JSON text), "json_object" (any JSON object),
     "regex", "choice" (spec: a JSON list of the allowed strings) or "grammar" (Lark, or GBNF
     when it has `::=` rules). `param` is the API parameter it came from, for error messages.
+    `after`: the constraint starts once the output has written this text (a thinking model's
+    `</think>`: the answer is constrained, not the reasoning); empty: from the first token.
     """
 
     kind: str
     spec: str = ""
     param: str = "response_format"
+    after: str = ""
 
 
 class SamplingParams(Message):

@@ -10,6 +10,7 @@ carry only deltas (new requests once, new block ids, token ranges to compute).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,6 +59,10 @@ class _RequestState:
     penalty_slot: int | None  # its row in the runner's TokenCounts, if it has penalties
     block_table: list[int] = field(default_factory=list)
     matcher: LLMatcher | None = None  # constrained decoding: where its grammar is
+    # ... and the text its grammar waits for before it starts (`</think>`: b"" once written),
+    # with the output's last bytes, where that text may be half written
+    constraint_after: bytes = b""
+    tail: bytes = b""
     # A prefill for another engine (kv_transfer.py): where its blocks go, and how many of the
     # prompt's blocks are gathered for it so far.
     destination: KvDestination | None = None
@@ -67,6 +72,24 @@ class _RequestState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def constrained(self) -> bool:
+        """Whether its next token is masked by its grammar."""
+        return self.matcher is not None and not self.constraint_after
+
+    def take(self, token_id: int, token_bytes: Callable[[int], bytes]) -> None:
+        """A sampled token into the grammar, or towards the text the grammar waits for."""
+        if self.matcher is None:
+            return
+        if not self.constraint_after:
+            self.matcher.consume_token(token_id)
+            return
+        self.tail += token_bytes(token_id)
+        if self.constraint_after in self.tail:
+            self.constraint_after = b""  # the grammar takes the tokens from the next one on
+        else:
+            self.tail = self.tail[-len(self.constraint_after):]
 
 
 def _seed_positions(states: list[_RequestState]) -> None:
@@ -212,16 +235,17 @@ class ModelRunner:
         matcher = (self.grammars.matcher(new.params.structured)  # may raise: before the slot
                    if new.params.structured is not None else None)
         output = new.output_token_ids  # a resumed request's: output it already has
-        if matcher is not None and output:  # the grammar is where those tokens took it
-            matcher.consume_tokens(list(output))
         slot = (self.token_counts.add(new.prompt_token_ids, output) if sampling.has_penalties
                 else None)
         destination = new.kv_destination
-        self.requests[new.sequence_id] = _RequestState(
+        state = self.requests[new.sequence_id] = _RequestState(
             list(new.prompt_token_ids) + list(output), len(new.prompt_token_ids), new.params,
             sampling, generator, slot, matcher=matcher, destination=destination,
             num_blocks_gathered=destination.first_block if destination else 0,
-            traceparent=new.traceparent)
+            traceparent=new.traceparent, constraint_after=(
+                new.params.structured.after.encode() if matcher is not None else b""))
+        for token_id in output:  # the grammar is where those tokens took it
+            state.take(token_id, self.grammars.token_bytes)
 
     def _apply_plan_changes(self, plan: StepPlan) -> None:
         """What the plan changes before its forward: forgotten, preempted and new requests,
@@ -427,7 +451,7 @@ class ModelRunner:
             [s.sampling for s in states], self.device,
             num_output_tokens=[s.num_output_tokens for s in states],
             penalty_counts=self.token_counts.gather(slots) if slots else None)
-        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        constrained = [i for i, s in enumerate(states) if s.constrained]
         _seed_positions(states)
         allowed_logits = logits if not constrained else apply_masks(
             logits, constrained, self.grammars.bitmask([states[i].matcher for i in constrained]))
@@ -438,8 +462,7 @@ class ModelRunner:
         token_ids = sampled.tolist()
         for state, token_id in zip(states, token_ids, strict=True):
             state.token_ids.append(token_id)
-            if state.matcher is not None:
-                state.matcher.consume_token(token_id)
+            state.take(token_id, self.grammars.token_bytes)
         if slots:
             self.token_counts.record(slots, [t for s, t in zip(states, token_ids, strict=True)
                                              if s.penalty_slot is not None])

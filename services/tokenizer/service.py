@@ -155,6 +155,8 @@ class TokenizerService:
         prompt = self._prompt(request)
         if isinstance(prompt, Admission):
             return prompt
+        if request.params.structured is not None:  # a thinking model's answer, not its thought
+            request.params.structured.after = prompt.constraint_after
         submit = SubmitRequest(request_id=request.request_id,
                                reply_subject=request.reply_subject,
                                prompt_token_ids=prompt.token_ids, params=request.params,

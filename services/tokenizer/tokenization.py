@@ -27,6 +27,9 @@ class Prompt:
     # prompt already opened the think block (DeepSeek-R1's template ends in `<think>\n`).
     reasoning: bool = False
     reasoning_open: bool = False
+    # Where a structured output's constraint starts: after the reasoning (`</think>`) where
+    # the model thinks first, "" where it answers at once (the template closed the block).
+    constraint_after: str = ""
 
 
 class Tokenization:
@@ -76,9 +79,10 @@ class Tokenization:
                 bos_token=tok.bos_token, eos_token=tok.eos_token,
                 tools=tools if has_tools else None,
                 **_template_kwargs(request.chat_template_kwargs_json))
-            return Prompt(tok.encode(text), reasoning=self.reasoning,
-                          reasoning_open=self.reasoning
-                          and text.rfind(THINK_START) > text.rfind(THINK_END))
+            opened = self.reasoning and text.rfind(THINK_START) > text.rfind(THINK_END)
+            thinks = opened or (self.reasoning and not text.rstrip().endswith(THINK_END))
+            return Prompt(tok.encode(text), reasoning=self.reasoning, reasoning_open=opened,
+                          constraint_after=THINK_END if thinks else "")
         return Prompt(tok.encode(request.prompt or "", add_special_tokens=True))
 
 

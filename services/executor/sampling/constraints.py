@@ -10,9 +10,11 @@ a copy of those rows' logits, so the raw logits still give logprobs and unconstr
 nothing.
 
 A matcher follows its request's tokens: it takes each token the request samples, and nothing
-else. A preempted request keeps its tokens in the executor and is recomputed from them, so its
-matcher stays where it was; constrained requests get no speculative drafts, so nothing it took
-is ever taken back.
+else; a constraint with `after` (a thinking model's `</think>`) takes only the tokens after
+that text, so the reasoning is free and the answer constrained (runner._RequestState.take). A
+preempted request keeps its tokens in the executor and is recomputed from them, so its matcher
+stays where it was; constrained requests get no speculative drafts, so nothing it took is ever
+taken back.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._eos_token_ids: list[int] = []
+        self._token_bytes: list[bytes] = []
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self._executor = llguidance.LLExecutor(num_threads=1)
@@ -87,6 +90,7 @@ class Grammars:
         if self._tokenizer is None:
             vocabulary = self._vocabulary()
             self._eos_token_ids = list(vocabulary.eos_token_ids)
+            self._token_bytes = vocabulary.tokens
             self._tokenizer = llguidance.LLTokenizer(
                 llguidance.TokenizerWrapper(vocabulary), n_vocab=self.vocab_size,
                 eos_token=self._eos_token_ids)
@@ -123,6 +127,10 @@ class Grammars:
             while len(self._cache) > MAX_CACHED:
                 self._cache.popitem(last=False)
         return matcher
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The text a token id stands for (after a matcher was made: the vocabulary is read)."""
+        return self._token_bytes[token_id]
 
     def matcher(self, structured: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher for one request (compiled now if the cache lost it, e.g. after this

@@ -20,11 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from os import PathLike
 
-from llmbus.services.executor.weights.matrices import (
-    MOE_ARCHITECTURES,
-    WINDOWED_ARCHITECTURES,
-    architecture,
-)
+from llmbus.services.executor.weights.matrices import MOE_ARCHITECTURES, architecture
 
 ENGINES = ("auto", "integer-kernel", "onnxruntime", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -78,9 +74,6 @@ def resolve_plan(model_path: str | PathLike[str] | None, *, engine: str = "auto"
         if moe and device == "cpu" and exact:
             plan = replace(plan, note="a mixture of experts in the exact mode: ONNX Runtime's "
                                       "graphs do not take experts")
-        if arch in WINDOWED_ARCHITECTURES and device == "cuda":
-            plan = replace(plan, attention="torch attention",
-                           note="sliding windows are not in the Triton kernels yet")
         return plan
     if moe and (engine == "onnxruntime" or exact):
         raise ValueError(f"ONNX Runtime's graphs cannot run a mixture of experts ({arch}); "

@@ -154,7 +154,7 @@ def test_cpu_summary_names_the_cpu_and_its_flags():
 def test_the_new_families_get_the_engines_that_take_them(tmp_path):
     """A mixture of experts runs in the integer kernel in the fast mode and in the torch engine
     in the exact one (ONNX Runtime's graphs refused by name); Gemma 3 is not the integer
-    kernel's (ONNX Runtime's graphs instead), and on CUDA its windows keep the torch ops."""
+    kernel's (ONNX Runtime's graphs instead); on CUDA the Triton kernels take its windows."""
     moe, gemma = tmp_path / "moe.gguf", tmp_path / "gemma.gguf"
     write_tiny_llama(moe, TinySpec(head_size=128, num_experts=4, num_experts_used=2,
                                    expert_size=64), arch="qwen3moe", quantized="Q8_0")
@@ -173,4 +173,4 @@ def test_the_new_families_get_the_engines_that_take_them(tmp_path):
     assert not kernel_takes_file(gemma)
     assert resolve_plan(gemma).engine == "onnxruntime"
     on_cuda = resolve_plan(gemma, cuda_available=True)
-    assert (on_cuda.engine, on_cuda.attention) == ("torch", "torch attention")
+    assert (on_cuda.engine, on_cuda.attention) == ("torch", "Triton kernels")

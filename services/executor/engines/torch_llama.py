@@ -113,8 +113,6 @@ class LlamaModel:
                  max_positions: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", kernels: str | None = None) -> None:
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        if kernels is None and config.sliding_window:  # not in the Triton kernels yet
-            kernels = "torch"
         self.ops = select_ops(kernels, self.device)
 
         def w(name: str) -> torch.Tensor:
@@ -151,9 +149,6 @@ class LlamaModel:
                 if config.post_norms else None,
                 post_ffw_norm=w(p + "post_ffw_norm.weight") if config.post_norms else None,
                 window=config.window(i)))
-        if self.ops is not TorchOps and any(layer.window for layer in self.layers):
-            raise ValueError("sliding-window attention (Gemma 3) runs in the torch ops only: "
-                             "not yet in the Triton kernels")
         self.embed = w("token_embd.weight")  # [V, D]
         self.lm_head = self.embed if config.tie_word_embeddings else w("output.weight")  # [V, D]
         self.output_norm = w("output_norm.weight")
@@ -198,8 +193,8 @@ class LlamaModel:
             k_cache, v_cache = kv_cache.layer(index)
             q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                                   cfg.num_heads)  # [T, H, Dh]
-            attn = (ops.attention(q, k_cache, v_cache, meta, self.scale, layer.window)
-                    if layer.window else ops.attention(q, k_cache, v_cache, meta, self.scale))
+            attn = ops.attention(q, k_cache, v_cache, meta, self.scale,
+                                 layer.window)  # [T, H * Dh]
             out = self.linear(attn, layer.attn_output)  # [T, D]
             if layer.post_attention_norm is not None:
                 out = rms_norm(out, layer.post_attention_norm, eps)

@@ -23,8 +23,6 @@ KERNEL_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 # Mixtures of experts: the integer kernel runs them in the fast mode (engines/int_moe.py), the
 # torch engine in the exact one (ONNX Runtime's graphs do not take experts).
 MOE_ARCHITECTURES = ("qwen3moe",)
-# Sliding-window attention: not in the Triton kernels yet (torch ops on CUDA).
-WINDOWED_ARCHITECTURES = ("gemma3",)
 
 
 def expert_matrix(name: str, expert: int) -> str:

@@ -33,16 +33,17 @@ class TritonOps:
 
     @staticmethod
     def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
-                  scale: float) -> torch.Tensor:
-        """q [T, H, Dh] -> [T, H * Dh]; an all-decode step takes the split-K decode kernel."""
+                  scale: float, window: int = 0) -> torch.Tensor:
+        """q [T, H, Dh] -> [T, H * Dh]; an all-decode step takes the split-K decode kernel.
+        `window` > 0: a sliding-window layer's."""
         num_tokens = q.shape[0]
         max_query_len = meta.max_query_len  # a host int: no device sync
         if max_query_len == 1:
             out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                         meta.context_lens, scale)
+                                         meta.context_lens, scale, window=window)
         else:
             out = prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                    meta.context_lens, max_query_len, scale)
+                                    meta.context_lens, max_query_len, scale, window=window)
         return out.view(num_tokens, -1)
 
     @staticmethod

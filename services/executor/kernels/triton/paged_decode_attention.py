@@ -3,6 +3,7 @@
 For sequence b with context length L_b and query head h (KV head h // group, GQA):
 
     out[b, h] = sum_j softmax_j(scale * q[b, h] . K[b, j]) V[b, j],   j < L_b
+                                                  (and j >= L_b - window with a window)
 
 where K/V[b, j] live at block `block_tables[b, j // block_size]`, offset `j % block_size`.
 A decode step has too few rows to fill a GPU with one program per (sequence, KV head), so the
@@ -35,7 +36,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-    part_out_ptr, part_max_ptr, part_sum_ptr, qk_scale, block_size, num_partitions,
+    part_out_ptr, part_max_ptr, part_sum_ptr, qk_scale, block_size, num_partitions, window,
     stride_q_b, stride_q_h, stride_out_b, stride_out_h, stride_table,
     stride_cache_block, stride_cache_slot, stride_cache_head,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -44,8 +45,10 @@ def _paged_decode_kernel(
 ):
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    start = part * PARTITION_SIZE
-    end = tl.minimum(start + PARTITION_SIZE, context_len)
+    # a sliding window's first key: partitions before it read nothing, and stay empty
+    first = tl.where(window > 0, tl.maximum(context_len - window, 0), 0)
+    start = tl.maximum(part * PARTITION_SIZE, first)
+    end = tl.minimum(part * PARTITION_SIZE + PARTITION_SIZE, context_len)
     g = tl.arange(0, BLOCK_G)  # [G] query heads of this KV head (padded)
     d = tl.arange(0, BLOCK_D)  # [D]
     heads = kv_head * GROUP + g
@@ -105,8 +108,9 @@ def _paged_decode_reduce_kernel(
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           partition_size: int = 512) -> torch.Tensor:
-    """q [B, H, Dh] (one token per sequence) -> [B, H, Dh].
+                           partition_size: int = 512, window: int = 0) -> torch.Tensor:
+    """q [B, H, Dh] (one token per sequence) -> [B, H, Dh]; `window` > 0: over each
+    sequence's last `window` positions only (a sliding-window layer).
 
     Caches [num_blocks, block_size, Hkv, Dh]; block_tables [B, max_blocks] int32 (padding
     points at block 0); context_lens [B], each >= 1, covering the token being decoded. The
@@ -139,7 +143,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = max(16, triton.next_power_of_2(head_dim))
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_max, part_sum,
-        scale * _LOG2E, block_size, num_partitions, q.stride(0), q.stride(1), out.stride(0),
+        scale * _LOG2E, block_size, num_partitions, window, q.stride(0), q.stride(1),
+        out.stride(0),
         out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PARTITION_SIZE=partition_size,
@@ -155,14 +160,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor,
                                      v_cache: torch.Tensor, block_tables: torch.Tensor,
-                                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                     context_lens: torch.Tensor, scale: float,
+                                     window: int = 0) -> torch.Tensor:
     """Gather each sequence's context and softmax in float32, one sequence at a time."""
     num_kv_heads = k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     for b, context_len in enumerate(context_lens.tolist()):
-        j = torch.arange(context_len, device=q.device)
+        j = torch.arange(max(0, context_len - window) if window else 0, context_len,
+                         device=q.device)
         slots = block_tables[b, j // block_size].long() * block_size + j % block_size
         k = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, 1)  # [L, H, Dh]
         v = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, 1)

@@ -7,6 +7,7 @@ chunk itself, whose K/V the step already wrote), so chunked prefill and prefix-c
 one case:
 
     out[t, h] = sum_j softmax_j(scale * q[t, h] . K[b, j]) V[b, j],   j <= pos(t)
+                                        (and j > pos(t) - window with a sliding window)
 
 K/V come through `block_tables[b]` as in decode; a mixed batch (decode tokens are chunks of
 one) works too. Each program walks keys only up to its last query's position.
@@ -36,7 +37,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-    out_ptr, qk_scale, block_size, stride_q_t, stride_q_h, stride_out_t, stride_out_h,
+    out_ptr, qk_scale, block_size, window, stride_q_t, stride_q_h, stride_out_t, stride_out_h,
     stride_table, stride_cache_block, stride_cache_slot, stride_cache_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -63,7 +64,10 @@ def _prefill_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_table
     kv_head = head // GROUP
-    for n0 in range(0, kv_end, BLOCK_N):
+    # with a window, keys before the tile's first query's window are never read
+    first = tl.where(window > 0, tl.maximum(context_len - q_len + tile * BLOCK_M - window + 1,
+                                            0), 0)
+    for n0 in range(first, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)  # [N]
         n_mask = n < kv_end
         offsets = kv_slot_offsets(table, n, n_mask, block_size, stride_cache_block,
@@ -72,6 +76,7 @@ def _prefill_attention_kernel(
         k = tl.load(k_cache_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
         valid = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]  # [M, N]
+        valid = valid & ((window == 0) | (n[None, :] > q_pos[:, None] - window))
         m_i, l_i, acc = online_softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_FP32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dst = out_ptr + rows * stride_out_t + head * stride_out_h + d[None, :]
@@ -81,8 +86,9 @@ def _prefill_attention_kernel(
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       context_lens: torch.Tensor, max_query_len: int,
-                      scale: float) -> torch.Tensor:
-    """q [T, H, Dh] -> [T, H, Dh], causal over each sequence's cached context.
+                      scale: float, window: int = 0) -> torch.Tensor:
+    """q [T, H, Dh] -> [T, H, Dh], causal over each sequence's cached context; `window` > 0:
+    over each query's last `window` positions only (a sliding-window layer).
 
     cu_seqlens_q [B+1]; context_lens [B] (tokens cached after this step, >= the chunk);
     block_tables [B, max_blocks] int32. `max_query_len` (a host int, the longest chunk)
@@ -109,7 +115,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale * _LOG2E,
-        block_size, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_size, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m,
@@ -119,8 +125,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Per sequence: gather its context, causal softmax in float32."""
+                                context_lens: torch.Tensor, scale: float,
+                                window: int = 0) -> torch.Tensor:
+    """Per sequence: gather its context, causal (and windowed) softmax in float32."""
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -133,6 +140,9 @@ def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         v = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, 1)
         q_pos = context_len - (end - start) + torch.arange(end - start, device=q.device)
         scores = torch.einsum("qhd,lhd->hql", q[start:end].float(), k) * scale
-        scores = scores.masked_fill(j[None, None] > q_pos[None, :, None], float("-inf"))
+        hidden = j[None, None] > q_pos[None, :, None]
+        if window:
+            hidden |= j[None, None] <= q_pos[None, :, None] - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start:end] = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out

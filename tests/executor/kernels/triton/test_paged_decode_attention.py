@@ -82,3 +82,24 @@ def test_launcher_rejects_bad_arguments():
 def test_long_context_on_gpu(dtype):
     _run([4096, 1, 3000, 777, 2048, 4095, 16, 1234], 32, 8, 128, block_size=16, dtype=dtype,
          partition_size=512, num_blocks=1400)
+
+
+@pytest.mark.parametrize("window", [1, 5, 20, 100], ids=lambda w: f"window-{w}")
+@pytest.mark.parametrize("partition_size", [512, 16], ids=["one-pass", "split-k"])
+def test_decode_sliding_window(window, partition_size):
+    """Each sequence attends to its last `window` positions: partitions before them stay
+    empty (split-k), a window wider than the context is the whole context."""
+    k_cache, v_cache = paged_cache(48, 4, 2, 32, torch.float32, 4)
+    lens = [37, 1, 16, 50]
+    block_tables = shuffled_block_tables(lens, 4, 48, 4)
+    context_lens = torch.tensor(lens, device=DEVICE)
+    q = torch.randn(4, 6, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.2,
+                                 partition_size=partition_size, window=window)
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, block_tables,
+                                                context_lens, 0.2, window=window)
+    assert_close(out, expected, ATTENTION_TOLERANCES)
+    if window < 37:  # the window changes the answer: it is not the whole context's
+        whole = paged_decode_attention_reference(q, k_cache, v_cache, block_tables,
+                                                 context_lens, 0.2)
+        assert (whole[0] - expected[0]).abs().max() > 1e-3

@@ -78,3 +78,22 @@ def test_launcher_rejects_bad_arguments():
 def test_long_chunks_on_gpu(dtype):
     _run([1024, 1, 300, 2048], [3000, 77, 300, 2048], 32, 8, 128, block_size=16, dtype=dtype,
          num_blocks=500)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 100], ids=lambda w: f"window-{w}")
+def test_sliding_window(window):
+    """Each query attends to its last `window` positions: a tile's later rows see none of the
+    first keys it reads, a chunk behind a cached prefix starts inside it."""
+    query_lens, context_lens = [37, 5, 1], [37, 45, 9]
+    k_cache, v_cache = paged_cache(48, 8, 2, 16, torch.float32, 6)
+    block_tables = shuffled_block_tables(context_lens, 8, 48, 6)
+    cu_seqlens_q = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()],
+                                device=DEVICE)
+    lens = torch.tensor(context_lens, device=DEVICE)
+    q = torch.randn(sum(query_lens), 4, 16, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    out = prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, lens,
+                            max(query_lens), 0.25, window=window)
+    expected = prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                           lens, 0.25, window=window)
+    assert_close(out, expected, ATTENTION_TOLERANCES)
+    assert not torch.isnan(out).any()

@@ -155,17 +155,18 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
         config = replace(config, num_experts=int(required("expert_count")),
                          num_experts_used=int(required("expert_used_count")),
                          expert_intermediate_size=int(required("expert_feed_forward_length")))
-    return _gemma3(config, field) if arch == "gemma3" else config
+    return _gemma3(config, field, required) if arch == "gemma3" else config
 
 
-def _gemma3(config: LlamaConfig, field: Callable[..., Any]) -> LlamaConfig:
+def _gemma3(config: LlamaConfig, field: Callable[..., Any],
+            required: Callable[[str], Any]) -> LlamaConfig:
     num_layers = config.num_layers
     return replace(
         config, embedding_scale=float(np.float32(config.hidden_size ** 0.5)),  # as HF rounds it
         post_norms=True, gelu=True,
         attention_scale=(config.hidden_size / config.num_heads) ** -0.5 if num_layers == 62
         else None,
-        sliding_window=int(field("attention.sliding_window", 0)),
+        sliding_window=int(required("attention.sliding_window")),  # none: another model
         sliding_window_pattern=int(field("attention.sliding_window_pattern",
                                          GEMMA3_SLIDING_WINDOW_PATTERN)),
         local_rope_theta=GEMMA3_LOCAL_ROPE_THETA)

@@ -268,3 +268,11 @@ def test_qwen3moe_in_the_integer_kernel(qwen3moe, monkeypatch):
     for layer in per_layer:
         assert sorted(e for e, _ in layer) == list(range(8))
         assert sum(n for _, n in layer) == len(TOKENS) * 2
+
+
+def test_gemma3_without_its_window_is_refused_by_name(tmp_path):
+    """Without its window a Gemma 3 would load as another model: refused, naming the key."""
+    path = tmp_path / "no-window.gguf"
+    write_tiny_llama(path, replace(GEMMA3_SPEC, sliding_window=0), arch="gemma3")
+    with pytest.raises(UnsupportedModelError, match="'gemma3.attention.sliding_window'"):
+        load_gguf(path)

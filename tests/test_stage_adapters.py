@@ -104,14 +104,25 @@ async def test_the_detokenizer_streams_text_and_aborts_at_a_stop_string(bus):
         await detokenizer_service.subscribe(runtime, Detokenization(tok))
         start = CompletionStart(reply_subject="api.x", stop=[", w"])
         for step, piece in enumerate((ids[:2], ids[2:])):  # the stop string spans both steps
-            await client.publish(subjects.DETOKENIZER_TOKENS, encode(TokenBatch(
+            batch = encode(TokenBatch(
                 engine_id="e0", items=[RequestTokens(request_id="r", new_token_ids=piece,
                                                      start=None if step else start,
-                                                     num_before=2 * step)])))
-            await client.flush()
-            async with asyncio.timeout(TIMEOUT):  # one step after the other, as an engine
-                while runtime.num_handled <= step:
-                    await asyncio.sleep(0.01)
+                                                     num_before=2 * step)]))
+            # Core NATS is at-most-once: the first batch, sent the moment the queue
+            # subscription is in place, was seen lost on the server about one run in 30
+            # (the copy's connection received nothing; a ping got through right after). A
+            # batch never received is sent again, once, as the bus's contract allows.
+            for attempt in range(2):
+                await client.publish(subjects.DETOKENIZER_TOKENS, batch)
+                await client.flush()
+                try:
+                    async with asyncio.timeout(2.0 if attempt == 0 else TIMEOUT):
+                        while runtime.num_handled <= step:  # one step after the other
+                            await asyncio.sleep(0.01)
+                    break
+                except TimeoutError:
+                    if attempt or runtime.nc.stats["in_msgs"]:  # received, not handled
+                        raise
         try:
             async with asyncio.timeout(TIMEOUT):
                 while not (aborts and any(d.finish_reason for b in deltas for d in b.items)):
@@ -222,6 +233,7 @@ def test_an_executor_refuses_a_file_it_cannot_serve_in_one_line(bus, tmp_path):
     import subprocess
     import sys
 
+    from llmbus.services.executor.weights.model_config import SUPPORTED_ARCHITECTURES
     from tests.gguf_fixtures import write_tiny_llama
 
     url, _ = bus
@@ -233,4 +245,4 @@ def test_an_executor_refuses_a_file_it_cannot_serve_in_one_line(bus, tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "llmbus executor: other.gguf: unsupported model architecture 'phi3'; supported: "
-        "('llama', 'qwen2', 'qwen3', 'gemma3')")
+        f"{SUPPORTED_ARCHITECTURES}")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from litestar import Response, get
 from litestar.exceptions import NotFoundException
+from litestar.params import FromPath
 
 PAGES_DIR = Path(__file__).resolve().parent / "static"
 _MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -39,7 +40,7 @@ async def pipeline_page() -> Response[bytes]:
 
 
 @get("/static/{name:str}", include_in_schema=False)
-async def asset(name: str) -> Response[bytes]:
+async def asset(name: FromPath[str]) -> Response[bytes]:
     if name not in ASSETS:
         raise NotFoundException(f"no file `{name}` here")
     return _file(name)

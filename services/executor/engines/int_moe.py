@@ -40,7 +40,7 @@ class IntMoeStep:
             return QuantPart.of(native.pop(name))
 
         self._parts: list[QuantPart] = []  # the kernels read their memory: kept alive here
-        self.layers_ = []
+        self._layer_weights = []
         for i in range(config.num_layers):
             p = f"blk.{i}."
             qkv = [part(f"{p}attn_{n}.weight") for n in "qkv"]
@@ -51,7 +51,7 @@ class IntMoeStep:
                     for e in range(config.num_experts)]
             self._parts += [*qkv, *o, *(q for pair in gate_up for q in pair),
                             *(q for one in down for q in one)]
-            self.layers_.append({
+            self._layer_weights.append({
                 "attn_norm": dense[f"{p}attn_norm.weight"].float(),
                 "ffn_norm": dense[f"{p}ffn_norm.weight"].float(),
                 "router": dense[f"{p}ffn_gate_inp.weight"].float(),
@@ -79,7 +79,7 @@ class IntMoeStep:
         cfg, eps = self.config, self.config.rms_norm_eps
         hidden = hidden.contiguous().clone()  # updated in place
         d, f = cfg.hidden_size, cfg.expert_intermediate_size
-        for index, layer in enumerate(self.layers_):
+        for index, layer in enumerate(self._layer_weights):
             qkv = self._linear(layer["qkv"], _rms_norm(hidden, layer["attn_norm"], eps),
                                self.qkv_width)
             self._linear(layer["o"], attend(index, qkv), d, into=hidden)

@@ -5,6 +5,7 @@ test-artifacts/web/ (or $LLMBUS_TEST_ARTIFACTS/web/)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -120,11 +121,11 @@ def _pipeline(base: str) -> dict:
     return response.json()
 
 
-def _wait_for(condition, timeout: float = 60.0, what: str = "") -> None:
+async def _wait_for(condition, timeout: float = 60.0, what: str = "") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+        await asyncio.sleep(0.2)  # the browser's connection keeps being served meanwhile
 
 
 async def test_no_call_succeeds_until_the_key_is_entered(web_stack, browser, request):
@@ -228,13 +229,15 @@ async def test_stop_aborts_the_request_on_the_server(web_stack, page):
     stats = await page.inner_text("#messages .message.assistant:last-child .stats")
     assert stats.endswith("stopped"), stats
     # The server's abort path ran: counted as aborted, shown so, and no engine still runs it.
-    _wait_for(lambda: _aborted_count(base) == aborted_before + 1, what="the abort counted")
+    await _wait_for(lambda: _aborted_count(base) == aborted_before + 1,
+                    what="the abort counted")
     [newest] = _pipeline(base)["recent_requests"][:1]
     assert newest["status"] == "aborted", newest
     assert newest["num_output_tokens"] < 2000
-    _wait_for(lambda: all(c["engine"]["num_running"] == 0 for stage in _pipeline(base)["stages"]
-                          if stage["name"] == "scheduler" for c in stage["copies"]),
-              what="the engines to drop the request")
+    await _wait_for(lambda: all(c["engine"]["num_running"] == 0
+                                for stage in _pipeline(base)["stages"]
+                                if stage["name"] == "scheduler" for c in stage["copies"]),
+                    what="the engines to drop the request")
 
 
 async def test_the_pipeline_page_shows_the_live_stack(web_stack, page):

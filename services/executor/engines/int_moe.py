@@ -14,17 +14,13 @@ from __future__ import annotations
 import ctypes
 
 import torch
-import torch.nn.functional as F
 
 from llmbus.services.executor.engines.int_step import ALWAYS, IntLinear
 from llmbus.services.executor.engines.moe import moe_mlp
+from llmbus.services.executor.engines.torch_llama import TorchOps, rms_norm
 from llmbus.services.executor.weights.matrices import expert_matrix
 from llmbus.services.executor.weights.model_config import LlamaConfig
 from llmbus.services.executor.weights.quant_parts import QuantPart
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 class IntMoeStep:
@@ -80,15 +76,15 @@ class IntMoeStep:
         hidden = hidden.contiguous().clone()  # updated in place
         d, f = cfg.hidden_size, cfg.expert_intermediate_size
         for index, layer in enumerate(self._layer_weights):
-            qkv = self._linear(layer["qkv"], _rms_norm(hidden, layer["attn_norm"], eps),
+            qkv = self._linear(layer["qkv"], rms_norm(hidden, layer["attn_norm"], eps),
                                self.qkv_width)
             self._linear(layer["o"], attend(index, qkv), d, into=hidden)
 
             def expert(e: int, rows: torch.Tensor, layer=layer) -> torch.Tensor:
-                gate, up = self._linear(layer["gate_up"][e], rows, 2 * f).chunk(2, dim=-1)
-                return self._linear(layer["down"][e], F.silu(gate) * up, d)
+                gate_up = self._linear(layer["gate_up"][e], rows, 2 * f)
+                return self._linear(layer["down"][e], TorchOps.silu_mul(gate_up), d)
 
-            hidden += moe_mlp(_rms_norm(hidden, layer["ffn_norm"], eps), layer["router"],
+            hidden += moe_mlp(rms_norm(hidden, layer["ffn_norm"], eps), layer["router"],
                               expert, cfg.num_experts_used)
         return hidden
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-THINK_START, THINK_END = "<think>", "</think>"
+from llmbus.services.think_tags import THINK_END, THINK_START
 
 
 class _State(Enum):

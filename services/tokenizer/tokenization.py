@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from llmbus.bus.messages import ChatMessage, EncodeRequest, GenerateRequest
 from llmbus.services.gguf_tokenizer import GGUFTokenizer
+from llmbus.services.think_tags import THINK_END, THINK_START
 from llmbus.services.tokenizer.chat_template import render_chat_template
 from llmbus.services.tool_calls import function_of, template_messages, tools_system_prompt
 
@@ -16,7 +17,6 @@ _USES_TOOLS = re.compile(r"\btools\b")  # a template that renders `tools` itself
 # What llmbus itself gives the template; `chat_template_kwargs` may not set these.
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt",
                                "bos_token", "eos_token")
-THINK_START, THINK_END = "<think>", "</think>"
 REASONING_PARSERS = ("auto", "think", "none")
 
 

@@ -2,10 +2,10 @@
 receiver for its traces, a nats-server per adapter test (`bus`), HF transformers as the greedy
 reference. And every test's kind.
 
-Kinds, one per test, given by its file (TEST_KINDS): `unit` (pure code: no nats-server, no
-model), `adapter` (a real nats-server, no model) and `e2e` (the default model and/or a whole
-stack). A test marked `model` needs the default model, so it is `e2e` whatever its file. A test
-file missing from TEST_KINDS stops the run at collection, naming the file.
+Kinds, one per test: `unit` (pure code: no nats-server, no model), `adapter` (a real
+nats-server, no model) and `e2e` (the default model and/or a whole stack). Every test in
+tests/e2e/, and every test marked `model`, is e2e; elsewhere a module says `adapter` (or `e2e`)
+in its `pytestmark`, and is `unit` without one. `./dev test --fast` runs unit and adapter.
 """
 
 from __future__ import annotations
@@ -86,107 +86,33 @@ def hf_greedy(hf_reference, prompt_ids: list[int], max_new_tokens: int) -> list[
 
 
 TESTS = Path(__file__).resolve().parent
-# By file name, not path: a file that moves into a subfolder keeps its kind.
-TEST_KINDS = {
-    # pure code: scheduler, tokenizer and detokenizer cores, messages, executor on tiny files
-    "test_bench_serve.py": "unit",
-    "test_bus_messages.py": "unit",
-    "test_bus_cluster.py": "adapter",
-    "test_bus_servers.py": "adapter",
-    "test_code_shape.py": "unit",
-    "test_constraints.py": "unit",
-    "test_cpu_paged_attention.py": "unit",
-    "test_detokenizer.py": "unit",
-    "test_disaggregation.py": "unit",
-    "test_remote_prefills.py": "unit",
-    "test_disaggregated_serving.py": "e2e",
-    "test_kv_transfer.py": "unit",
-    "test_detokenizer_routing.py": "unit",
-    "test_engine_loop.py": "unit",
-    "test_executor_constraints.py": "unit",
-    "test_family_fast_mode.py": "unit",
-    "test_executor_model.py": "unit",
-    "test_executor_multi_step.py": "unit",
-    "test_executor_onnx.py": "unit",
-    "test_executor_plan.py": "unit",
-    "test_executor_speculative.py": "unit",
-    "test_int_step.py": "unit",
-    "test_k_quants.py": "unit",
-    "test_kv_manager.py": "unit",
-    "test_lint.py": "unit",
-    "test_model_families.py": "unit",
-    "test_migration_rules.py": "unit",
-    "test_model_files.py": "unit",
-    "test_ngram_proposer.py": "unit",
-    "test_packaging.py": "unit",
-    "test_pipeline_view.py": "unit",
-    "test_prefix_tree.py": "unit",
-    "test_reasoning.py": "unit",
-    "test_rope_scaling.py": "unit",
-    "test_sampler.py": "unit",
-    "test_scheduler.py": "unit",
-    "test_scheduler_config.py": "unit",
-    "test_scheduler_multi_step.py": "unit",
-    "test_scheduler_step_time.py": "unit",
-    "test_scheduler_prefix_and_fork.py": "unit",
-    "test_scheduler_speculation.py": "unit",
-    "test_sentencepiece_tokenizer.py": "unit",
-    "test_stage_cores.py": "unit",
-    "test_tokenizer.py": "unit",
-    "test_types.py": "unit",
-    # tests/executor/kernels/triton/: Triton kernels against their torch references
-    "test_interpreter_setup.py": "unit",
-    "test_model_backend.py": "unit",
-    "test_paged_decode_attention.py": "unit",
-    "test_prefill_attention.py": "unit",
-    "test_rmsnorm.py": "unit",
-    "test_rope_kv.py": "unit",
-    "test_sampling.py": "unit",
-    "test_swiglu.py": "unit",
-    # a real nats-server: stage adapters with fake neighbours, the launcher without the model
-    "test_api_adapter.py": "adapter",
-    "test_concurrent_handlers.py": "adapter",
-    "test_compose_cluster.py": "adapter",
-    "test_launcher.py": "adapter",
-    "test_routing_units.py": "adapter",
-    "test_scheduler_adapter.py": "adapter",
-    "test_stage_adapters.py": "adapter",
-    # the default model, or a whole stack serving it
-    "test_api_errors.py": "e2e",
-    "test_api_features.py": "e2e",
-    "test_cluster_check.py": "e2e",
-    "test_e2e.py": "e2e",
-    "test_e2e_model_families.py": "e2e",
-    "test_e2e_preemption.py": "e2e",
-    "test_e2e_reasoning.py": "e2e",
-    "test_e2e_speculation.py": "e2e",
-    "test_e2e_structured_output.py": "e2e",
-    "test_engine_moves.py": "e2e",
-    "test_migration.py": "e2e",
-    "test_executor_hf_parity.py": "e2e",
-    "test_fast_mode_quality.py": "e2e",
-    "test_faults.py": "e2e",
-    "test_observability.py": "e2e",
-    "test_overload_and_hostile_input.py": "e2e",
-    "test_replicas.py": "e2e",
-    "test_speculative_model.py": "e2e",
-    "test_web_pages.py": "e2e",
-}
+KINDS = ("unit", "adapter", "e2e")
+# Fixtures that start real parts: a test using one is at least of that kind.
+NEEDS = {"bus": "adapter", "stack": "e2e", "hf_reference": "e2e"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    unclassified = set()
+    """Give every test its kind: `e2e` in tests/e2e/ or when marked `model`; otherwise the
+    module's own `pytestmark` (`adapter` or `e2e`), else `unit`. A test whose fixtures start
+    more than its kind allows (a `unit` test asking for `bus`) stops the run, named."""
+    wrong = []
     for item in items:
         if TESTS not in item.path.parents:
             continue
-        kind = TEST_KINDS.get(item.path.name)
-        if kind is None:
-            unclassified.add(str(item.path.relative_to(TESTS.parent)))
-            continue
-        item.add_marker("e2e" if item.get_closest_marker("model") else kind)
-    if unclassified:
+        declared = [m.name for m in item.iter_markers() if m.name in KINDS]
+        if item.path.relative_to(TESTS).parts[0] == "e2e" or item.get_closest_marker("model"):
+            kind = "e2e"
+        else:
+            kind = declared[0] if declared else "unit"
+        needed = max((NEEDS[f] for f in item.fixturenames if f in NEEDS),
+                     key=KINDS.index, default="unit")
+        if KINDS.index(needed) > KINDS.index(kind):
+            wrong.append(f"{item.nodeid} ({kind}, but its fixtures make it {needed})")
+        if kind not in declared:
+            item.add_marker(kind)
+    if wrong:
         raise pytest.UsageError(
-            f"test files without a kind: {', '.join(sorted(unclassified))}; add each to "
-            "TEST_KINDS in tests/conftest.py as unit (no nats-server, no model), adapter (a "
-            "real nats-server, no model) or e2e (the default model or a whole stack)")
+            "tests of the wrong kind: " + "; ".join(wrong) + ". A module's kind is its folder "
+            "(tests/e2e/) or `pytestmark = pytest.mark.adapter` (a real nats-server, no model) "
+            "/ `pytest.mark.e2e` (the default model or a whole stack); unit otherwise")

@@ -1,7 +1,7 @@
 """Typed messages of the pipeline, one module per receiving stage, all re-exported here.
 
 All structs are `array_like` msgspec structs: the field order *is* the wire format. Append new
-fields at the end with a default, never reorder or retype; tests/test_bus_messages.py pins every
+fields at the end with a default, never reorder or retype; tests/bus/test_bus_messages.py pins every
 struct's bytes. A reply lives in the module of its request (the stage that serves it).
 `gc=False` because these are plain data with no cycles.
 

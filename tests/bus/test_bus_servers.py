@@ -1,0 +1,48 @@
+"""`--nats-url` as a list of a cluster's servers: parsed and refused by `server_urls`, and a
+service given a list whose first server is down still joins the bus through another, on a real
+nats-server."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmbus.bus import subjects
+from llmbus.bus.codec import decode, encode
+from llmbus.bus.messages import Ping, Pong
+from llmbus.bus.runtime import ServiceRuntime
+from llmbus.bus.servers import server_urls, tls_options
+from llmbus.services.launcher import free_port
+
+pytestmark = pytest.mark.adapter  # a real nats-server, no model
+
+TIMEOUT = 30.0  # a busy 2-core box
+
+
+def test_a_list_names_each_server_and_one_url_is_a_list_of_one():
+    assert server_urls("nats://a:4222") == ["nats://a:4222"]
+    assert server_urls("nats://a:1, nats://b:2,nats://c:3") == [
+        "nats://a:1", "nats://b:2", "nats://c:3"]
+    assert "tls" in tls_options("tls://a:1,tls://b:2") and tls_options("nats://a:1") == {}
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("nats://a:1,,nats://b:2", "an empty server"),
+    ("tls://a:1,nats://b:2", "every server tls://, or none"),
+])
+def test_a_bad_list_is_refused_saying_why(url, says):
+    with pytest.raises(ValueError, match=says):
+        server_urls(url)
+
+
+async def test_a_service_joins_through_a_server_of_the_list_that_is_up(bus):
+    url, client = bus
+    down = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    runtime = ServiceRuntime("servers-test", f"{down},{url}", handle_signals=False)
+    await runtime.connect()
+    try:
+        assert runtime.nc is not None and runtime.nc.connected_url is not None
+        reply = await client.request(subjects.ping("servers-test"), encode(Ping()),
+                                     timeout=TIMEOUT)
+        assert decode(reply.data, Pong).instance_id == runtime.instance_id
+    finally:
+        await runtime.close()

@@ -1,0 +1,162 @@
+"""Multi-step decoding in the scheduler, against a fake executor that keeps real KV contents
+(tests/scheduler/sim.py): the same tokens as one step at a time in a fraction of the plans,
+never past max_tokens or a stop token, only while nothing waits and the batch is small, and
+random traces with preemption, forks and aborts read only true KV."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmbus.bus.messages import (
+    FinishReason,
+    SamplingParams,
+    ScheduledRequest,
+    StepPlan,
+    StepResult,
+)
+from llmbus.services.scheduler.config import MULTI_STEP_MAX_BATCH
+from llmbus.services.scheduler.step_time import StepTimeModel
+from tests.scheduler.test_scheduler_speculation import (
+    EOS,
+    FakeExecutor,
+    cycle,
+    drive,
+    make,
+    operations,
+    replay_trace,
+    run,
+)
+
+
+def outputs(decode_steps: int, prompts: list[list[int]], params: SamplingParams, model):
+    s = make(k=0, decode_steps=decode_steps)
+    for i, prompt in enumerate(prompts):
+        s.add_request(f"r{i}", "api", prompt, params)
+    executor = FakeExecutor(model)
+    plans, updates = drive(s, executor.run)
+    tokens = {f"r{i}": [t for u in updates if u.request_id == f"r{i}" for t in u.new_token_ids]
+              for i in range(len(prompts))}
+    reasons = {u.request_id: u.finish_reason for u in updates if u.finish_reason}
+    return plans, tokens, reasons
+
+
+def test_several_tokens_a_plan_give_the_tokens_of_one_at_a_time():
+    def model(_, tokens):
+        return (tokens[-1] * 5 + len(tokens)) % 11 + 3
+
+    params = SamplingParams(max_tokens=10, ignore_eos=True)  # not a multiple of the steps
+    single_plans, single, _ = outputs(1, [[7, 8, 9], [4, 4]], params, model)
+    multi_plans, multi, reasons = outputs(4, [[7, 8, 9], [4, 4]], params, model)
+    assert multi == single and all(len(t) == 10 for t in multi.values())
+    assert set(reasons.values()) == {FinishReason.LENGTH}
+    assert len(multi_plans) * 2 < len(single_plans)
+    steps = [i.num_steps for p in multi_plans for i in p.scheduled]
+    assert max(steps) == 4 and sum(steps) >= 18  # all but each request's prefill step
+    # no token is computed twice: each once, but the last one sampled
+    computed = sum(i.num_tokens + i.num_steps - 1 for p in multi_plans for i in p.scheduled)
+    assert computed == (3 + 10 - 1) + (2 + 10 - 1)
+
+
+def test_a_stop_token_inside_the_steps_ends_the_request_there():
+    params = SamplingParams(max_tokens=40)
+    _, tokens, reasons = outputs(4, [[9, 8, 7]], params, cycle([5, 6, EOS, 1, 2]))
+    _, single, _ = outputs(1, [[9, 8, 7]], params, cycle([5, 6, EOS, 1, 2]))
+    assert tokens == single and tokens["r0"][-1] == EOS and len(tokens["r0"]) < 5
+    assert reasons["r0"] == FinishReason.STOP
+
+
+def test_one_step_at_a_time_while_requests_wait_or_the_batch_is_big():
+    s = make(k=0, decode_steps=4, max_num_seqs=MULTI_STEP_MAX_BATCH + 1)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    for i in range(MULTI_STEP_MAX_BATCH + 2):  # one more than can run: it waits
+        s.add_request(f"r{i}", "api", [3, 4, 5], params)
+    executor = FakeExecutor(cycle([5, 6, 7]))
+    in_flight: deque = deque()
+    for _ in range(6):
+        plan = s.schedule()
+        assert all(i.num_steps == 1 for i in plan.scheduled), plan
+        s.update(plan, executor.run(plan))
+    assert s.waiting  # all this time
+    run(s, executor, in_flight=in_flight)  # the rest finishes, with several steps at the end
+
+
+def test_further_steps_never_preempt_another_request():
+    """Two usable blocks of 4: both prompts fit one each. One step at a time, b ends before a
+    needs its second block; a's 4 steps would want it at once, and take it from b."""
+    s = make(k=0, decode_steps=4, num_blocks=3, prefix_caching=False)
+    s.add_request("a", "api", [3, 4, 5], SamplingParams(max_tokens=5, ignore_eos=True))
+    s.add_request("b", "api", [6, 7, 8], SamplingParams(max_tokens=2, ignore_eos=True))
+    # one step at a time (planning ahead would want a's block before b's end is known)
+    plans, updates = drive(s, FakeExecutor(cycle([5, 6, 7])).run, depth=1)
+    assert s.counters.num_preemptions == 0
+    assert sum(len(u.new_token_ids) for u in updates) == 7
+    assert any(i.num_steps > 1 for p in plans for i in p.scheduled)  # once b's block is free
+
+
+@settings(max_examples=150, deadline=None)
+@given(operations, st.booleans(), st.integers(10, 24), st.integers(2, 5))
+def test_random_traces_with_several_steps_read_only_true_kv(ops, prefix_caching, num_blocks,
+                                                          decode_steps):
+    """Arrivals, aborts, preemption, forks and steps planned ahead, with multi-step decoding:
+    every step attends to true tokens only, counts match owners, and everything finishes."""
+    s = make(k=0, num_blocks=num_blocks, prefix_caching=prefix_caching,
+             max_num_batched_tokens=16, max_num_seqs=6, max_model_len=48,
+             decode_steps=decode_steps)
+
+    def model(sequence_id, tokens):
+        return EOS if (len(tokens) + len(sequence_id)) % 13 == 0 else len(tokens) % 9 + 3
+
+    replay_trace(s, FakeExecutor(model), ops)
+
+
+def paced_plans(forward_seconds: float, plan_seconds: float = 0.08) -> list[list[int]]:
+    """Each plan's decode steps for one long request, the fake executor taking
+    `forward_seconds` per forward."""
+    s = make(k=0, decode_steps=8, decode_plan_seconds=plan_seconds)
+    s.add_request("r", "api", [3, 4, 5], SamplingParams(max_tokens=60, ignore_eos=True))
+    executor = FakeExecutor(cycle([5, 6, 7]))
+
+    def timed(plan):
+        result = executor.run(plan)
+        result.forward_seconds = forward_seconds * max(i.num_steps for i in plan.scheduled)
+        return result
+
+    plans, updates = drive(s, timed)
+    assert sum(len(u.new_token_ids) for u in updates) == 60
+    return [[i.num_steps for i in p.scheduled] for p in plans]
+
+
+def test_a_plan_takes_fewer_steps_when_forwards_are_slow():
+    """Up to --decode-steps while a plan's forwards fit the plan time (80 ms here): 8 steps of a
+    6 ms forward, 2 of a 30 ms one, 1 of a 100 ms one. The first decode plans go out before
+    any forward was timed."""
+    fast, medium, slow = paced_plans(0.006), paced_plans(0.03), paced_plans(0.1)
+    assert max(max(p) for p in fast[3:]) == 8
+    assert max(max(p) for p in medium[3:]) == 2
+    assert max(max(p) for p in slow[3:]) == 1
+    assert len(slow) > 3 * len(fast)
+
+
+def test_a_context_longer_than_any_step_seen_takes_one_step_first():
+    """A request whose KV another engine computed (disaggregated prefill) decodes at a context
+    no step here attended to: its first plan takes one forward, whose time teaches the model
+    what those keys cost, and only then several."""
+    s = make(k=0, decode_steps=8, num_blocks=1024, max_model_len=4096,
+             max_num_batched_tokens=4096)
+    s.add_request("r", "api", list(range(3, 3003)), SamplingParams(max_tokens=20,
+                                                                   ignore_eos=True))
+    plan = s.schedule()  # the prompt's 3,000 tokens in one step, as a prefill engine's
+    s.update(plan, StepResult(step_id=plan.step_id, sampled_token_ids=[7]))
+    model = StepTimeModel()  # ... which this engine never observed: it saw 64-token steps
+    model.observe(StepPlan(step_id=0, scheduled=[ScheduledRequest("a", 0, 64)]), 0.05)
+    model.observe(StepPlan(step_id=1, scheduled=[ScheduledRequest("a", 64, 1)]), 0.005)
+    assert model.longest_context == 65
+    assert model.knows_context(65 * 5 // 4 + 64) and not model.knows_context(3001)
+    s.step_time = model
+    [item] = s.schedule().scheduled
+    assert item.num_steps == 1
+    model.observe(StepPlan(step_id=2, scheduled=[ScheduledRequest("r", 3000, 1)]), 0.02)
+    assert model.knows_context(3001)

@@ -1,0 +1,245 @@
+"""Steps sized by time (services/scheduler/step_time.py): the step-time model alone, then the
+scheduler against a fake executor (real KV contents, tests/scheduler/sim.py) whose forward
+takes exactly `Formula` seconds, on a fake clock. The formula is linear in the model's features,
+so once the observed steps span them the fit is the formula itself up to float64 rounding, and
+the budget is met exactly; where a bound is looser, its docstring says why."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import pytest
+
+from llmbus.bus.messages import SamplingParams, ScheduledRequest, StepPlan, StepResult
+from llmbus.services.scheduler.scheduler import Scheduler
+from llmbus.services.scheduler.step_time import (
+    PREFILL_FLOOR_TOKENS,
+    STALE_WEIGHT,
+    StepShape,
+    StepTimeModel,
+    fit_non_negative,
+)
+from tests.scheduler.test_scheduler_speculation import FakeExecutor, cycle, make
+
+# float64 normal equations of features up to ~10^3: a relative error far below 1e-6
+EXACT = 1e-6
+
+
+@dataclass
+class Formula:
+    """A step's forward seconds: c0 + c_rows * rows + c_tokens * tokens + c_keys * kilo_keys,
+    each further forward of a multi-step plan one decode row more of its sequences."""
+
+    c0: float
+    c_rows: float
+    c_tokens: float
+    c_keys: float
+
+    def one(self, shape: StepShape) -> float:
+        return (self.c0 + self.c_rows * shape.rows + self.c_tokens * shape.tokens
+                + self.c_keys * shape.kilo_keys)
+
+    def __call__(self, plan: StepPlan) -> float:
+        return self.one(StepShape.of(plan)) * max(i.num_steps for i in plan.scheduled)
+
+
+def plan_of(*items: tuple[int, int]) -> StepPlan:
+    return StepPlan(step_id=0, scheduled=[ScheduledRequest(f"s{i}", start, num)
+                                          for i, (start, num) in enumerate(items)])
+
+
+def test_the_model_learns_a_linear_formula_exactly():
+    formula = Formula(0.004, 0.0003, 0.0006, 0.00002)
+    model = StepTimeModel()
+    rng = random.Random(5)
+    for step in range(12):
+        decodes = [(rng.randrange(10, 900), 1) for _ in range(rng.randrange(1, 12))]
+        chunk = [(rng.randrange(0, 500), rng.randrange(2, 200))] if step % 3 == 0 else []
+        plan = plan_of(*decodes, *chunk)
+        model.observe(plan, formula(plan))
+    unseen = StepShape.of(plan_of((1500, 1), (40, 1), (0, 256)))
+    assert model.predict(unseen) == pytest.approx(formula.one(unseen), rel=EXACT)
+    assert model.coefficients() == pytest.approx((0.004, 0.0003, 0.0006, 0.00002), rel=EXACT)
+
+
+def test_it_predicts_nothing_before_it_saw_a_prompt_chunk():
+    model = StepTimeModel()
+    for start in range(10):
+        model.observe(plan_of((100 + start, 1), (200, 1)), 0.01)
+    assert model.predict(StepShape.of(plan_of((0, 64)))) is None
+    assert model.most_tokens(StepShape(), 0, 77, 0.001) == 77  # nothing limits it yet
+
+
+def test_decodes_alone_never_make_it_forget_what_a_prompt_token_costs():
+    """Hundreds of decode steps after three prompt steps: in decode steps tokens = rows, so
+    only the prompt steps tell the two apart, and they are kept (weight STALE_WEIGHT)."""
+    formula = Formula(0.003, 0.0002, 0.0008, 0.00001)
+    model = StepTimeModel()
+    for plan in (plan_of((0, 100)), plan_of((0, 30), (40, 1)), plan_of((0, 7), (8, 1), (9, 1))):
+        model.observe(plan, formula(plan))
+    rng = random.Random(1)
+    for _ in range(300):
+        plan = plan_of(*[(rng.randrange(50, 600), 1) for _ in range(rng.randrange(1, 9))])
+        model.observe(plan, formula(plan))
+    prompt = StepShape.of(plan_of((0, 200), (300, 1)))
+    assert model.predict(prompt) == pytest.approx(formula.one(prompt), rel=EXACT)
+
+
+def test_the_fit_never_gives_a_negative_coefficient():
+    """Times that fall with more rows (noise, a machine that got faster): least squares
+    would say a row costs less than nothing; the fit says it costs nothing."""
+    rows = [((1.0, float(r), float(r), 0.1 * r), 0.02 - 0.001 * r, 1.0) for r in range(1, 9)]
+    rows.append(((1.0, 1.0, 50.0, 1.0), 0.03, 1.0))
+    coefficients = fit_non_negative(rows)
+    assert min(coefficients) >= 0.0 and coefficients[0] > 0
+
+
+def serve(s: Scheduler, formula, arrivals: dict[int, list[tuple[str, list[int], int]]],
+          num_steps: int, depth: int = 2) -> list[tuple[StepPlan, float]]:
+    """Plan up to `depth` steps ahead as the engine loop does, for `num_steps` steps; before
+    step i, the requests of arrivals[i] (id, prompt, max_tokens) arrive. Each result takes
+    `formula(plan)` seconds on the fake clock. Returns (plan, its seconds) in order."""
+    executor = FakeExecutor(cycle([5, 6, 7]))
+    in_flight: deque[StepPlan] = deque()
+    done: list[tuple[StepPlan, float]] = []
+    clock = 0.0
+    for step in range(num_steps):
+        for request_id, prompt, max_tokens in arrivals.get(step, []):
+            s.add_request(request_id, "api", prompt,
+                          SamplingParams(max_tokens=max_tokens, ignore_eos=True), clock)
+        while len(in_flight) < depth and s.has_work:
+            plan = s.schedule(clock)
+            if not plan.scheduled:
+                s.unschedule_empty(plan)
+                break
+            in_flight.append(plan)
+        if not in_flight:
+            continue
+        plan = in_flight.popleft()
+        seconds = formula(plan)
+        clock += seconds
+        result: StepResult = executor.run(plan)
+        result.forward_seconds = seconds
+        s.update(plan, result, clock)
+        s.check_invariants()
+        done.append((plan, seconds))
+    return done
+
+
+def decoding(plan: StepPlan) -> int:
+    return sum(1 for i in plan.scheduled if i.num_tokens == 1)
+
+
+def prompt_tokens(plan: StepPlan) -> int:
+    return sum(i.num_tokens for i in plan.scheduled if i.num_tokens > 1)
+
+
+def scheduler(max_step_seconds: float, budget: int = 256) -> Scheduler:
+    return make(k=0, num_blocks=1200, max_model_len=4096, max_num_batched_tokens=budget,
+                max_num_seqs=32, max_step_seconds=max_step_seconds)
+
+
+# 8 streams arriving one a step, each a short prompt and a long output
+STREAMS = {i: [(f"d{i}", [10 + i] * 9, 400)] for i in range(8)}
+LONG_PROMPT = [(f"p{j}", [3 + j % 5] * 1500, 4) for j in range(2)]
+
+
+def test_decodes_keep_their_cadence_while_long_prompts_are_spread_over_steps():
+    """A 135M-like model on a slow CPU: 8 decodes take ~30 ms, 248 prompt tokens beside them
+    ~280 ms. With a 100 ms target, every step from the one where the model has seen the
+    formula on stays within it, takes as much of the prompt as fits, and the prompts still
+    go through."""
+    formula = Formula(0.02, 0.0005, 0.001, 0.00001)
+    target = 0.1
+    s = scheduler(target)
+    arrivals = dict(STREAMS)
+    arrivals[30] = LONG_PROMPT
+    steps = serve(s, formula, arrivals, 120)
+    mixed = [(p, t) for p, t in steps[30:] if decoding(p) and prompt_tokens(p)]
+    assert len(mixed) >= 2 * 1500 // 80  # ~70 tokens a step: the prompts took many steps
+    for plan, seconds in mixed:
+        assert seconds <= target * (1 + EXACT), (plan, seconds)
+        ends_a_prompt = any(i.start + i.num_tokens == 1500 for i in plan.scheduled)
+        if prompt_tokens(plan) + len(plan.scheduled) < 256 and not ends_a_prompt:
+            # the time, not the tokens or the prompt's end, capped it
+            assert seconds + formula.c_tokens > target * (1 - EXACT)  # one token more: over
+    for request_id in ("p0", "p1"):
+        assert sum(i.num_tokens for p, _ in steps for i in p.scheduled
+                   if i.sequence_id == request_id) >= 1500
+    decode_gaps = [t for p, t in steps[30:] if decoding(p)]
+    assert max(decode_gaps) <= target * (1 + EXACT)
+
+
+def test_without_a_target_the_same_load_stalls_the_decodes():
+    """The test above, the target off: the long prompt's steps take the whole token budget
+    and every decode in them waits ~280 ms (so the test above can fail)."""
+    formula = Formula(0.02, 0.0005, 0.001, 0.00001)
+    arrivals = dict(STREAMS)
+    arrivals[30] = LONG_PROMPT
+    steps = serve(scheduler(0.0), formula, arrivals, 60)
+    assert max(t for p, t in steps[30:] if decoding(p)) > 0.25
+
+
+def test_an_idle_engine_prefills_with_the_whole_token_budget():
+    formula = Formula(0.02, 0.0005, 0.001, 0.00001)
+    s = scheduler(0.1)
+    arrivals = {0: [("warm", [4] * 40, 2)], 10: [("long", [5] * 1000, 2)]}
+    steps = serve(s, formula, arrivals, 30)
+    assert s.step_time.ready
+    chunks = [i.num_tokens for p, _ in steps if p.scheduled
+              for i in p.scheduled if i.sequence_id == "long" and i.num_tokens > 1]
+    assert chunks == [256, 256, 256, 232]
+
+
+def test_decodes_slower_than_the_target_still_admit_prompt_tokens():
+    """A 1B-like model: 8 decodes alone take 0.2 s, over a 0.15 s target. Each step still
+    takes PREFILL_FLOOR_TOKENS of prompt, so new requests are not starved."""
+    formula = Formula(0.1, 0.0005, 0.012, 0.00001)
+    s = scheduler(0.15)
+    arrivals = dict(STREAMS)
+    arrivals[30] = LONG_PROMPT[:1]
+    steps = serve(s, formula, arrivals, 60)
+    chunks = [prompt_tokens(p) for p, _ in steps[31:50] if decoding(p)]
+    assert chunks and set(chunks) == {PREFILL_FLOOR_TOKENS}
+
+
+@pytest.mark.parametrize("change", [
+    Formula(0.06, 0.0015, 0.003, 0.00003),  # a busier machine: everything 3x slower
+    Formula(0.08, 0.0005, 0.004, 0.00004),  # a bigger model: more weights, more per token
+])
+def test_the_budget_follows_a_change_of_the_formula(change):
+    """The formula changes at step 40, while the streams decode and before the prompts come
+    at 60. The first step with a prompt chunk after it is planned with the old cost of a
+    prompt token (only prompt steps tell it apart from a decode row), and the fit that learns
+    from it overshoots for the two steps planned before the next answer (they take the floor).
+    From the fourth on, every step keeps within the target to within 3 percent, what the old
+    steps' last weight (STALE_WEIGHT, 1%) can pull a fit whose old formula is a few times
+    off."""
+    before = Formula(0.02, 0.0005, 0.001, 0.00001)
+    target = 0.3
+    s = scheduler(target)
+
+    def formula(plan):
+        return (change if s.num_steps > 40 else before)(plan)
+
+    arrivals = dict(STREAMS)
+    arrivals[60] = LONG_PROMPT
+    steps = serve(s, formula, arrivals, 140)
+    assert STALE_WEIGHT <= 0.01
+    late = [t for p, t in steps[60:] if decoding(p) and prompt_tokens(p)]
+    assert len(late) >= 10
+    assert max(late[3:]) <= target * 1.03
+    assert min(late[3:-2]) >= target * 0.9  # and the steps are not kept small out of caution
+
+
+def test_multi_step_plans_last_about_the_plan_time():
+    """One stream: a plan takes as many forwards as fit in --decode-plan-ms (50 ms here), by
+    the forward the model predicts: 8 of 6 ms, 3 of 14 ms, 1 of 60 ms."""
+    for forward, steps in ((0.006, 8), (0.014, 3), (0.06, 1)):
+        s = make(k=0, decode_steps=8, decode_plan_seconds=0.05, max_step_seconds=0.1,
+                 num_blocks=128, max_model_len=400)
+        done = serve(s, Formula(forward, 0.0, 0.0, 0.0),
+                     {0: [("a", [4] * 20, 300)], 1: [("b", [5] * 3, 1)]}, 30)
+        assert {i.num_steps for p, _ in done[5:] for i in p.scheduled} == {steps}

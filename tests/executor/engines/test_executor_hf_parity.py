@@ -92,7 +92,7 @@ NEAR_TIE = 0.5
 def test_onnxruntime_fast_mode_departs_from_transformers_only_at_near_ties(hf):
     """int8 activations and a float16 KV cache: each answer's first token is HF float32's
     choice, or one within NEAR_TIE of it in HF's own logits. (Quality over whole texts is
-    the perplexity test's job: tests/test_fast_mode_quality.py.)"""
+    the perplexity test's job: tests/executor/engines/test_fast_mode_quality.py.)"""
     tokenizer, model = hf
     fast = ModelRunner(default_model_path(), model_name="default", num_blocks=64,
                        max_model_len=512, engine="auto")

@@ -23,7 +23,7 @@ from litestar.response import ServerSentEvent
 
 from llmbus.bus.messages import EncodeRequest
 from llmbus.services.api.constraints import output_constraint
-from llmbus.services.api.engine_client import EngineClient
+from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.errors import EXCEPTION_HANDLERS, OpenAIError, bad_request
 from llmbus.services.api.generation import Generation
 from llmbus.services.api.metrics import ApiMetrics
@@ -158,8 +158,8 @@ async def detokenize(request: Request, state: State) -> dict:
 
 def _metrics(state: State, model: str) -> ApiMetrics:
     if state.get("metrics") is None:
-        state.metrics = ApiMetrics(model, state.engine.runtime.instance_id)
-        state.engine.on_migrated = state.metrics.migrations.labels(*state.metrics.labels).inc
+        registry = state.metrics = ApiMetrics(model, state.engine.runtime.instance_id)
+        state.engine.migrations.on_migrated = registry.migrations.labels(*registry.labels).inc
     return state.metrics
 
 
@@ -168,8 +168,8 @@ async def metrics(state: State) -> str:
     """Prometheus text format: every api copy's request metrics, every engine's state."""
     info = await state.engine.model_info()
     registry = _metrics(state, info.model_name)
-    stats, copies = await asyncio.gather(state.engine.engine_stats(),
-                                         state.engine.api_metrics())
+    stats, copies = await asyncio.gather(state.engine.stats.engine_stats(),
+                                         state.engine.stats.api_metrics())
     registry.set_engine_stats(stats)
     return registry.render(copies)
 
@@ -182,12 +182,13 @@ async def pipeline(state: State) -> dict:
         model: str | None = (await engine.model_info()).model_name
     except OpenAIError:  # no engine yet: the page still shows who is there
         model = None
-    stats, snapshots = await asyncio.gather(engine.engine_stats(), engine.api_metrics())
+    stats, snapshots = await asyncio.gather(engine.stats.engine_stats(),
+                                            engine.stats.api_metrics())
     now = time.monotonic()
     rates = {s.engine_id: state.token_rates.observe(s.engine_id, s.num_generated_tokens, now)
              for s in stats}
     return pipeline_view(
-        model=model, replica=engine.runtime.instance_id, copies=engine.live_copies(),
+        model=model, replica=engine.runtime.instance_id, copies=engine.stats.live_copies(),
         stats=stats, rates=rates, recent=[r for c in snapshots for r in c.recent_requests],
         trace_url=state.settings.trace_url)
 
@@ -195,10 +196,11 @@ async def pipeline(state: State) -> dict:
 @get("/health")
 async def health(state: State) -> Response:
     """200 when every stage answers ready; 503 otherwise (a load balancer stops sending)."""
-    stages = await state.engine.stage_health()
+    pipeline_stats = state.engine.stats
+    stages = await pipeline_stats.stage_health()
     ok = all(stages.values()) and not state.get("draining", False)
     return Response({"status": "ok" if ok else "unavailable", "stages": stages,
-                     "copies": state.engine.num_copies()}, status_code=200 if ok else 503)
+                     "copies": pipeline_stats.num_copies()}, status_code=200 if ok else 503)
 
 
 @get("/version")

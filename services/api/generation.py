@@ -31,7 +31,7 @@ from llmbus.bus.messages import (
 )
 from llmbus.services.api import openai_responses as fmt
 from llmbus.services.api.constraints import ToolUse
-from llmbus.services.api.engine_client import EngineClient
+from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.errors import OpenAIError
 from llmbus.services.api.metrics import ApiMetrics
 from llmbus.services.api.reasoning import ReasoningSplitter, split_reasoning

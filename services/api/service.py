@@ -16,7 +16,7 @@ from llmbus.bus import subjects
 from llmbus.bus.messages import ApiMetricsRequest, ApiMetricsSnapshot
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.api.app import ApiSettings, create_app
-from llmbus.services.api.engine_client import EngineClient
+from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.migration import DEFAULT_MIGRATION_LIMIT
 from llmbus.services.api.schemas import Limits
 

@@ -30,8 +30,9 @@ from llmbus.bus.messages import (
 )
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.api.app import ApiSettings, create_app
-from llmbus.services.api.engine_client import PIPELINE_STAGES, EngineClient
+from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.service import answer_metrics
+from llmbus.services.api.stats_bus import PIPELINE_STAGES
 from llmbus.services.launcher import Stack, free_port
 
 pytestmark = pytest.mark.adapter  # a real nats-server, no model

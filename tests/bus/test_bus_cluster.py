@@ -17,7 +17,7 @@ from llmbus.bus.codec import decode, encode
 from llmbus.bus.liveness import DEAD_AFTER
 from llmbus.bus.messages import DeltaBatch, Heartbeat, ModelInfo, ModelInfoRequest, TextDelta
 from llmbus.bus.runtime import ServiceRuntime
-from llmbus.services.api.engine_client import EngineClient
+from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.launcher import Stack
 
 pytestmark = pytest.mark.adapter  # a real nats-server, no model
@@ -130,11 +130,11 @@ async def test_liveness_tolerates_reconnects_of_the_copy_and_of_its_watcher(clus
     watcher = EngineClient(api, request_timeout=60)
     # Shorter than the api's own hang lasts (2-3 s): only ServiceRuntime.bus_time, which does
     # not count the silence the api's own connection causes, keeps the copy counted.
-    watcher.copies["detokenizer"].dead_after = 1.5
+    watcher.stats.copies["detokenizer"].dead_after = 1.5
     await watcher.start()
     try:
         def counted() -> bool:
-            return watcher.num_copies()["detokenizer"] == 1
+            return watcher.stats.num_copies()["detokenizer"] == 1
 
         await _until(counted, "the api sees the copy")
         await _until(lambda: len(api.nc.discovered_servers) >= 2, "servers discovered")

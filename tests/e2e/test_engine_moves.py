@@ -1,5 +1,5 @@
 """An engine dies holding requests that have sent nothing yet: they move to the other engine
-and end with their full answers, not errors (services/api/engine_client.py's watchdog)."""
+and end with their full answers, not errors (services/api/migration_bus.py's watchdog)."""
 
 from __future__ import annotations
 

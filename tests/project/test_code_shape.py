@@ -1,7 +1,7 @@
 """The code's shape, as the design promises it: each stage imports only the bus, its own folder
 and the shared modules at the top of services/ (model files, the GGUF tokenizer, CPU features),
-never another stage; no module imports itself back through others; and a module over 300 lines
-says why on its first line."""
+never another stage; no module imports itself back through others; a module over 300 lines
+says why on its first line; and only `service.py` and `*_bus.py` modules talk to NATS."""
 
 from __future__ import annotations
 
@@ -85,3 +85,46 @@ def test_long_modules_say_why():
             if text.count("\n") > MAX_LINES and not text.startswith(REASON):
                 unexplained.append(str(path.relative_to(ROOT)))
     assert unexplained == []
+
+
+# ServiceRuntime's calls that put something on the bus or take something off it, and nats-py's
+# Client's; made on a receiver named as this code names them (`runtime`, `self.runtime`,
+# `nc`, `self.nc`), so that `asyncio.gather` and a tensor's `.gather` are not counted.
+RUNTIME_CALLS = {"publish", "request", "gather", "on_message", "on_request"}
+BUS_CALLS = RUNTIME_CALLS | {"subscribe", "jetstream"}
+
+
+def _talks_to_nats(tree: ast.Module) -> bool:
+    """Imports nats-py (outside `if TYPE_CHECKING:`), or calls the bus through a runtime or a
+    connection."""
+    type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                 and ast.unparse(node.test).endswith("TYPE_CHECKING")
+                 for stmt in node.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        if id(node) not in type_only and any(n.split(".")[0] == "nats" for n in names):
+            return True
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in BUS_CALLS):
+            receiver = node.func.value
+            name = (receiver.id if isinstance(receiver, ast.Name)
+                    else receiver.attr if isinstance(receiver, ast.Attribute) else "")
+            if name.endswith("runtime") or name == "nc":
+                return True
+    return False
+
+
+def test_only_service_and_bus_modules_talk_to_nats():
+    """Each stage's `service.py`, and the `*_bus.py` modules beside it, are the only modules of
+    services/ that import nats-py or call the bus; the rest is pure (bus/ is the shared
+    runtime itself). The launcher only starts nats-server processes: no import, no call."""
+    from llmbus.bus.runtime import ServiceRuntime
+
+    assert all(hasattr(ServiceRuntime, name) for name in RUNTIME_CALLS)  # else update the set
+    talkers = [path for path in sorted(ROOT.joinpath("services").rglob("*.py"))
+               if _talks_to_nats(ast.parse(path.read_text()))]
+    assert ROOT / "services/api/service.py" in talkers  # what it finds, it can find
+    strays = [str(path.relative_to(ROOT)) for path in talkers
+              if path.name != "service.py" and not path.name.endswith("_bus.py")]
+    assert strays == [], f"talk to NATS but are neither service.py nor *_bus.py: {strays}"

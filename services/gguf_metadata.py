@@ -82,19 +82,43 @@ def read_metadata(path: str | PathLike[str]) -> dict[str, Any]:
         return _read_header(f, path)[0]
 
 
-def read_tensor_infos(path: str | PathLike[str]) -> dict[str, TensorInfo]:
-    """Every tensor's shape and type, from the header alone (the data is not read): what the
-    executor's plan needs to know whether a kernel takes the file before loading it."""
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    info: TensorInfo
+    offset: int  # of its data, in the file
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """What a file holds and where: its metadata, and each tensor's entry in file order."""
+
+    metadata: dict[str, Any]
+    tensors: list[TensorEntry]
+
+
+def read_layout(path: str | PathLike[str]) -> GGUFLayout:
+    """The metadata and every tensor's shape, type and data offset, from the header alone (the
+    data is not read)."""
     with open(path, "rb") as f:
-        _, num_tensors = _read_header(f, path)
-        infos = {}
+        metadata, num_tensors = _read_header(f, path)
+        entries = []
         for _ in range(num_tensors):
             name = _string(f)
             dims = [_read(f, "<Q") for _ in range(_read(f, "<I"))]
             ggml_type = _read(f, "<I")
-            _read(f, "<Q")  # offset of the data
-            infos[name] = TensorInfo(tuple(reversed(dims)), ggml_type)
-        return infos
+            relative = _read(f, "<Q")  # to the data section, which starts aligned
+            entries.append((name, TensorInfo(tuple(reversed(dims)), ggml_type), relative))
+        alignment = int(metadata.get("general.alignment", 32))
+        data_start = -(-f.tell() // alignment) * alignment
+    return GGUFLayout(metadata, [TensorEntry(name, info, data_start + relative)
+                                 for name, info, relative in entries])
+
+
+def read_tensor_infos(path: str | PathLike[str]) -> dict[str, TensorInfo]:
+    """Every tensor's shape and type, from the header alone: what the executor's plan needs to
+    know whether a kernel takes the file before loading it."""
+    return {entry.name: entry.info for entry in read_layout(path).tensors}
 
 
 # The tokenizer's keys, each with the gguf-py GGUFWriter method that writes it.

@@ -14,7 +14,6 @@ plus a scale, and for the 4-bit form a minimum, per 32 weights), for the quantiz
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmbus.services.executor.weights.gguf_file import MappedGGUF
 from llmbus.services.executor.weights.gguf_quants import NativeWeight, native_parsers
 from llmbus.services.executor.weights.matrices import expert_matrix
 from llmbus.services.executor.weights.model_config import (
@@ -59,18 +59,6 @@ def _add_native(tensor: Any, shape: tuple[int, ...], parse: Callable[..., Native
         native[name] = piece if transform is None else transform(name, piece)
 
 
-def _drop_pages(reader: Any, tensor: Any) -> None:
-    """Let the kernel drop the file pages of a tensor already copied out: the mapping would
-    otherwise keep the whole file resident beside the weights made from it."""
-    page = mmap.PAGESIZE
-    start = tensor.data_offset // page * page
-    end = -(-(tensor.data_offset + tensor.n_bytes) // page) * page
-    try:
-        reader.data._mmap.madvise(mmap.MADV_DONTNEED, start, min(end, len(reader.data)) - start)
-    except (AttributeError, OSError, ValueError):  # no madvise here: the pages just stay
-        pass
-
-
 def load_gguf(
     path: str | Path, dtype: torch.dtype = torch.float32, *, keep_native: bool = False,
     dense_for_native: bool = True, transform: Callable[[str, NativeWeight], Any] | None = None,
@@ -88,10 +76,9 @@ def load_gguf(
     import gguf  # heavy import, only where a model is loaded
 
     parsers = native_parsers(gguf, exact=exact)
-    reader = gguf.GGUFReader(str(path))
-    # Reader shapes are ggml order (innermost first); numpy order is reversed.
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
-    config = read_config(reader, shapes)
+    reader = MappedGGUF(path)
+    shapes = {t.name: t.shape for t in reader.tensors}
+    config = read_config(reader.metadata, shapes)
     check_family_tensors(config, shapes)
     weights: dict[str, torch.Tensor] = {}
     native: dict[str, NativeWeight] = {}
@@ -112,7 +99,7 @@ def load_gguf(
             weights[tensor.name] = torch.from_numpy(array).to(dtype)
         if native_form:
             _add_native(tensor, shapes[tensor.name], parse, heads, native, transform)
-        _drop_pages(reader, tensor)
+        reader.drop_pages(tensor)
     if "rope_freqs.weight" in weights:  # a property of the rotary embedding, not a weight
         factors = tuple(float(f) for f in weights.pop("rope_freqs.weight").float().tolist())
         config = replace(config, rope_freq_factors=factors)

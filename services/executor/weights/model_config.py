@@ -6,7 +6,7 @@ GeGLU, windows; experts), which every engine reads from here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -82,30 +82,32 @@ class LlamaConfig:
         return bool(self.window(layer)) and self.local_rope_theta is not None
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
+def _field(metadata: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = metadata.get(key)
+    return default if value is None else value
 
 
-def _required(reader: Any, key: str) -> Any:
-    value = _field(reader, key)
+def _required(metadata: Mapping[str, Any], key: str) -> Any:
+    value = _field(metadata, key)
     if value is None:
         raise UnsupportedModelError(f"GGUF lacks required metadata key {key!r}")
     return value
 
 
-def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> LlamaConfig:
-    """Hyper-parameters from GGUF metadata; `tensor_shapes` are numpy shapes (`[out, in]`)."""
-    arch = _field(reader, "general.architecture")
+def read_config(metadata: Mapping[str, Any],
+                tensor_shapes: dict[str, tuple[int, ...]]) -> LlamaConfig:
+    """Hyper-parameters from GGUF metadata (key -> value, services/gguf_metadata.py's reading);
+    `tensor_shapes` are numpy shapes (`[out, in]`)."""
+    arch = _field(metadata, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"unsupported model architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
 
     def field(key: str, default: Any = None) -> Any:  # the architecture's own keys
-        return _field(reader, f"{arch}.{key}", default)
+        return _field(metadata, f"{arch}.{key}", default)
 
     def required(key: str) -> Any:
-        return _required(reader, f"{arch}.{key}")
+        return _required(metadata, f"{arch}.{key}")
     moe = arch in MOE_ARCHITECTURES
     if isinstance(field("feed_forward_length"), list):
         raise UnsupportedModelError("per-layer feed_forward_length is not supported")
@@ -129,8 +131,8 @@ def read_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> Llama
     linear = float(field("rope.scaling.factor", 1.0)) if scaling == "linear" \
         else 1.0
 
-    eos_ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos_ids = [_field(metadata, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    bos = _field(metadata, "tokenizer.ggml.bos_token_id")
     config = LlamaConfig(
         num_layers=int(required("block_count")),
         hidden_size=hidden,

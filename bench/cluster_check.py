@@ -59,7 +59,7 @@ from llmbus.services.launcher import nats_server_binary
 from llmbus.services.model_files import default_model_path
 from llmbus.services.nats_auth import ClusterRoutes, generate_passwords, server_config
 
-STREAMS, MAX_TOKENS = 16, 200
+STREAMS, MAX_TOKENS = 16, 200  # the default load; --streams, --max-tokens
 TOPICS = ["a lighthouse", "the sea", "a clock", "rain", "a library", "mountains", "a train",
           "bread", "the moon", "a garden", "winter", "a river", "bees", "a bridge", "music",
           "a forest"]
@@ -83,6 +83,7 @@ NOTICED = ("bus connection lost", "gone", "step failed", "request migrated", "st
 @dataclass
 class Stream:
     prompt: int
+    max_tokens: int
     chunks: list[tuple[float, str]] = field(default_factory=list)  # (monotonic time, text)
     error: str = ""
     finish_reason: str | None = None
@@ -200,6 +201,23 @@ class Cluster:
                 await asyncio.sleep(0.3)
         raise TimeoutError(f"the cluster was not ready within {timeout:.0f} s")
 
+    @staticmethod
+    async def _engine_stats(nc: nats.aio.client.Client, engine: str,
+                            timeout: float = 60.0) -> EngineStats:
+        """The engine's stats, asked again while it does not answer: after a partition its
+        server's routes and its own connection come back some seconds after /health counts
+        its heartbeats (which reach the api through another server)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                msg = await nc.request(subjects.engine_stats(engine),
+                                       encode(EngineStatsRequest()), timeout=5)
+                return decode(msg.data, EngineStats)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+
     async def held_blocks(self) -> dict[str, int]:
         """KV blocks each engine's requests hold (0 once every request has ended)."""
         nc = await nats.connect(self.url(3), user="observer", password=self.passwords["observer"],
@@ -207,9 +225,7 @@ class Cluster:
         try:
             held = {}
             for engine in ("e1", "e2"):
-                msg = await nc.request(subjects.engine_stats(engine),
-                                       encode(EngineStatsRequest()), timeout=5)
-                s = decode(msg.data, EngineStats)
+                s = await self._engine_stats(nc, engine)
                 held[engine] = s.num_total_blocks - s.num_free_blocks - s.num_evictable_blocks
             return held
         finally:
@@ -221,7 +237,7 @@ def _tls(work: Path) -> ssl.SSLContext:
 
 
 async def _stream(http: httpx.AsyncClient, base_url: str, stream: Stream) -> None:
-    body = {"model": MODEL_NAME, "stream": True, "max_tokens": MAX_TOKENS, "temperature": 0,
+    body = {"model": MODEL_NAME, "stream": True, "max_tokens": stream.max_tokens, "temperature": 0,
             "ignore_eos": True,
             "messages": [{"role": "user", "content": f"Tell me about {TOPICS[stream.prompt]}."}]}
     try:
@@ -243,9 +259,11 @@ async def _stream(http: httpx.AsyncClient, base_url: str, stream: Stream) -> Non
         stream.ended = time.monotonic()
 
 
-async def run_load(cluster: Cluster, fault: str | None) -> dict:
-    """16 streams; `fault` injected once each has streamed a little; what happened."""
-    streams = [Stream(i) for i in range(STREAMS)]
+async def run_load(cluster: Cluster, fault: str | None, num_streams: int = STREAMS,
+                   max_tokens: int = MAX_TOKENS) -> dict:
+    """`num_streams` streams; `fault` injected once each has streamed a little; what
+    happened."""
+    streams = [Stream(i, max_tokens) for i in range(num_streams)]
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as http:
         tasks = [asyncio.create_task(_stream(http, cluster.base_url, s)) for s in streams]
         fault_at = fault_wall = ended_at = None
@@ -354,19 +372,19 @@ async def main_async(args: argparse.Namespace) -> int:
         cluster.start()
         print(f"hosts and cluster up; stack ready after {await cluster.wait_ready():.1f} s "
               f"(logs in {work})", flush=True)
-        undisturbed = await run_load(cluster, None)
+        undisturbed = await run_load(cluster, None, args.streams, args.max_tokens)
         reference = [s.text for s in undisturbed["streams"]]
         failed = [s.error for s in undisturbed["streams"] if s.error]
         gaps = [b - a for s in undisturbed["streams"]
                 for (a, _), (b, _) in zip(s.chunks, s.chunks[1:], strict=False)]
-        print(f"undisturbed: {STREAMS - len(failed)} of {STREAMS} complete, ITL p99 "
+        print(f"undisturbed: {args.streams - len(failed)} of {args.streams} complete, ITL p99 "
               f"{percentile(gaps, 99) * 1000:.1f} ms ({time.monotonic() - began:.0f} s so far)",
               flush=True)
         if failed:
             print(f"the undisturbed run failed: {failed[:3]}", file=sys.stderr)
             return 1
         for fault in faults:
-            load = await run_load(cluster, fault)
+            load = await run_load(cluster, fault, args.streams, args.max_tokens)
             result = summarize(cluster, fault, load, reference)
             result["served_after_fault_ended_s"] = load["served_after_fault_ended_s"]
             await cluster.wait_ready()
@@ -381,7 +399,7 @@ async def main_async(args: argparse.Namespace) -> int:
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    bad = [r for r in results if r["errors"] or r["equal_to_undisturbed"] != STREAMS
+    bad = [r for r in results if r["errors"] or r["equal_to_undisturbed"] != args.streams
            or any(r["kv_blocks_held_after"].values())]
     return 1 if bad else 0
 
@@ -404,6 +422,11 @@ def main() -> None:
     parser.add_argument("--faults", default="all",
                         help=f"comma-separated, of {', '.join(FAULTS)} (default: all)")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--streams", type=int, default=STREAMS,
+                        help=f"concurrent greedy streams per run (default {STREAMS}, at most "
+                             f"{len(TOPICS)}: one topic each)")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                        help=f"tokens per stream (default {MAX_TOKENS})")
     parser.add_argument("--fast", action="store_true",
                         help="engines in the default fast mode, not exact: a resumed request's "
                              "tokens are then computed again with other kernels (a prompt's), "

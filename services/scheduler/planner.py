@@ -106,7 +106,7 @@ class StepPlanner:
             prompt = _in_prompt(request)
             num_new = self._tokens_in_time(request, budget, step, prompt)
             drafts = self._drafts(request, budget) if num_new else None
-            if drafts is None:
+            if drafts is None:  # nothing to compute, or it waits to speculate from its token
                 continue
             if prompt:
                 step.take(request.num_computed_tokens, num_new)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
-from llmbus.bus.messages import SamplingParams
+from llmbus.bus.messages import ResumedCompletion, SamplingParams
 from llmbus.services.scheduler.config import SchedulerConfig
 
 
@@ -62,3 +64,22 @@ def params_for(params: SamplingParams, index: int) -> SamplingParams:
     if index == 0 or params.seed is None:
         return params
     return msgspec.structs.replace(params, seed=params.seed + index)
+
+
+def sequences(request_id: str, attempt: int, n: int, num_prompt_tokens: int,
+              resumed: Sequence[ResumedCompletion]) -> list[tuple[str, int, int, list[int]]]:
+    """The sequences an admitted request starts as: (sequence id, completion index, forks,
+    output so far). n = 1: one. n > 1: a parent that prefills the prompt and forks into the n
+    completions (`<id>#prompt`, then `<id>#<index>`), or n independent ones when the prompt is
+    one token (nothing to share). A migrated request's resumed completions continue from the
+    tokens they streamed. The sequences of each attempt are distinct (`<request id>~<attempt>`):
+    a step of the old attempt still in flight can never feed the new one."""
+    base = request_id if attempt == 0 else f"{request_id}~{attempt}"
+    if resumed:
+        return [(base if n == 1 else f"{base}#{c.index}", c.index, 1, list(c.output_token_ids))
+                for c in resumed]
+    if n == 1:
+        return [(base, 0, 1, [])]
+    if num_prompt_tokens == 1:
+        return [(f"{base}#{i}", i, 1, []) for i in range(n)]
+    return [(f"{base}#prompt", 0, n, [])]

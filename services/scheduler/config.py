@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from llmbus.bus.messages import ExecutorInfo
-from llmbus.services.scheduler.disaggregation import MODES, DisaggregationRule
+from llmbus.services.scheduler.disaggregation.rule import MODES, DisaggregationRule
 
 ROLES = ("mixed", "prefill", "decode")
 
@@ -50,7 +50,7 @@ class SchedulerConfig:
     queue_timeout_seconds: float = 300.0  # waiting for a first step; then an error
     shutdown_timeout_seconds: float = 30.0  # on SIGTERM, to finish what is held
     step_timeout_seconds: float = 60.0  # for the executor's answer to one step
-    # Disaggregated serving (disaggregation.py): this engine's role, and, for a decode engine,
+    # Disaggregated serving (disaggregation/): this engine's role, and, for a decode engine,
     # the rule that sends a prompt's prefill to a prefill engine (None: every prompt here),
     # and how long a remote prefill may take before this engine does it itself.
     role: str = "mixed"
@@ -126,6 +126,17 @@ def _rule_from_args(args: argparse.Namespace) -> DisaggregationRule | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`llmbus serve scheduler`'s options; their defaults are SchedulerConfig's."""
+    _step_options(parser)
+    _queue_options(parser)
+    _decoding_options(parser)
+    _disaggregation_options(parser)
+    c = SchedulerConfig
+    parser.add_argument("--step-timeout", type=float, default=c.step_timeout_seconds,
+                        help="seconds to wait for the executor's answer to one step before "
+                             f"failing its requests (default: {c.step_timeout_seconds:g})")
+
+
+def _step_options(parser: argparse.ArgumentParser) -> None:
     c = SchedulerConfig
     parser.add_argument("--engine-id", default=c.engine_id,
                         help="name of the engine (scheduler + executor pair) "
@@ -151,6 +162,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-depth", type=int, default=c.pipeline_depth, choices=(1, 2),
                         help="steps in flight at once: 2 plans step N+1 while the executor "
                              f"runs step N (default: {c.pipeline_depth})")
+
+
+def _queue_options(parser: argparse.ArgumentParser) -> None:
+    c = SchedulerConfig
     parser.add_argument("--max-queued-requests", type=int, default=c.max_queued_requests,
                         help="requests waiting for their first step beyond which new ones are "
                              f"refused with 503 (default: {c.max_queued_requests})")
@@ -163,6 +178,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=c.shutdown_timeout_seconds,
                         help="on SIGTERM, seconds to finish the requests held before failing "
                              f"them (default: {c.shutdown_timeout_seconds:g})")
+
+
+def _decoding_options(parser: argparse.ArgumentParser) -> None:
+    """Speculative and multi-step decoding."""
+    c = SchedulerConfig
     parser.add_argument("--num-speculative-tokens", type=int,
                         default=c.num_speculative_tokens,
                         help="speculative decoding: verify up to this many draft tokens per "
@@ -188,7 +208,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "forwards are slow, so that text still arrives this often and a "
                              "new request waits at most about this long "
                              f"(default: {c.decode_plan_seconds * 1000:g})")
-    rule = DisaggregationRule()
+
+
+def _disaggregation_options(parser: argparse.ArgumentParser) -> None:
+    c, rule = SchedulerConfig, DisaggregationRule()
     parser.add_argument("--role", choices=ROLES, default=c.role,
                         help="disaggregated serving: a prefill engine only prefills prompts "
                              "for decode engines (the router sends it no requests); a decode "
@@ -216,6 +239,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a remote prefill may take before this engine prefills "
                              "the prompt itself (a dead prefill engine is noticed sooner, by "
                              f"its heartbeats) (default: {c.remote_prefill_timeout_seconds:g})")
-    parser.add_argument("--step-timeout", type=float, default=c.step_timeout_seconds,
-                        help="seconds to wait for the executor's answer to one step before "
-                             f"failing its requests (default: {c.step_timeout_seconds:g})")

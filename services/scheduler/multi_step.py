@@ -39,7 +39,7 @@ def multi_step_decode(config: SchedulerConfig, num_running: int, num_waiting: in
 def decode_steps(request: Request, config: SchedulerConfig, budget: int, most: int) -> int:
     """Steps for a request about to decode its next token (all but its last token computed),
     at most `most`, within max_tokens and the step's token budget; 1 for anything else."""
-    if (request.is_parent or request.draft_token_ids
+    if (request.is_parent or request.spec.draft_token_ids
             or request.num_computed_tokens != request.num_tokens - 1):
         return 1
     room = request.max_tokens - len(request.output_token_ids) - request.num_pending_tokens

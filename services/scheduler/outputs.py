@@ -29,14 +29,15 @@ def token_update(request: Request, step_id: int, error: str = "",
     carries its start (the constants a detokenizer copy needs; the routing sends it again when
     the completion moves to another copy) and the request's queue time. A resumed request's
     start replays the tokens it streamed before it moved here."""
-    first = not request.start_sent
-    num_before = request.num_sent_tokens
+    sent = request.sent
+    first = not sent.start
+    num_before = sent.num_tokens
     new_token_ids = request.output_token_ids[num_before:]
     new_logprobs = request.output_logprobs[num_before:]
-    request.num_sent_tokens = len(request.output_token_ids)
-    request.start_sent = True
-    queued = ((request.first_scheduled_time or request.arrival_time) - request.arrival_time
-              if first else 0.0)
+    sent.num_tokens = len(request.output_token_ids)
+    sent.start = True
+    queued = ((request.trace.first_scheduled_time or request.arrival_time)
+              - request.arrival_time if first else 0.0)
     return RequestTokens(
         request_id=request.request_id, index=request.index if index is None else index,
         new_token_ids=new_token_ids, finish_reason=request.finish_reason, error=error,
@@ -51,7 +52,7 @@ def completion_start(request: Request, replay_token_ids: list[int]) -> Completio
         reply_subject=request.reply_subject, num_prompt_tokens=request.num_prompt_tokens,
         stop=request.params.stop,
         include_stop_str_in_output=request.params.include_stop_str_in_output,
-        traceparent=request.traceparent, replay_token_ids=replay_token_ids)
+        traceparent=request.trace.traceparent, replay_token_ids=replay_token_ids)
 
 
 def end_updates(request: Request, step_id: int, error: str = "",
@@ -60,8 +61,8 @@ def end_updates(request: Request, step_id: int, error: str = "",
     the error is the pipeline's, and the request's owner may resume it on another engine."""
     if not request.is_parent:
         return [token_update(request, step_id, error, resumable=resumable)]
-    updates, started = [], request.start_sent
+    updates, started = [], request.sent.start
     for i in range(request.num_forks):  # none of the n has had its start: each gets it
-        request.start_sent = started
+        request.sent.start = started
         updates.append(token_update(request, step_id, error, index=i, resumable=resumable))
     return updates

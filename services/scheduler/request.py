@@ -1,4 +1,12 @@
-"""The scheduler's view of one request (or one of the n completions of a request)."""
+"""The scheduler's view of one request (or one of the n completions of a request).
+
+`Request` holds what every request has: who it is, its prompt and output, its KV blocks and
+how far they are computed. What a feature adds to a request rides in a small struct of that
+feature: `spec` (speculation.py), `remote` (disaggregation/), `trace` (spans.py) and `sent`
+(what the executor and the detokenizer were told already). The structs are declared here, not
+in their features' modules, because those modules read the whole request (and a module that
+imports this one cannot be imported by it: tests/test_code_shape.py).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +20,59 @@ from llmbus.services.scheduler.ngram_proposer import NgramIndex
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    REMOTE = "remote"  # holds its blocks while another engine prefills it (remote_prefills.py)
+    REMOTE = "remote"  # holds its blocks while another engine prefills it (disaggregation/)
     FINISHED = "finished"
+
+
+@dataclass
+class Speculation:
+    """Speculative decoding (speculation.py): the drafts of the step in flight (none other is
+    planned meanwhile), the totals, and a back-off after steps that accepted nothing."""
+
+    draft_token_ids: list[int] = field(default_factory=list)
+    ngram_index: NgramIndex | None = None  # built at its first lookup
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_misses: int = 0  # steps in a row that accepted no draft
+    resume_at: int = 0  # no drafts before this many output tokens
+
+
+@dataclass
+class RemotePrefillState:
+    """Disaggregated prefill (disaggregation/): on a decode engine, the try under way and
+    whether to prefill here from now on (a try failed, or the rule kept it here); on a prefill
+    engine, where its KV goes."""
+
+    transfer_id: str = ""  # the try under way (disaggregation/tries.py), "" if none
+    local_only: bool = False
+    kv_destination: KvDestination | None = None
+    # Each try, for traces: (prefill engine, started, ended, KV bytes; 0 if given up)
+    tries: list[tuple[str, float, float, int]] = field(default_factory=list)
+
+
+@dataclass
+class Trace:
+    """What the request's trace records (spans.py) and the metrics read: its trace context and
+    the times the scheduler stamps, on whatever clock the caller passes (no clock here)."""
+
+    traceparent: str = ""
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens)
+    num_preemptions: int = 0
+
+
+@dataclass
+class Sent:
+    """What went out already, so that each message carries only what is new: the executor
+    gets a request's data once and then only its new blocks; the detokenizer only new
+    tokens, and the completion's start once."""
+
+    to_executor: bool = False  # its NewRequestData went out
+    num_blocks: int = 0  # leading blocks of block_table the executor already has
+    num_tokens: int = 0  # output tokens already sent to the detokenizer
+    start: bool = False  # its first update (with the CompletionStart) went out
 
 
 @dataclass(eq=False)
@@ -25,10 +84,11 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # resolved: never beyond the context window or the cache
-    arrival_time: float = 0.0
-    # n > 1: this request only prefills the prompt up to `fork_at` tokens, then forks into
-    # n completions that share those blocks.
+    arrival_time: float = 0.0  # orders the running batch and times the queue
+    # n > 1: this request only prefills the prompt but its last token, then forks into n
+    # completions that share those blocks.
     num_forks: int = 1
+    attempt: int = 0  # a migrated request's attempt (bus/messages/to_scheduler.py)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when asked for
     # Sampled in a step whose result has not arrived yet (the scheduler plans ahead).
@@ -39,33 +99,10 @@ class Request:
     num_cached_blocks: int = 0  # leading blocks of block_table inserted in the prefix tree
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason = FinishReason.NONE
-    known_to_executor: bool = False
-    num_blocks_sent: int = 0  # leading blocks of block_table the executor already has
-    num_sent_tokens: int = 0  # output tokens already sent to the detokenizer
-    start_sent: bool = False  # its first update (with the CompletionStart) went out
-    attempt: int = 0  # a migrated request's attempt (bus/messages/to_scheduler.py)
-    num_preemptions: int = 0
-    # Disaggregated prefill: on a decode engine, the try under way (remote_prefills.py) and
-    # whether to prefill here from now on (a try failed); on a prefill engine, where its KV goes.
-    transfer_id: str = ""
-    local_only: bool = False
-    kv_destination: KvDestination | None = None
-    # ... each try, for traces: (prefill engine, started, ended, KV bytes; 0 if given up)
-    remote_prefills: list[tuple[str, float, float, int]] = field(default_factory=list)
-    # For traces and metrics; times are whatever clock the caller passes (no clock here).
-    traceparent: str = ""
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens)
-    # Speculative decoding: drafts of the step in flight (none other is planned meanwhile),
-    # the totals, and a back-off after steps that accepted nothing.
-    draft_token_ids: list[int] = field(default_factory=list)
-    ngram_index: NgramIndex | None = None
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_spec_misses: int = 0
-    spec_resume_at: int = 0  # no drafts before this many output tokens
+    spec: Speculation = field(default_factory=Speculation)
+    remote: RemotePrefillState = field(default_factory=RemotePrefillState)
+    trace: Trace = field(default_factory=Trace)
+    sent: Sent = field(default_factory=Sent)
 
     @property
     def num_known_tokens(self) -> int:

@@ -75,6 +75,18 @@ class RequestTable:
                 del self._withdrawn[next(iter(self._withdrawn))]
         return family
 
+    def refusal(self, request_id: str, attempt: int = 0) -> str:
+        """Why this attempt of the request, arriving now, cannot be admitted ("" if it can):
+        this attempt or a later one is held, or it was withdrawn before it came."""
+        held = self.family(request_id)
+        if held and held[0].attempt >= attempt:
+            return (f"duplicate request id {request_id}" if held[0].attempt == attempt
+                    else f"request {request_id}: attempt {attempt} is stale (attempt "
+                         f"{held[0].attempt} runs here)")
+        if self.take_withdrawn(request_id, attempt):
+            return f"request {request_id} was withdrawn (admitted elsewhere)"
+        return ""
+
     def take_withdrawn(self, request_id: str, attempt: int = 0) -> bool:
         """Whether this attempt of the request, arriving now, was withdrawn before (and
         forget that). A later attempt is not: it is the request moving on."""

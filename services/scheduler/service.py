@@ -1,12 +1,11 @@
-# Over 300 lines: a handler for each of the engine's subjects (submits, aborts, withdrawals,
-# completions a detokenizer cannot decode, model info, stats, three kinds of heartbeats).
-"""The scheduler's bus adapter: the only file of this stage that touches NATS.
+"""The scheduler's bus adapter: its entry point, and the handlers of the engine's subjects.
 
 One engine = one scheduler + its executor. The engine loop (engine_loop.py) plans a step,
 sends it to the executor (request/reply here), applies the result and publishes the step's
-tokens (here: one message per detokenizer copy). The adapter also watches the copies it depends
-on: when its executor falls silent, every request it held ends with an explicit error; when an
-api copy falls silent, that copy's requests are aborted (no client is left to read them).
+tokens (here: one message per detokenizer copy). Beside this file, the stage's other modules
+that touch NATS are named `*_bus.py`: peers_bus.py watches the copies the engine depends on
+(its executor, detokenizer and api copies), grammar_bus.py has a constrained request's grammar
+compiled before it is admitted, disaggregation/remote_prefill_bus.py carries remote prefills.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import structlog
 from nats.aio.msg import Msg
 
 from llmbus.bus import subjects
-from llmbus.bus.liveness import Liveness
 from llmbus.bus.messages import (
     AbortRequest,
     Admission,
@@ -38,19 +36,20 @@ from llmbus.bus.messages import (
     StepResult,
     SubmitRequest,
     TokenBatch,
-    UnknownCompletion,
 )
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.bus.tracing import current_traceparent
 from llmbus.services.scheduler.admission import AdmissionError
 from llmbus.services.scheduler.config import SchedulerConfig, config_from_args
 from llmbus.services.scheduler.config import add_arguments as config_options
-from llmbus.services.scheduler.constraint_admission import compile_constraint
 from llmbus.services.scheduler.detokenizer_routing import DetokenizerRouting
+from llmbus.services.scheduler.disaggregation.remote_prefill_bus import DecodeSide, PrefillSide
 from llmbus.services.scheduler.engine_loop import EngineLoop
-from llmbus.services.scheduler.remote_prefill_service import DecodeSide, PrefillSide
+from llmbus.services.scheduler.grammar_bus import GrammarAdmission
+from llmbus.services.scheduler.peers_bus import Peers
 from llmbus.services.scheduler.scheduler import Scheduler
 from llmbus.services.scheduler.spans import record_request_spans
+from llmbus.services.scheduler.stats import engine_stats, heartbeat
 
 log = structlog.get_logger()
 # Submits handled at once: a plain one answers at once, a constrained one waits for its grammar
@@ -73,14 +72,11 @@ class SchedulerService:
         self.loop: EngineLoop | None = None
         self.info: ExecutorInfo | None = None
         self.detokenizers = DetokenizerRouting()
-        self.apis = Liveness()
-        self.executor = Liveness()
+        self.peers = Peers(runtime, self.engine_id, self.detokenizers)
+        self.grammars = GrammarAdmission(runtime, self.engine_id)
         self.draining = False  # SIGTERM: finish what is held, take nothing new
-        self._executor_reconnects: dict[str, int] = {}  # by executor instance
         self._next_expiry_check = 0.0
-        # (request id, attempt) -> aborted meanwhile
-        self._compiling_ids: dict[tuple[str, int], bool] = {}
-        # Disaggregated serving (remote_prefill_service.py): one side, by --role
+        # Disaggregated serving (disaggregation/remote_prefill_bus.py): one side, by --role
         self.decode_side: DecodeSide | None = None
         self.prefill_side: PrefillSide | None = None
 
@@ -97,9 +93,10 @@ class SchedulerService:
             return result
 
         self.loop = EngineLoop(self.scheduler, execute=execute, publish=self._publish,
-                               expired=self._expired, executor_silent=self.executor_silent,
+                               expired=self._expired,
+                               executor_silent=self.peers.executor_silent,
                                depth=self.config.pipeline_depth, name=f"engine {self.engine_id}")
-        self.runtime.on_reconnect(self.on_reconnect)
+        await self.peers.start(self.scheduler, self.loop)
         runtime, group = self.runtime, subjects.queue_group("scheduler")
         if self.config.role == "prefill":  # the router sends it nothing; decode engines do
             self.prefill_side = PrefillSide(runtime, self.scheduler, self.engine_id,
@@ -116,40 +113,26 @@ class SchedulerService:
                 raise SystemExit(f"llmbus scheduler: engine {self.engine_id}'s executor "
                                  "does not describe its KV layout; it cannot decode for "
                                  "prefill engines")
-            self.decode_side = DecodeSide(runtime, self.scheduler, self.engine_id,
+            self.decode_side = DecodeSide(runtime, self.scheduler.remote, self.engine_id,
                                           self.info.layout, self.loop.wakeup,
                                           self.config.remote_prefill_timeout_seconds)
             await self.decode_side.start()
         await runtime.on_message(subjects.SCHEDULER_ABORT, AbortRequest, self.on_abort)
         await runtime.on_message(subjects.engine_withdraw(self.engine_id), AbortRequest,
                                  self.on_withdraw)
-        await runtime.on_message(subjects.engine_unknown_completion(self.engine_id),
-                                 UnknownCompletion, self.on_unknown_completion)
         await runtime.on_request(subjects.ENGINE_MODEL, ModelInfoRequest, self.on_model_info,
                                  queue=group)
         await runtime.on_request(subjects.engine_stats(self.engine_id), EngineStatsRequest,
                                  self.on_stats)
         await runtime.on_request(subjects.ENGINE_STATS, EngineStatsRequest, self.on_stats)
-        await runtime.on_message(subjects.heartbeat("detokenizer"), Heartbeat,
-                                 self.on_detokenizer_heartbeat)
-        await runtime.on_message(subjects.heartbeat("api"), Heartbeat, self.on_api_heartbeat)
-        await runtime.on_message(subjects.heartbeat("executor"), Heartbeat,
-                                 self.on_executor_heartbeat)
         await runtime.publish(subjects.ENGINE_CACHE_EVENTS, CacheEvent(
             engine_id=self.engine_id, cleared=True, instance_id=runtime.instance_id))
         log.info("executor found", engine_id=self.engine_id, num_blocks=self.info.num_blocks,
                  block_size=self.info.block_size, max_model_len=self.info.max_model_len)
 
     def heartbeat(self) -> Heartbeat:
-        s = self.scheduler
-        assert s is not None and self.info is not None
-        return Heartbeat(
-            service="scheduler", instance_id=self.runtime.instance_id, engine_id=self.engine_id,
-            num_running=len(s.running), num_waiting=len(s.waiting) + len(s.remote),
-            num_free_blocks=s.kv.num_free, num_total_blocks=s.kv.num_usable,
-            block_size=self.info.block_size, num_handled=s.counters.num_finished,
-            role=self.config.role, num_queued_tokens=s.num_uncomputed_tokens,
-            num_evictable_blocks=s.kv.num_evictable())
+        assert self.scheduler is not None
+        return heartbeat(self.scheduler, self.runtime.instance_id)
 
     async def _wait_for_executor(self) -> ExecutorInfo:
         """The executor may still be loading weights: ask until it answers."""
@@ -165,25 +148,16 @@ class SchedulerService:
     async def on_submit(self, submit: SubmitRequest, _: Msg) -> Admission:
         """Admit a request, or say why not. Submits are handled concurrently: a plain one has
         no await before add_request (so plain ones queue in arrival order); a constrained one
-        awaits its compile, and an abort that comes meanwhile is kept in _compiling_ids."""
+        awaits its compile (grammar_bus.py), which an abort meanwhile refuses."""
         scheduler = self.scheduler
         assert scheduler is not None
         refused = self._refusal(len(submit.prompt_token_ids))
         if refused:
             return Admission(error_code=ErrorCode.OVERLOADED, error_message=refused)
         if submit.params.structured is not None:
-            compiling = (submit.request_id, submit.attempt)
-            self._compiling_ids[compiling] = False
-            try:
-                refused = await compile_constraint(self.runtime, self.engine_id,
-                                                   submit.params.structured)
-            finally:
-                aborted = self._compiling_ids.pop(compiling)
+            refused = await self.grammars.compile(submit)
             if refused is not None:
                 return refused
-            if aborted:  # its client went away while it compiled: not to be tried elsewhere
-                return Admission(error_code=ErrorCode.INVALID_REQUEST,
-                                 error_message="aborted while its constraint compiled")
             if self.draining:  # began shutting down meanwhile: another engine may take it
                 return Admission(error_code=ErrorCode.OVERLOADED,
                                  error_message="this engine is shutting down; retry shortly")
@@ -209,7 +183,7 @@ class SchedulerService:
         assert scheduler is not None
         if self.draining:
             return "this engine is shutting down; retry shortly"
-        if self.executor_silent():
+        if self.peers.executor_silent():
             return f"engine {self.engine_id}'s executor is not responding"
         if (len(scheduler.waiting) >= self.config.max_queued_requests
                 or scheduler.num_queued_tokens + num_prompt_tokens
@@ -219,11 +193,8 @@ class SchedulerService:
 
     async def on_abort(self, abort: AbortRequest, _: Msg) -> None:
         assert self.scheduler is not None
-        if abort.index is None:  # refused once it has compiled (a migration's: older ones)
-            for request_id, attempt in self._compiling_ids:
-                if request_id == abort.request_id and (abort.up_to_attempt is None
-                                                       or attempt <= abort.up_to_attempt):
-                    self._compiling_ids[request_id, attempt] = True
+        if abort.index is None:  # one compiling is refused once it has compiled
+            self.grammars.abort(abort.request_id, abort.up_to_attempt)
         if self.scheduler.abort_request(abort.request_id, abort.index,
                                         up_to_attempt=abort.up_to_attempt):
             log.info("aborted", request_id=abort.request_id, index=abort.index)
@@ -234,94 +205,22 @@ class SchedulerService:
         self.scheduler.withdraw(withdrawal.request_id, withdrawal.up_to_attempt or 0)
         log.info("withdrawn: admitted elsewhere", request_id=withdrawal.request_id)
 
-    async def on_unknown_completion(self, report: UnknownCompletion, _: Msg) -> None:
-        """A detokenizer copy cannot decode a completion (it never got its start): end it with
-        an error, which goes to that copy with the start, so its client is told."""
-        assert self.scheduler is not None
-        key = (report.request_id, report.index)
-        error = (f"detokenizer {report.instance_id} never got this completion's start (a "
-                 "message was lost), so it cannot decode its text")
-        log.warning("detokenizer lost a completion", request_id=report.request_id,
-                    index=report.index, instance=report.instance_id)
-        if self.detokenizers.lost(key, report.instance_id):
-            if self.scheduler.abort_request(report.request_id, report.index, error=error,
-                                            resumable=True):
-                self.loop.wakeup.set()
-            return
-        ended = self.detokenizers.ended_error(key, report.instance_id, error)
-        if ended is not None:  # it ended meanwhile: tell its client there and then
-            subject, update = ended
-            await self.runtime.publish(subject, TokenBatch(engine_id=self.engine_id,
-                                                           items=[update]))
-
-    async def on_detokenizer_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
-        self.detokenizers.liveness.seen(heartbeat, time.monotonic())
-        for dead in self.detokenizers.liveness.reap(self.runtime.bus_time()):
-            log.warning("detokenizer gone; its requests move", instance=dead.instance_id)
-
-    async def on_api_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
-        self.apis.seen(heartbeat, time.monotonic())
-        for dead in self.apis.reap(self.runtime.bus_time()):
-            assert self.scheduler is not None
-            num = self.scheduler.abort_for_reply_subject(subjects.api_deltas(dead.instance_id))
-            log.warning("api copy gone; its requests aborted", instance=dead.instance_id,
-                        num_requests=num)
-            self.loop.wakeup.set()
-
-    async def on_executor_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
-        if heartbeat.engine_id != self.engine_id:
-            return
-        self.executor.seen(heartbeat, time.monotonic())
-        before = self._executor_reconnects.get(heartbeat.instance_id, heartbeat.num_reconnects)
-        self._executor_reconnects[heartbeat.instance_id] = heartbeat.num_reconnects
-        if heartbeat.num_reconnects > before and self.loop is not None:
-            log.warning("executor reconnected: its step results may be lost")
-            self.loop.interrupt(f"engine {self.engine_id}'s executor lost its bus connection")
-
-    async def on_reconnect(self) -> None:
-        """Back on the bus: step results and token batches of the gap may be lost, so every
-        request held ends with a resumable error (the api resumes them, here or elsewhere);
-        the copies watched were silent only to us."""
-        now = time.monotonic()
-        for liveness in (self.apis, self.executor, self.detokenizers.liveness):
-            liveness.pardon(now)
-        assert self.loop is not None
-        self.loop.interrupt(f"engine {self.engine_id} lost its bus connection")
-
-    def executor_silent(self) -> bool:
-        """Heard from our executor before, but not lately (it died mid-step)."""
-        return bool(self.executor.last_seen) and not self.executor.alive(self.runtime.bus_time())
-
     async def on_model_info(self, _: ModelInfoRequest, __: Msg) -> ModelInfo:
         assert self.info is not None
         return ModelInfo(model_name=self.info.model_name, max_model_len=self.info.max_model_len,
                          engine_id=self.engine_id)
 
     async def on_stats(self, _: EngineStatsRequest, __: Msg) -> EngineStats:
-        s = self.scheduler
-        assert s is not None
-        return EngineStats(
-            engine_id=self.engine_id, num_steps=s.num_steps, num_running=len(s.running),
-            num_waiting=len(s.waiting), num_free_blocks=s.kv.num_free,
-            num_total_blocks=s.kv.num_usable, max_batch_size=s.counters.max_batch_size,
-            num_preemptions=s.counters.num_preemptions, num_finished=s.counters.num_finished,
-            num_cached_blocks=s.kv.num_cached,
-            num_prefix_query_tokens=s.counters.num_prefix_query_tokens,
-            num_prefix_hit_tokens=s.counters.num_prefix_hit_tokens,
-            executor_busy_seconds=self.loop.busy_seconds,
-            executor_idle_seconds=self.loop.idle_seconds,
-            num_evictable_blocks=s.kv.num_evictable(),
-            num_draft_tokens=s.counters.num_draft_tokens,
-            num_accepted_tokens=s.counters.num_accepted_tokens,
-            num_remote_prefills=s.counters.num_remote_prefills,
-            num_remote_fallbacks=s.counters.num_remote_fallbacks,
-            kv_bytes_received=self.decode_side.kv_bytes if self.decode_side else 0,
-            kv_transfer_seconds=self.decode_side.kv_seconds if self.decode_side else 0.0,
-            handoff_seconds=self.decode_side.handoff_seconds if self.decode_side else 0.0,
-            num_prefilled_for_others=self.prefill_side.num_done if self.prefill_side else 0,
-            num_prefill_engines=len(s.prefill_engines),
-            kv_wait_seconds=self.decode_side.kv_wait_seconds if self.decode_side else 0.0,
-            num_generated_tokens=s.counters.num_generated_tokens)
+        assert self.scheduler is not None and self.loop is not None
+        stats = engine_stats(self.scheduler, self.loop.busy_seconds, self.loop.idle_seconds)
+        if self.decode_side is not None:
+            decode = self.decode_side
+            stats.kv_bytes_received, stats.kv_transfer_seconds = decode.kv_bytes, decode.kv_seconds
+            stats.handoff_seconds = decode.handoff_seconds
+            stats.kv_wait_seconds = decode.kv_wait_seconds
+        if self.prefill_side is not None:
+            stats.num_prefilled_for_others = self.prefill_side.num_done
+        return stats
 
     def _expired(self, now: float) -> list[RequestTokens]:
         """Requests queued past --queue-timeout; the queue is walked at most once a second,

@@ -28,26 +28,27 @@ def _ns(seconds: float) -> int:
 
 
 def record_request_spans(request: Request, now: float) -> None:
-    if not request.traceparent:
+    stamps = request.trace
+    if not stamps.traceparent:
         return
-    parent = context_from_traceparent(request.traceparent)
+    parent = context_from_traceparent(stamps.traceparent)
     attributes: dict[str, AttributeValue] = {
         "llmbus.request_id": request.request_id, "llmbus.choice_index": request.index,
-        "llmbus.num_preemptions": request.num_preemptions}
-    end = request.finish_time or now
-    scheduled = request.first_scheduled_time
+        "llmbus.num_preemptions": stamps.num_preemptions}
+    end = stamps.finish_time or now
+    scheduled = stamps.first_scheduled_time
     queue_end = scheduled if scheduled is not None else end
     _tracer.start_span("engine.queue", context=parent, start_time=_ns(request.arrival_time),
                        attributes=attributes).end(end_time=_ns(max(queue_end,
                                                                    request.arrival_time)))
     if scheduled is None:
         return
-    first_token = request.first_token_time or end
+    first_token = stamps.first_token_time or end
     prefill = _tracer.start_span("engine.prefill", context=parent, start_time=_ns(scheduled),
                                  attributes={**attributes,
                                              "gen_ai.usage.input_tokens":
                                              request.num_prompt_tokens})
-    chunks = request.prefill_chunks
+    chunks = stamps.prefill_chunks
     prefill_context = trace.set_span_in_context(prefill)
     for i, (started, num_tokens) in enumerate(chunks):
         ended = chunks[i + 1][0] if i + 1 < len(chunks) else first_token
@@ -55,7 +56,7 @@ def record_request_spans(request: Request, now: float) -> None:
                            start_time=_ns(started),
                            attributes={"llmbus.num_tokens": num_tokens}).end(
             end_time=_ns(max(ended, started)))
-    for engine_id, started, ended, num_bytes in request.remote_prefills:
+    for engine_id, started, ended, num_bytes in request.remote.tries:
         _tracer.start_span("engine.remote_prefill", context=prefill_context,
                            start_time=_ns(started), attributes={
                                "llmbus.prefill_engine": engine_id,
@@ -63,11 +64,11 @@ def record_request_spans(request: Request, now: float) -> None:
                                "llmbus.given_up": not num_bytes}).end(
             end_time=_ns(max(ended, started)))
     prefill.end(end_time=_ns(max(first_token, scheduled)))
-    if request.first_token_time is not None:
+    if stamps.first_token_time is not None:
         decode = _tracer.start_span(
             "engine.decode", context=parent, start_time=_ns(first_token), attributes={
                 **attributes, "gen_ai.usage.output_tokens": len(request.output_token_ids),
                 "gen_ai.response.finish_reasons": [request.finish_reason.name.lower()],
-                "llmbus.spec.num_draft_tokens": request.num_draft_tokens,
-                "llmbus.spec.num_accepted_tokens": request.num_accepted_tokens})
+                "llmbus.spec.num_draft_tokens": request.spec.num_draft_tokens,
+                "llmbus.spec.num_accepted_tokens": request.spec.num_accepted_tokens})
         decode.end(end_time=_ns(max(end, first_token)))

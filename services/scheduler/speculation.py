@@ -31,17 +31,17 @@ def may_speculate(request: Request, config: SchedulerConfig) -> bool:
     matcher in the executor only moves forward (services/executor/constraints.py)."""
     return (config.num_speculative_tokens > 0 and not request.is_parent
             and request.params.structured is None
-            and len(request.output_token_ids) >= request.spec_resume_at)
+            and len(request.output_token_ids) >= request.spec.resume_at)
 
 
 def propose(request: Request, config: SchedulerConfig, limit: int) -> list[int]:
     """Up to `limit` drafts to follow the request's known tokens."""
     if limit < 1:
         return []
-    if request.ngram_index is None:
-        request.ngram_index = NgramIndex(config.spec_ngram_min, config.spec_ngram_max)
-    return request.ngram_index.propose(request.prompt_token_ids, request.output_token_ids,
-                                       limit)
+    spec = request.spec
+    if spec.ngram_index is None:
+        spec.ngram_index = NgramIndex(config.spec_ngram_min, config.spec_ngram_max)
+    return spec.ngram_index.propose(request.prompt_token_ids, request.output_token_ids, limit)
 
 
 def drafts_for(request: Request, config: SchedulerConfig, budget: int) -> list[int]:
@@ -64,16 +64,16 @@ def waits_for_drafts(request: Request, config: SchedulerConfig) -> bool:
 def verified(request: Request, start: int, num_tokens: int, num_accepted: int) -> None:
     """The step [start, start + num_tokens) with the request's drafts came back with
     `num_accepted` of them agreed: forget the rejected drafts' KV, back off after a miss."""
-    num_drafts = len(request.draft_token_ids)
-    request.draft_token_ids = []
-    request.num_draft_tokens += num_drafts
-    request.num_accepted_tokens += num_accepted
+    spec = request.spec
+    num_drafts = len(spec.draft_token_ids)
+    spec.draft_token_ids = []
+    spec.num_draft_tokens += num_drafts
+    spec.num_accepted_tokens += num_accepted
     if request.num_computed_tokens == start + num_tokens:  # not preempted meanwhile
         request.num_computed_tokens -= num_drafts - num_accepted
     if num_accepted:
-        request.num_spec_misses = 0
+        spec.num_misses = 0
         return
-    shift = min(request.num_spec_misses, MAX_BACKOFF_SHIFT)
-    request.num_spec_misses += 1
-    request.spec_resume_at = (len(request.output_token_ids) + 1
-                              + (FIRST_BACKOFF_TOKENS << shift))
+    shift = min(spec.num_misses, MAX_BACKOFF_SHIFT)
+    spec.num_misses += 1
+    spec.resume_at = len(request.output_token_ids) + 1 + (FIRST_BACKOFF_TOKENS << shift)

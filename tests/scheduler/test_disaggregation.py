@@ -1,5 +1,5 @@
 """Disaggregated prefill: the rule that decides per request where a prompt is prefilled, one
-test per condition (services/scheduler/disaggregation.py). Pure: no bus, no model; the
+test per condition (services/scheduler/disaggregation/rule.py). Pure: no bus, no model; the
 engine's books of remote prefills are tests/scheduler/test_remote_prefills.py."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from llmbus.bus.messages import (
     StructuredOutput,
 )
 from llmbus.services.scheduler.config import SchedulerConfig
-from llmbus.services.scheduler.disaggregation import (
+from llmbus.services.scheduler.disaggregation.rule import (
     DisaggregationRule,
     decide,
     local_prefill_seconds,
@@ -180,7 +180,7 @@ def decode_engine(num_blocks: int = 40, block_size: int = 4) -> Scheduler:
     s = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size,
                                   max_model_len=128, eos_token_ids=(2,), decode_steps=1,
                                   disaggregation=DisaggregationRule(mode="always")))
-    s.prefill_engines = [Heartbeat(service="scheduler", instance_id="p1", engine_id="P",
+    s.remote.prefill_engines = [Heartbeat(service="scheduler", instance_id="p1", engine_id="P",
                                    role="prefill", num_free_blocks=1000, block_size=block_size)]
     return s
 

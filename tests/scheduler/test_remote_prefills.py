@@ -19,8 +19,8 @@ from llmbus.bus.messages import (
     StepResult,
 )
 from llmbus.services.scheduler.config import SchedulerConfig
-from llmbus.services.scheduler.disaggregation import DisaggregationRule
-from llmbus.services.scheduler.remote_prefill_service import PrefillSide
+from llmbus.services.scheduler.disaggregation.remote_prefill_bus import PrefillSide
+from llmbus.services.scheduler.disaggregation.rule import DisaggregationRule
 from llmbus.services.scheduler.request import RequestStatus
 from llmbus.services.scheduler.scheduler import Scheduler
 from tests.scheduler.test_disaggregation import add, decode_engine, engine, linear_model
@@ -31,11 +31,11 @@ def test_a_remote_prefill_holds_its_blocks_and_hands_over_the_first_token():
     r = add(s, "a", list(range(10, 20)))  # 10 tokens: 3 blocks of 4
     plan = s.schedule(now=1.0)
     assert not plan.scheduled and r.status is RequestStatus.REMOTE
-    [start] = s.remote.take_starts()
+    [start] = s.remote.tries.take_starts()
     assert (start.engine_id, start.first_block, r.block_table) == ("P", 0, [1, 2, 3])
     assert s.kv.num_free == 39 - 3
     s.check_invariants()
-    assert s.remote_done(start.transfer_id, 42, None, now=2.0)
+    assert s.remote.done(start.transfer_id, 42, None, now=2.0)
     assert r.status is RequestStatus.RUNNING and r.output_token_ids == [42]
     [update] = s.take_ended_updates()
     assert update.new_token_ids == [42] and update.start is not None
@@ -45,7 +45,7 @@ def test_a_remote_prefill_holds_its_blocks_and_hands_over_the_first_token():
     assert (item.start, item.num_tokens, item.new_block_ids) == (10, 1, [1, 2, 3])
     [new] = plan.new_requests
     assert new.output_token_ids == [42] and new.kv_destination is None
-    assert not s.remote_done(start.transfer_id, 43, None)  # a duplicate answer
+    assert not s.remote.done(start.transfer_id, 43, None)  # a duplicate answer
     s.check_invariants()
 
 
@@ -60,7 +60,7 @@ def test_a_cached_prefix_stays_here_and_only_the_rest_is_asked_for():
     s.config = dataclasses.replace(s.config, disaggregation=DisaggregationRule(mode="always"))
     r = add(s, "b", list(range(10, 22)) + [7, 8, 9])  # 15 tokens, 12 of them cached
     s.schedule()
-    [start] = s.remote.take_starts()
+    [start] = s.remote.tries.take_starts()
     assert start.first_block == 3 and r.num_computed_tokens == 12
     assert len(r.block_table) == 4 and r.block_table[:3] == first_blocks
 
@@ -70,16 +70,16 @@ def test_a_try_given_up_prefills_here_first():
     add(s, "x", list(range(30, 34)))
     r = add(s, "a", list(range(10, 20)))
     s.schedule()
-    starts = {t.request.request_id: t for t in s.remote.take_starts()}
-    assert s.remote_failed(starts["a"].transfer_id)
+    starts = {t.request.request_id: t for t in s.remote.tries.take_starts()}
+    assert s.remote.failed(starts["a"].transfer_id)
     assert s.kv.num_free == 39 - 1  # "x" holds one block; "a" gave its three back
-    assert r.status is RequestStatus.WAITING and s.waiting[0] is r and r.local_only
-    assert s.remote.take_cancels()[0].transfer_id == starts["a"].transfer_id
+    assert r.status is RequestStatus.WAITING and s.waiting[0] is r and r.remote.local_only
+    assert s.remote.tries.take_cancels()[0].transfer_id == starts["a"].transfer_id
     plan = s.schedule()
     assert starts["a"].transfer_id in plan.closed_transfers
     item = next(i for i in plan.scheduled if i.sequence_id == "a")
     assert (item.start, item.num_tokens, len(item.new_block_ids)) == (0, 10, 3)
-    assert not s.remote_done(starts["a"].transfer_id, 9, None)  # too late: dropped
+    assert not s.remote.done(starts["a"].transfer_id, 9, None)  # too late: dropped
     s.check_invariants()
 
 
@@ -87,10 +87,10 @@ def test_an_abort_of_a_remote_prefill_frees_its_blocks_and_cancels_it():
     s = decode_engine()
     add(s, "a", list(range(10, 20)))
     s.schedule()
-    [start] = s.remote.take_starts()
+    [start] = s.remote.tries.take_starts()
     assert s.abort_request("a")
-    assert s.kv.num_free == 39 and not s.remote.by_transfer
-    assert [c.transfer_id for c in s.remote.take_cancels()] == [start.transfer_id]
+    assert s.kv.num_free == 39 and not s.remote.tries.by_transfer
+    assert [c.transfer_id for c in s.remote.tries.take_cancels()] == [start.transfer_id]
     assert s.has_bookkeeping  # the close goes out even to an idle executor
     assert s.schedule().closed_transfers == [start.transfer_id]
     [update] = s.take_ended_updates()
@@ -142,7 +142,7 @@ async def test_a_prefill_engine_refuses_another_layout_and_takes_its_own():
         assert not s.table.holds("a>1")
     assert (await side.on_prefill(ask(mine), None)).error == ""
     held = s.table.get("a>1")
-    assert held.kv_destination == destination and held.max_tokens == 1  # one token, then D's
+    assert held.remote.kv_destination == destination and held.max_tokens == 1  # one token, then D's
     assert held.params.min_tokens == 1 and held.params.stop == []
     busy = PrefillSide(None, s, "P", mine, asyncio.Event(), refuse=lambda n: f"busy {n}")
     assert (await busy.on_prefill(ask(mine), None)).error == "busy 10"
@@ -154,24 +154,24 @@ def test_a_request_the_rule_keeps_here_is_not_weighed_again():
     s.config = dataclasses.replace(s.config, disaggregation=DisaggregationRule(min_tokens=64))
     r = add(s, "a", list(range(10, 20)))  # 10 tokens: too short to send away
     plan = s.schedule()
-    assert [i.sequence_id for i in plan.scheduled] == ["a"] and r.local_only
-    [(request, decision)] = s.take_decisions()
+    assert [i.sequence_id for i in plan.scheduled] == ["a"] and r.remote.local_only
+    [(request, decision)] = s.remote.take_decisions()
     assert request is r and "10 < 64" in decision.reason
     s.schedule()
-    assert s.take_decisions() == []
+    assert s.remote.take_decisions() == []
 
 
 def test_a_burst_counts_what_it_sent_before_the_next_heartbeat():
     s = decode_engine()
-    s.prefill_engines = [Heartbeat(service="scheduler", instance_id="p1", engine_id="P",
+    s.remote.prefill_engines = [Heartbeat(service="scheduler", instance_id="p1", engine_id="P",
                                    role="prefill", num_free_blocks=2, num_evictable_blocks=1,
                                    block_size=4)]  # room for 12 tokens: free or evictable
     first, second = add(s, "a", list(range(10, 20))), add(s, "b", list(range(30, 40)))
     s.schedule()
     assert first.status is RequestStatus.REMOTE  # 3 blocks: 2 free + 1 evictable there
     assert second.status is RequestStatus.RUNNING
-    assert "room" in s.take_decisions()[-1][1].reason
-    [engine] = s.prefill_engines
+    assert "room" in s.remote.take_decisions()[-1][1].reason
+    [engine] = s.remote.prefill_engines
     assert (engine.num_queued_tokens, engine.num_free_blocks) == (10, -1)
 
 
@@ -191,13 +191,13 @@ def test_the_rule_weighs_the_decodes_of_the_step_it_plans():
     s.config = dataclasses.replace(s.config, disaggregation=DisaggregationRule(
         min_tokens=8, kv_bytes_per_token=1, bytes_per_second=1e12, handover_seconds=0.0))
     s.step_time = linear_model()
-    s.prefill_engines = []  # the first request decodes here
+    s.remote.prefill_engines = []  # the first request decodes here
     first = add(s, "a", list(range(10, 14)), max_tokens=50)
     plan = s.schedule()
     s.update(plan, StepResult(step_id=plan.step_id, sampled_token_ids=[5]))
     assert first.status is RequestStatus.RUNNING
-    s.prefill_engines = [engine()]
+    s.remote.prefill_engines = [engine()]
     add(s, "b", list(range(20, 60)))
     s.schedule()
-    [(_, decision)] = s.take_decisions()
+    [(_, decision)] = s.remote.take_decisions()
     assert decision.engine is not None, decision.reason

@@ -175,7 +175,7 @@ async def test_requests_too_big_for_the_engine_are_refused_at_admission(engine):
 @pytest.mark.asyncio
 async def test_an_executor_that_dies_mid_request_ends_it_with_an_error(engine):
     runtime, executor, tokens, service = engine
-    await _until(lambda: service.executor.last_seen, "the scheduler heard the executor")
+    await _until(lambda: service.peers.executor.last_seen, "the scheduler heard the executor")
     executor.alive = False  # its heartbeats stop; steps go unanswered
     await _submit(runtime, "r2", max_tokens=50)
     await _until(lambda: any(i.finish_reason for i in _items(tokens, "r2")), "r2 ended")
@@ -224,7 +224,7 @@ async def test_a_request_aborted_while_its_grammar_compiles_never_runs(engine):
     runtime, executor, _, service = engine
     submitting = await _submit_while_compiling(runtime, executor, "c3", "[a-z]+")
     await runtime.publish(subjects.SCHEDULER_ABORT, AbortRequest(request_id="c3"))
-    await _until(lambda: service._compiling_ids.get(("c3", 0)), "the scheduler took the abort")
+    await _until(lambda: service.grammars.compiling.get(("c3", 0)), "the scheduler took the abort")
     executor.compiled.set()
     admission = await submitting
     assert admission.error_code == ErrorCode.INVALID_REQUEST and "aborted" in (

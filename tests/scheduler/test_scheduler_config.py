@@ -11,7 +11,7 @@ import pytest
 from llmbus.bus.messages import ExecutorInfo
 from llmbus.services.cli import build_parser
 from llmbus.services.scheduler.config import SchedulerConfig, config_from_args
-from llmbus.services.scheduler.disaggregation import DisaggregationRule
+from llmbus.services.scheduler.disaggregation.rule import DisaggregationRule
 
 
 def _parse(*options: str) -> SchedulerConfig:

@@ -1,10 +1,10 @@
 """Disaggregated serving, the scheduler's bus side: both ends of a remote prefill.
 
-A decode engine (`DecodeSide`): the scheduler's rule (disaggregation.py) picks a prompt and a
-prefill engine; here its executor opens the transfer into the blocks held for it (KvReceive),
-then the prefill engine is asked (PrefillRequest). Its PrefillDone hands the request to the
-scheduler with its first token; a refusal, an error, its engine's death (heartbeats) or a
-time-out sends the request back to the head of this engine's own queue.
+A decode engine (`DecodeSide`): the rule (rule.py) picks a prompt and a prefill engine, and
+transitions.py holds the request's blocks meanwhile; here its executor opens the transfer into
+those blocks (KvReceive), then the prefill engine is asked (PrefillRequest). Its PrefillDone
+hands the request to the scheduler with its first token; a refusal, an error, its engine's
+death (heartbeats) or a time-out sends the request back to the head of this engine's own queue.
 
 A prefill engine (`PrefillSide`): takes PrefillRequests as requests of one token whose KV its
 executor sends to the decode engine (NewRequestData.kv_destination), and answers each with a
@@ -41,7 +41,8 @@ from llmbus.bus.messages import (
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.bus.tracing import current_traceparent
 from llmbus.services.scheduler.admission import AdmissionError
-from llmbus.services.scheduler.remote_prefills import RemotePrefill
+from llmbus.services.scheduler.disaggregation.transitions import RemotePrefilling
+from llmbus.services.scheduler.disaggregation.tries import RemotePrefill
 from llmbus.services.scheduler.scheduler import Scheduler
 
 log = structlog.get_logger()
@@ -50,9 +51,10 @@ REMEMBERED_CANCELS = 4096  # cancels of prefills not here yet, remembered until 
 
 
 class DecodeSide:
-    def __init__(self, runtime: ServiceRuntime, scheduler: Scheduler, engine_id: str,
+    def __init__(self, runtime: ServiceRuntime, remote: RemotePrefilling, engine_id: str,
                  layout: KvLayout, wakeup: asyncio.Event, timeout_seconds: float) -> None:
-        self.runtime, self.scheduler, self.engine_id = runtime, scheduler, engine_id
+        """`remote`: the scheduler's remote prefills, the only part of it this side moves."""
+        self.runtime, self.remote, self.engine_id = runtime, remote, engine_id
         self.layout, self.wakeup, self.timeout_seconds = layout, wakeup, timeout_seconds
         self.prefill_engines = Liveness()
         self.kv_bytes = 0
@@ -73,33 +75,33 @@ class DecodeSide:
         if heartbeat.role == "prefill":
             self.prefill_engines.seen(heartbeat, time.monotonic())
         for dead in self.prefill_engines.reap(now):
-            for transfer_id in self.scheduler.remote.on_engine(dead.instance_id):
+            for transfer_id in self.remote.tries.on_engine(dead.instance_id):
                 self._give_up(transfer_id, f"prefill engine {dead.engine_id} went silent")
-        for transfer_id in self.scheduler.remote.older_than(time.time() - self.timeout_seconds):
+        for transfer_id in self.remote.tries.older_than(time.time() - self.timeout_seconds):
             self._give_up(transfer_id, f"no prefill within {self.timeout_seconds:g} s")
-        self.scheduler.prefill_engines = [h for h in self.prefill_engines.alive(now)
-                                          if h.instance_id not in self._refused_layout]
+        self.remote.prefill_engines = [h for h in self.prefill_engines.alive(now)
+                                       if h.instance_id not in self._refused_layout]
 
     def _give_up(self, transfer_id: str, why: str) -> None:
-        if self.scheduler.remote_failed(transfer_id, time.time()):
+        if self.remote.failed(transfer_id, time.time()):
             log.warning("remote prefill given up; prefilling here", transfer_id=transfer_id,
                         reason=why)
             self.wakeup.set()
 
     def after_step(self) -> None:
         """Send the tries the scheduler started, and the cancels of those it gave up."""
-        remote = self.scheduler.remote
-        for request, decision in self.scheduler.take_decisions():
+        tries = self.remote.tries
+        for request, decision in self.remote.take_decisions():
             if decision.engine is not None or decision.weighed:  # not the plain short ones
                 log.info("prefill sent to a prefill engine" if decision.engine else
                          "prefill kept here", request_id=request.request_id,
                          num_prompt_tokens=request.num_prompt_tokens, reason=decision.reason,
                          engine=decision.engine.engine_id if decision.engine else None)
-        for start in remote.take_starts():
+        for start in tries.take_starts():
             task = asyncio.create_task(self._start(start))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        for cancel in remote.take_cancels():
+        for cancel in tries.take_cancels():
             task = asyncio.create_task(self.runtime.publish(
                 subjects.engine_prefill_cancel(cancel.engine_id),
                 AbortRequest(request_id=cancel.transfer_id)))
@@ -119,9 +121,9 @@ class DecodeSide:
                 subjects.executor_kv_receive(self.engine_id),
                 KvReceive(transfer_id=remote.transfer_id, block_ids=block_ids,
                           layout=self.layout), KvReply, timeout=REQUEST_TIMEOUT_SECONDS)
-            pending = self.scheduler.remote.by_transfer
+            pending = self.remote.tries.by_transfer
             if remote.transfer_id not in pending:
-                self.scheduler.remote.closed.append(remote.transfer_id)
+                self.remote.tries.closed.append(remote.transfer_id)
                 self.wakeup.set()
                 return
             if opened.error:
@@ -133,7 +135,7 @@ class DecodeSide:
                         prompt_token_ids=request.prompt_token_ids, params=request.params,
                         destination=destination, layout=self.layout,
                         reply_subject=subjects.engine_prefilled(self.engine_id),
-                        traceparent=request.traceparent),
+                        traceparent=request.trace.traceparent),
                     PrefillReply, timeout=REQUEST_TIMEOUT_SECONDS)
                 error = answer.error
                 if error.startswith("KV layout mismatch"):  # never again to that engine
@@ -152,8 +154,8 @@ class DecodeSide:
         if done.error or done.token_id < 0:
             self._give_up(done.transfer_id, done.error or "no token")
             return
-        if self.scheduler.remote_done(done.transfer_id, done.token_id, done.logprobs,
-                                      time.time(), done.num_bytes):
+        if self.remote.done(done.transfer_id, done.token_id, done.logprobs, time.time(),
+                            done.num_bytes):
             self.kv_bytes += done.num_bytes
             self.kv_seconds += done.transfer_seconds
             self.kv_wait_seconds += done.wait_seconds

@@ -3,7 +3,8 @@ so that the request is scheduled only once its grammar is ready and a constraint
 compile is refused (a 400) before any token is generated.
 
 Compiling can take a while (a big schema); the submit handler runs it as a task of its own, so
-the requests that arrive meanwhile are admitted without waiting for it.
+the requests that arrive meanwhile are admitted without waiting for it. An abort that comes
+while a request compiles is remembered here, and the request is refused once it has compiled.
 """
 
 from __future__ import annotations
@@ -11,12 +12,50 @@ from __future__ import annotations
 import nats.errors
 
 from llmbus.bus import subjects
-from llmbus.bus.messages import Admission, ErrorCode, GrammarReply, GrammarRequest, StructuredOutput
+from llmbus.bus.messages import (
+    Admission,
+    ErrorCode,
+    GrammarReply,
+    GrammarRequest,
+    StructuredOutput,
+    SubmitRequest,
+)
 from llmbus.bus.runtime import ServiceRuntime
 
 # Below the tokenizer's admission timeout (3 s), which would otherwise send the request to
 # another engine to compile it all over again.
 COMPILE_TIMEOUT = 2.5
+
+
+class GrammarAdmission:
+    def __init__(self, runtime: ServiceRuntime, engine_id: str) -> None:
+        self.runtime, self.engine_id = runtime, engine_id
+        self.compiling: dict[tuple[str, int], bool] = {}  # (request id, attempt) -> aborted
+
+    async def compile(self, submit: SubmitRequest) -> Admission | None:
+        """None once the executor holds the submit's compiled constraint; else the refusal to
+        send (its client went away meanwhile: refused, not to be tried elsewhere)."""
+        assert submit.params.structured is not None
+        key = (submit.request_id, submit.attempt)
+        self.compiling[key] = False
+        try:
+            refused = await compile_constraint(self.runtime, self.engine_id,
+                                               submit.params.structured)
+        finally:
+            aborted = self.compiling.pop(key)
+        if refused is not None:
+            return refused
+        if aborted:
+            return Admission(error_code=ErrorCode.INVALID_REQUEST,
+                             error_message="aborted while its constraint compiled")
+        return None
+
+    def abort(self, request_id: str, up_to_attempt: int | None) -> None:
+        """The request (its attempts up to `up_to_attempt`: a migration's older ones) is
+        refused once it has compiled."""
+        for key in self.compiling:
+            if key[0] == request_id and (up_to_attempt is None or key[1] <= up_to_attempt):
+                self.compiling[key] = True
 
 
 async def compile_constraint(runtime: ServiceRuntime, engine_id: str,

@@ -1,8 +1,8 @@
-"""A decode engine's books of the prompts another engine prefills for it (disaggregation.py
-says which). Each is a request holding its blocks here, waiting for its KV and first token;
-every try has its own transfer id (`<engine>/<sequence>><try>`: unique across engines too), so
-a late answer to a try given up is told apart. Pure:
-the scheduler owns the requests' blocks, the service the messages."""
+"""A decode engine's books of the prompts another engine prefills for it (rule.py says which).
+Each is a request holding its blocks here, waiting for its KV and first token; every try has
+its own transfer id (`<engine>/<sequence>><try>`: unique across engines too), so a late answer
+to a try given up is told apart. Pure: transitions.py moves the requests between the
+scheduler's queues, remote_prefill_bus.py sends the messages these books queue up."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class RemotePrefills:
         remote = RemotePrefill(request, transfer_id, engine_id,
                                instance_id, first_block, now)
         self.by_transfer[remote.transfer_id] = remote
-        request.transfer_id = remote.transfer_id
+        request.remote.transfer_id = remote.transfer_id
         self.starts.append(remote)
         return remote
 
@@ -52,7 +52,7 @@ class RemotePrefills:
         remote = self.by_transfer.pop(transfer_id, None)
         if remote is None:
             return None
-        remote.request.transfer_id = ""
+        remote.request.remote.transfer_id = ""
         self.closed.append(transfer_id)
         if remote in self.starts:  # never sent: nothing to cancel
             self.starts.remove(remote)

@@ -33,11 +33,11 @@ def token_update(request: Request, step_id: int, error: str = "",
     first = not sent.start
     num_before = sent.num_tokens
     new_token_ids = request.output_token_ids[num_before:]
-    new_logprobs = request.output_logprobs[num_before:]
+    new_logprobs, sent.logprobs = sent.logprobs, []
     sent.num_tokens = len(request.output_token_ids)
     sent.start = True
-    queued = ((request.trace.first_scheduled_time or request.arrival_time)
-              - request.arrival_time if first else 0.0)
+    queued = ((request.trace.first_scheduled_time or request.trace.arrival_time)
+              - request.trace.arrival_time if first else 0.0)
     return RequestTokens(
         request_id=request.request_id, index=request.index if index is None else index,
         new_token_ids=new_token_ids, finish_reason=request.finish_reason, error=error,

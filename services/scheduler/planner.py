@@ -190,10 +190,10 @@ class StepPlanner:
             child = Request(
                 f"{base}#{i}", parent.request_id, i, parent.reply_subject,
                 parent.prompt_token_ids, params_for(parent.params, i),
-                max_tokens=parent.max_tokens, arrival_time=parent.arrival_time,
+                max_tokens=parent.max_tokens,
                 attempt=parent.attempt, num_computed_tokens=parent.num_computed_tokens,
                 status=RequestStatus.RUNNING, trace=Trace(
-                    traceparent=parent.trace.traceparent,
+                    traceparent=parent.trace.traceparent, arrival_time=parent.trace.arrival_time,
                     first_scheduled_time=parent.trace.first_scheduled_time,
                     prefill_chunks=list(parent.trace.prefill_chunks)))
             self.blocks.share(parent, child)

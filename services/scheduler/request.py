@@ -5,7 +5,7 @@ how far they are computed. What a feature adds to a request rides in a small str
 feature: `spec` (speculation.py), `remote` (disaggregation/), `trace` (spans.py) and `sent`
 (what the executor and the detokenizer were told already). The structs are declared here, not
 in their features' modules, because those modules read the whole request (and a module that
-imports this one cannot be imported by it: tests/test_code_shape.py).
+imports this one cannot be imported by it: tests/project/test_code_shape.py).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Trace:
     the times the scheduler stamps, on whatever clock the caller passes (no clock here)."""
 
     traceparent: str = ""
+    arrival_time: float = 0.0  # also orders the running batch (newest preempted first)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -67,12 +68,14 @@ class Trace:
 class Sent:
     """What went out already, so that each message carries only what is new: the executor
     gets a request's data once and then only its new blocks; the detokenizer only new
-    tokens, and the completion's start once."""
+    tokens (with their logprobs, when asked for, held here until they go), and the
+    completion's start once."""
 
     to_executor: bool = False  # its NewRequestData went out
     num_blocks: int = 0  # leading blocks of block_table the executor already has
     num_tokens: int = 0  # output tokens already sent to the detokenizer
     start: bool = False  # its first update (with the CompletionStart) went out
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # of tokens not sent yet
 
 
 @dataclass(eq=False)
@@ -84,13 +87,11 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # resolved: never beyond the context window or the cache
-    arrival_time: float = 0.0  # orders the running batch and times the queue
     # n > 1: this request only prefills the prompt but its last token, then forks into n
     # completions that share those blocks.
     num_forks: int = 1
     attempt: int = 0  # a migrated request's attempt (bus/messages/to_scheduler.py)
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when asked for
     # Sampled in a step whose result has not arrived yet (the scheduler plans ahead).
     num_pending_tokens: int = 0
     # Tokens whose KV is (or, once the planned steps ran, will be) in the cache.

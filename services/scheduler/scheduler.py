@@ -129,10 +129,10 @@ class Scheduler:
         self.abort_request(request_id)  # an earlier attempt: its owner moved on
         family = [Request(sequence_id, request_id, index, reply_subject, list(prompt_token_ids),
                           params_for(params, index), max_tokens=max_tokens,
-                          arrival_time=arrival_time, num_forks=num_forks, attempt=attempt,
+                          num_forks=num_forks, attempt=attempt,
                           output_token_ids=output_token_ids,
                           remote=RemotePrefillState(kv_destination=kv_destination),
-                          trace=Trace(traceparent=traceparent),
+                          trace=Trace(traceparent=traceparent, arrival_time=arrival_time),
                           sent=Sent(num_tokens=len(output_token_ids)))  # replayed downstream
                   for sequence_id, index, num_forks, output_token_ids
                   in sequences(request_id, attempt, n, len(prompt_token_ids), resumed)]
@@ -194,7 +194,7 @@ class Scheduler:
         """End requests that waited longer than `timeout` for their first step (explicitly,
         with an error), so that an overloaded engine never holds a client forever."""
         expired = [r for r in self.waiting
-                   if r.trace.first_scheduled_time is None and now - r.arrival_time > timeout]
+                   if r.trace.first_scheduled_time is None and now - r.trace.arrival_time > timeout]
         return self._end(expired, FinishReason.ERROR,
                          f"the request waited more than {timeout:.0f} s in the queue")
 
@@ -283,7 +283,7 @@ class Scheduler:
             request.output_token_ids.append(token_id)
             self.counters.num_generated_tokens += 1
             if token_logprobs is not None:
-                request.output_logprobs.append(token_logprobs)
+                request.sent.logprobs.append(token_logprobs)
             reason = stop_reason(request, token_id, self.config.eos_token_ids)
             if reason is not FinishReason.NONE:
                 self._remove(request)

@@ -38,9 +38,9 @@ def record_request_spans(request: Request, now: float) -> None:
     end = stamps.finish_time or now
     scheduled = stamps.first_scheduled_time
     queue_end = scheduled if scheduled is not None else end
-    _tracer.start_span("engine.queue", context=parent, start_time=_ns(request.arrival_time),
+    _tracer.start_span("engine.queue", context=parent, start_time=_ns(request.trace.arrival_time),
                        attributes=attributes).end(end_time=_ns(max(queue_end,
-                                                                   request.arrival_time)))
+                                                                   request.trace.arrival_time)))
     if scheduled is None:
         return
     first_token = stamps.first_token_time or end

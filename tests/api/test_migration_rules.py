@@ -23,7 +23,7 @@ from llmbus.services.api.migration import Placement, Verdict
 from llmbus.services.detokenizer.detokenization import Detokenization
 from llmbus.services.scheduler.admission import AdmissionError
 from tests.gguf_fixtures import tiny_tokenizer
-from tests.scheduler.test_scheduler import make, run_step
+from tests.scheduler.sim import make, run_step
 
 PROMPT = list(range(10, 15))
 

@@ -9,13 +9,9 @@ import dataclasses
 import pytest
 
 from llmbus.bus.messages import (
-    Heartbeat,
     SamplingParams,
-    ScheduledRequest,
-    StepPlan,
     StructuredOutput,
 )
-from llmbus.services.scheduler.config import SchedulerConfig
 from llmbus.services.scheduler.disaggregation.rule import (
     DisaggregationRule,
     decide,
@@ -23,39 +19,19 @@ from llmbus.services.scheduler.disaggregation.rule import (
     prefill_seconds,
 )
 from llmbus.services.scheduler.request import Request
-from llmbus.services.scheduler.scheduler import Scheduler
 from llmbus.services.scheduler.step_time import StepShape, StepTimeModel
+from tests.scheduler.sim import PREFILL_BLOCK as BLOCK
+from tests.scheduler.sim import linear_model
+from tests.scheduler.sim import prefill_heartbeat as engine
 
-BLOCK = 16
 RULE = DisaggregationRule(min_tokens=512, max_cached_fraction=0.5, max_queued_tokens=4096,
                           handover_seconds=0.02, kv_bytes_per_token=23040,
                           bytes_per_second=300e6)
 
 
-def engine(queued: int = 0, free_blocks: int = 1000, instance: str = "p1") -> Heartbeat:
-    return Heartbeat(service="scheduler", instance_id=instance, engine_id=f"prefill-{instance}",
-                     role="prefill", num_queued_tokens=queued, num_free_blocks=free_blocks,
-                     block_size=BLOCK)
-
-
 def request(num_prompt: int, **params) -> Request:
     return Request("r", "r", 0, "api.x", list(range(num_prompt)),
                    SamplingParams(max_tokens=8, **params), max_tokens=8)
-
-
-def linear_model(per_token: float = 1e-3, per_row: float = 2e-3,
-                 base: float = 5e-3) -> StepTimeModel:
-    """A step-time model fitted on steps of exactly base + rows·per_row + tokens·per_token
-    (no attention cost), so every prediction below is that formula."""
-    model = StepTimeModel()
-    for rows, tokens in ((1, 256), (1, 128), (4, 4), (8, 8), (2, 64), (16, 16)):
-        plan = StepPlan(step_id=0)
-        plan.scheduled = [ScheduledRequest(sequence_id=str(i), start=0,
-                                           num_tokens=tokens - rows + 1 if i == 0 else 1)
-                          for i in range(rows)]
-        shape = StepShape.of(plan)
-        model.observe(plan, base + per_row * shape.rows + per_token * shape.tokens)
-    return model
 
 
 def decodes(rows: int) -> StepShape:
@@ -176,15 +152,3 @@ def test_always_and_never():
                   StepShape(), 256, 0.06).engine is None  # saturated all the same
 
 
-def decode_engine(num_blocks: int = 40, block_size: int = 4) -> Scheduler:
-    s = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size,
-                                  max_model_len=128, eos_token_ids=(2,), decode_steps=1,
-                                  disaggregation=DisaggregationRule(mode="always")))
-    s.remote.prefill_engines = [Heartbeat(service="scheduler", instance_id="p1", engine_id="P",
-                                   role="prefill", num_free_blocks=1000, block_size=block_size)]
-    return s
-
-
-def add(s: Scheduler, request_id: str, prompt: list[int], max_tokens: int = 3) -> Request:
-    s.add_request(request_id, "api.x", prompt, SamplingParams(max_tokens=max_tokens))
-    return s.table.get(request_id)

@@ -23,7 +23,9 @@ from llmbus.services.scheduler.disaggregation.remote_prefill_bus import PrefillS
 from llmbus.services.scheduler.disaggregation.rule import DisaggregationRule
 from llmbus.services.scheduler.request import RequestStatus
 from llmbus.services.scheduler.scheduler import Scheduler
-from tests.scheduler.test_disaggregation import add, decode_engine, engine, linear_model
+from tests.scheduler.sim import add_prompt as add
+from tests.scheduler.sim import decode_engine, linear_model
+from tests.scheduler.sim import prefill_heartbeat as engine
 
 
 def test_a_remote_prefill_holds_its_blocks_and_hands_over_the_first_token():

@@ -4,39 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from llmbus.bus.messages import FinishReason, SamplingParams, StepResult
+from llmbus.bus.messages import (
+    FinishReason,
+    ResumedCompletion,
+    SamplingParams,
+    StepResult,
+    TokenLogprobs,
+)
 from llmbus.services.scheduler.admission import AdmissionError
 from llmbus.services.scheduler.block_allocator import BlockAllocator
-from llmbus.services.scheduler.config import SchedulerConfig
-from llmbus.services.scheduler.scheduler import Scheduler
-
-EOS = 2
-
-
-def make(num_blocks: int = 9, block_size: int = 4, max_num_batched_tokens: int = 64,
-         max_num_seqs: int = 8, max_model_len: int = 64, prefix_caching: bool = False,
-         ) -> Scheduler:
-    """One token a step (multi-step decoding: test_scheduler_multi_step.py)."""
-    return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size,
-                                     max_model_len=max_model_len, eos_token_ids=(EOS,),
-                                     max_num_seqs=max_num_seqs,
-                                     max_num_batched_tokens=max_num_batched_tokens,
-                                     enable_prefix_caching=prefix_caching, decode_steps=1))
-
-
-def add(s: Scheduler, request_id: str, num_prompt: int, max_tokens: int = 4, n: int = 1,
-        first_token: int = 10, **params):
-    s.add_request(request_id, "api.x", list(range(first_token, first_token + num_prompt)),
-                  SamplingParams(max_tokens=max_tokens, **params), n=n)
-    return s.table.get(request_id)
-
-
-def run_step(s: Scheduler, token: int = 7):
-    plan = s.schedule()
-    num_sampled = sum(item.sample for item in plan.scheduled)
-    updates = s.update(plan, StepResult(step_id=plan.step_id,
-                                        sampled_token_ids=[token] * num_sampled))
-    return plan, updates
+from tests.scheduler.sim import EOS, add, make, run_step
 
 
 def test_allocator_reserves_null_block_and_recycles_in_order():
@@ -183,3 +160,17 @@ def test_executor_failure_fails_every_request_and_frees_blocks():
         "a": FinishReason.ERROR, "b": FinishReason.ERROR}
     assert all(u.error == "boom" for u in updates)
     assert s.kv.allocator.num_free == s.kv.allocator.num_usable and not s.has_work
+
+
+def test_a_resumed_completion_sends_the_logprobs_of_its_new_tokens():
+    """A completion moved here with tokens it streamed elsewhere has no logprobs for them; each
+    new token's logprobs go out with that token (not aligned with the replayed tokens)."""
+    s = make()
+    s.add_request("r", "api.x", [10, 11, 12], SamplingParams(max_tokens=6, logprobs=0),
+                  resumed=[ResumedCompletion(index=0, output_token_ids=[20, 21])])
+    first, second = TokenLogprobs(logprob=-0.5), TokenLogprobs(logprob=-1.5)
+    for sampled in (first, second):
+        plan = s.schedule()
+        [update] = s.update(plan, StepResult(step_id=plan.step_id, sampled_token_ids=[7],
+                                             logprobs=[sampled]))
+        assert (update.new_token_ids, update.logprobs) == ([7], [sampled])

@@ -19,16 +19,16 @@ from llmbus.bus.messages import (
 )
 from llmbus.services.scheduler.config import MULTI_STEP_MAX_BATCH
 from llmbus.services.scheduler.step_time import StepTimeModel
-from tests.scheduler.test_scheduler_speculation import (
+from tests.scheduler.sim import (
     EOS,
     FakeExecutor,
     cycle,
     drive,
-    make,
     operations,
     replay_trace,
     run,
 )
+from tests.scheduler.sim import make_speculative as make
 
 
 def outputs(decode_steps: int, prompts: list[list[int]], params: SamplingParams, model):

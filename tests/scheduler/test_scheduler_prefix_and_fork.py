@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmbus.bus.messages import BlockCopy, FinishReason, SamplingParams, StepResult
-from tests.scheduler.test_scheduler import EOS, add, make, run_step
+from tests.scheduler.sim import EOS, add, make, run_step
 
 
 def drain(s, token: int = 7, max_steps: int = 100):

@@ -21,7 +21,11 @@ from llmbus.services.scheduler.step_time import (
     StepTimeModel,
     fit_non_negative,
 )
-from tests.scheduler.test_scheduler_speculation import FakeExecutor, cycle, make
+from tests.scheduler.sim import (
+    FakeExecutor,
+    cycle,
+)
+from tests.scheduler.sim import make_speculative as make
 
 # float64 normal equations of features up to ~10^3: a relative error far below 1e-6
 EXACT = 1e-6

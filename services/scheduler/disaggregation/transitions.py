@@ -102,7 +102,8 @@ class RemotePrefilling:
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         # In arrival order: the newest are preempted first, and this one's KV just came.
-        at = bisect.bisect_right([r.arrival_time for r in self.running], request.arrival_time)
+        at = bisect.bisect_right([r.trace.arrival_time for r in self.running],
+                                 request.trace.arrival_time)
         self.running.insert(at, request)
         request.trace.first_token_time = now
         self.blocks.cache_full_blocks(request)  # the prompt's KV is here now

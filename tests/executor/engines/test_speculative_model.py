@@ -14,7 +14,9 @@ from llmbus.services.gguf_tokenizer import GGUFTokenizer
 from llmbus.services.model_files import default_model_path
 from llmbus.services.scheduler.config import SchedulerConfig
 from llmbus.services.scheduler.scheduler import Scheduler
-from tests.scheduler.test_scheduler_speculation import drive
+from tests.scheduler.sim import (
+    drive,
+)
 from tests.stack import needs_default_model
 
 pytestmark = [pytest.mark.model, needs_default_model()]

@@ -74,7 +74,7 @@ def user(text: str) -> list[dict]:
 
 
 async def test_sdk_parse_returns_a_valid_object_every_time(stack):
-    settings = [{"temperature": 0.0}] + [{"temperature": 1.0, "seed": s} for s in (1, 2, 3)]
+    settings = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 1}]
     async with client(stack.base_url) as sdk:
         async def parse(subject: str, extra: dict):
             reply = await sdk.beta.chat.completions.parse(
@@ -84,8 +84,9 @@ async def test_sdk_parse_returns_a_valid_object_every_time(stack):
 
         people = await asyncio.gather(*(parse(s, extra) for extra in settings
                                         for s in SUBJECTS))
-    assert len(people) == 80 and all(isinstance(p, Person) for p in people)
-    assert len({p.model_dump_json() for p in people}) > 20  # sampling varies what they say
+    assert len(people) == 2 * len(SUBJECTS) and all(isinstance(p, Person) for p in people)
+    # Sampling varies what they say: more distinct people than the greedy ones alone.
+    assert len({p.model_dump_json() for p in people}) > len(SUBJECTS)
 
 
 async def test_json_object_regex_and_choice_always_match(stack):

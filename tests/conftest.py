@@ -108,7 +108,7 @@ TEST_KINDS = {
     "test_executor_model.py": "unit",
     "test_executor_multi_step.py": "unit",
     "test_executor_onnx.py": "unit",
-    "test_executor_plan.py": "unit",
+    "test_backend_choice.py": "unit",
     "test_executor_speculative.py": "unit",
     "test_int_step.py": "unit",
     "test_k_quants.py": "unit",

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from llmbus.services.executor.attention.metadata import build_attention_metadata
-from llmbus.services.executor.engines.cpu_llama import CpuLlamaModel
-from llmbus.services.executor.engines.torch_llama import LlamaModel
+from llmbus.services.executor.backends.cpu_llama import CpuLlamaModel
+from llmbus.services.executor.backends.torch_llama import LlamaModel
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import load_gguf
 from llmbus.services.executor.weights.gguf_quants import (

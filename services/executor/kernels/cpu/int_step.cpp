@@ -128,7 +128,7 @@ float block_amax(const float* v) {
 // vector width the build has (8 lanes with AVX2, 16 with AVX-512), and a last-bit difference
 // in a row's norm flips int8 roundings downstream: each build would then give its own logits.
 // With the order fixed, every x86-64-v3 or newer build gives the same bits
-// (tests/test_int_step.py checks it); the plain-loop build has no FMA.
+// (tests/executor/kernels/cpu/test_int_step.py checks it); the plain-loop build has no FMA.
 constexpr int LANES = 16;
 
 float fixed_order_sum(const float* v, int64_t n, const float* w = nullptr) {

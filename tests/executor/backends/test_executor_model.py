@@ -11,7 +11,7 @@ import torch
 
 from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from llmbus.services.executor.attention.metadata import build_attention_metadata
-from llmbus.services.executor.engines.torch_llama import LlamaModel
+from llmbus.services.executor.backends.torch_llama import LlamaModel
 from llmbus.services.executor.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from llmbus.services.executor.runner import ModelRunner
 from llmbus.services.executor.sampling.sampler import sample

@@ -1,6 +1,6 @@
-"""The CPU engines (engines/onnx_graphs.py, engines/cpu_llama.py) on tiny random llamas: exact mode
-equals the float64 reference and the torch runner, for every weight format it reads; fast mode
-stays close; quantized weights stay quantized."""
+"""The CPU backends (backends/onnx_graphs.py, backends/cpu_llama.py) on tiny random llamas: exact
+mode equals the float64 reference and the torch runner, for every weight format it reads; fast
+mode stays close; quantized weights stay quantized."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 from onnx import TensorProto
 
-from llmbus.services.executor.engines.cpu_llama import ACCURACY_EXACT, ACCURACY_FAST, CpuLlamaModel
-from llmbus.services.executor.engines.onnx_graphs import MatrixSource, layer_graphs
+from llmbus.services.executor.backends.cpu_llama import ACCURACY_EXACT, ACCURACY_FAST, CpuLlamaModel
+from llmbus.services.executor.backends.onnx_graphs import MatrixSource, layer_graphs
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.runner import ModelRunner
 from llmbus.services.executor.weights.gguf_loader import load_gguf
-from tests.executor.engines.test_executor_model import _run, reference_logits
+from tests.executor.backends.test_executor_model import _run, reference_logits
 from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama
 
 SPEC = TinySpec()
@@ -86,7 +86,7 @@ def test_runner_generates_like_the_torch_runner(tiny, precision):
     prompts = [[5, 9, 13, 200, 31], [7, 7, 100], list(range(3, 40))]
     runners = {"torch": ModelRunner(path, model_name="t", block_size=BLOCK_SIZE, num_blocks=128),
                "onnx": ModelRunner(path, model_name="t", block_size=BLOCK_SIZE, num_blocks=128,
-                                   engine="onnxruntime", exact=precision == "exact")}
+                                   backend="onnxruntime", exact=precision == "exact")}
     assert runners["onnx"].kv_cache.k.dtype == (torch.float32 if precision == "exact"
                                                 else torch.float16)
     outputs = {name: generate(r, prompts, max_tokens=12, chunk_size=8, shuffle_blocks=3)
@@ -120,19 +120,19 @@ def test_quantized_weights_have_no_dense_copy(tmp_path, quant):
         assert sum(n.op_type == "MatMulNBits" for n in graph.graph.node) >= 1
 
 
-def test_engine_options_are_checked(tmp_path):
+def test_backend_options_are_checked(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path, SPEC, quantized="Q4_1")
     with pytest.raises(ValueError, match="compute in float32"):
-        ModelRunner(path, model_name="t", num_blocks=16, engine="onnxruntime",
+        ModelRunner(path, model_name="t", num_blocks=16, backend="onnxruntime",
                     dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="unknown engine"):
-        ModelRunner(path, model_name="t", num_blocks=16, engine="tvm")
+    with pytest.raises(ValueError, match="unknown backend"):
+        ModelRunner(path, model_name="t", num_blocks=16, backend="tvm")
     with pytest.raises(ValueError, match="runs on the CPU"):
-        ModelRunner(path, model_name="t", num_blocks=16, engine="onnxruntime", device="cuda")
+        ModelRunner(path, model_name="t", num_blocks=16, backend="onnxruntime", device="cuda")
     # the same budget holds twice the blocks with a float16 cache
     budget = 1 << 20
-    blocks = {p: ModelRunner(path, model_name="t", kv_cache_bytes=budget, engine="onnxruntime",
+    blocks = {p: ModelRunner(path, model_name="t", kv_cache_bytes=budget, backend="onnxruntime",
                              exact=p == "exact").kv_cache.num_blocks for p in ("exact", "fast")}
     assert blocks["fast"] == 2 * blocks["exact"]
 
@@ -177,7 +177,7 @@ def test_the_fast_runner_tiles_at_load_or_reloads_for_the_graphs(tmp_path, vocab
     path = tmp_path / f"tiny-v{vocab_size}.gguf"
     write_tiny_llama(path, replace(SPEC, vocab_size=vocab_size), quantized="Q4_1")
     runner = ModelRunner(path, model_name="tiny", num_blocks=16, block_size=BLOCK_SIZE,
-                         engine="auto")
+                         backend="auto")
     if load_library() is None:
         pytest.skip("no C++ compiler: nothing is tiled")
     assert (runner.model.int_step is not None) == (vocab_size == 256)

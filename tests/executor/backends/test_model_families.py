@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from llmbus.services.executor.attention.metadata import build_attention_metadata
-from llmbus.services.executor.engines.cpu_llama import CpuLlamaModel
-from llmbus.services.executor.engines.torch_llama import LlamaModel
+from llmbus.services.executor.backends.cpu_llama import CpuLlamaModel
+from llmbus.services.executor.backends.torch_llama import LlamaModel
 from llmbus.services.executor.kernels.cpu.library import load_library
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import load_gguf
@@ -125,7 +125,7 @@ def test_qwen3_without_its_norms_is_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("path_name", ["graphs", "int_step"])
-def test_every_cpu_engine(request, family, path_name):
+def test_every_cpu_backend(request, family, path_name):
     path, want = request.getfixturevalue(f"{family}_q8")
     config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
     exact = path_name == "graphs"
@@ -177,7 +177,7 @@ def gemma3_q8(tmp_path_factory):
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "fast"])
-def test_gemma3_on_the_cpu_engine(gemma3_q8, exact):
+def test_gemma3_on_the_cpu_backend(gemma3_q8, exact):
     """ONNX Runtime's graphs (the integer kernel does not take Gemma's layers), the window in
     the torch attention; exact: equal to transformers; fast (int8 activations, float16 KV):
     close, the same next tokens nearly always."""
@@ -209,7 +209,7 @@ def qwen3moe(tmp_path_factory):
 def test_qwen3moe_on_the_torch_backend(qwen3moe, monkeypatch):
     """Equal to transformers, with the tokens of one batch routed to different experts (the
     router's choices are recorded as the model makes them)."""
-    from llmbus.services.executor.engines import moe
+    from llmbus.services.executor.backends import moe
 
     path, want = qwen3moe
     config, dense, _ = load_gguf(path)
@@ -236,7 +236,7 @@ def test_qwen3moe_on_the_torch_backend(qwen3moe, monkeypatch):
 def test_qwen3moe_in_the_integer_kernel(qwen3moe, monkeypatch):
     """The fast mode: every expert tiled for the kernel (none dense), close to transformers,
     and a step runs each expert its tokens chose once, on all of them together."""
-    from llmbus.services.executor.engines import moe
+    from llmbus.services.executor.backends import moe
     from llmbus.services.executor.weights.quant_parts import QuantPart, tile_as_loaded
 
     if load_library() is None:
@@ -259,7 +259,7 @@ def test_qwen3moe_in_the_integer_kernel(qwen3moe, monkeypatch):
             return expert_mlp(e, rows)
         return mlp(x, router, expert, top_k)
 
-    monkeypatch.setattr("llmbus.services.executor.engines.int_moe.moe_mlp", counted)
+    monkeypatch.setattr("llmbus.services.executor.backends.int_moe.moe_mlp", counted)
     got = _forward(model, config, torch.float16)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
     assert (got - want).abs().max() < 0.05 * want.abs().max()

@@ -7,6 +7,7 @@ those blocks, `KvGathering.gather_filled` copies out the prompt blocks that step
 last, partial one with the prompt's end) into its outbox; the service takes the outbox after
 the step and sends it (kv_transfer.py's `KvSender`). A sequence forgotten before its prompt is
 all gathered (aborted) leaves its transfer id behind, so the service stops sending it.
+`layout_of` is the cache's geometry, which both ends of a transfer must share.
 """
 
 from __future__ import annotations
@@ -16,10 +17,23 @@ from dataclasses import dataclass
 
 import torch
 
-from llmbus.bus.messages import KvChunk, KvDestination, NewRequestData, ScheduledRequest
+from llmbus.bus.messages import (
+    KvChunk,
+    KvDestination,
+    KvLayout,
+    NewRequestData,
+    ScheduledRequest,
+)
 from llmbus.services.executor.kv_cache import KVCache
 
 CHUNK_OVERHEAD_BYTES = 16 << 10  # the chunk's fields and headers, besides K and V
+
+
+def layout_of(cache: KVCache) -> KvLayout:
+    """The cache's geometry, which a transfer's sender and receiver must share."""
+    num_layers, _, block_size, num_kv_heads, head_dim = cache.k.shape
+    return KvLayout(dtype=str(cache.k.dtype).removeprefix("torch."), block_size=block_size,
+                    num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
 
 @dataclass

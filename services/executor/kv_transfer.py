@@ -29,25 +29,18 @@ from opentelemetry.trace import Status, StatusCode
 
 from llmbus.bus.messages import (
     KvChunk,
-    KvLayout,
     KvReceive,
     KvReply,
     KvTransferReport,
 )
 from llmbus.bus.tracing import context_from_traceparent
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.kv_gathering import Outgoing
+from llmbus.services.executor.kv_gathering import Outgoing, layout_of
 
 _tracer = trace.get_tracer("llmbus.executor")
 IN_FLIGHT = 4  # chunks sent and not yet acknowledged, per executor
 CHUNK_TIMEOUT_SECONDS = 10.0
 RECENTLY_CLOSED = 4096  # transfer ids a receiver remembers closing (a late open is refused)
-
-
-def layout_of(cache: KVCache) -> KvLayout:
-    num_layers, _, block_size, num_kv_heads, head_dim = cache.k.shape
-    return KvLayout(dtype=str(cache.k.dtype).removeprefix("torch."), block_size=block_size,
-                    num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
 
 class KvReceiver:

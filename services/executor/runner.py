@@ -35,8 +35,7 @@ from llmbus.services.executor.kv_cache import (
     default_budget_bytes,
     num_blocks_for_budget,
 )
-from llmbus.services.executor.kv_gathering import KvGathering
-from llmbus.services.executor.kv_transfer import layout_of
+from llmbus.services.executor.kv_gathering import KvGathering, layout_of
 from llmbus.services.executor.multi_step import more_steps
 from llmbus.services.executor.request_state import RequestState, check_scheduled, seed_positions
 from llmbus.services.executor.sampling.constraints import Grammars, Vocabulary, apply_masks

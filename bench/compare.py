@@ -59,7 +59,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compute threads given to every server (default: all cores)")
     parser.add_argument("--llmbus-args", default="",
                         help="extra `llmbus up` options for the llmbus servers, e.g. "
-                             "'--engine torch' (default: none, llmbus's defaults)")
+                             "'--backend torch' (default: none, llmbus's defaults)")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--c1-requests", type=int, default=8,

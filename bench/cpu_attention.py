@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from llmbus.services.cpu_features import cpu_label  # noqa: E402
 from llmbus.services.executor.attention.cpu_paged import PagedAttention  # noqa: E402
 from llmbus.services.executor.attention.metadata import build_attention_metadata  # noqa: E402
-from llmbus.services.executor.engines.torch_llama import TorchOps  # noqa: E402
+from llmbus.services.executor.backends.torch_llama import TorchOps  # noqa: E402
 from llmbus.services.executor.kernels.cpu.library import load_library  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M, llmbus's block size

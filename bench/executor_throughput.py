@@ -5,15 +5,15 @@ decode step per token for the whole batch, greedy with EOS suppressed (as HF's m
 does). HF `generate` runs the same prompts in the same process and run, so the ratio and the
 "same as HF" column (sequences whose greedy tokens equal HF's) compare like with like. Before
 the table it measures the machine: dense GEMM GFLOP/s per dtype and memory-copy GB/s, the
-ceilings any engine here works under; each row's GFLOP/s is what its decode achieved.
+ceilings any backend here works under; each row's GFLOP/s is what its decode achieved.
 
-    python -m llmbus.bench.executor_throughput [--device cpu|cuda] [--engines fast,exact]
+    python -m llmbus.bench.executor_throughput [--device cpu|cuda] [--backends fast,exact]
         [--batch-sizes 1,16,64] [--prompt-len 128] [--new-tokens 32] [--no-hf]
         [--kernels auto|torch|triton] [--threads N]
 
-Defaults: on the CPU, the fast and exact modes (the plans `llmbus up` and `llmbus up --exact`
-resolve, plan.py) and the torch reference in float32 (and bfloat16 where the CPU has it
-natively); on CUDA, the torch engine in bfloat16 with the Triton kernels.
+Defaults: on the CPU, the fast and exact modes (the backends `llmbus up` and `llmbus up --exact`
+choose, backend_choice.py) and the torch reference in float32 (and bfloat16 where the CPU has it
+natively); on CUDA, the torch backend in bfloat16 with the Triton kernels.
 Without CUDA, --device cuda says so and exits 0.
 """
 
@@ -122,7 +122,7 @@ def matmul_params(config) -> int:
 @dataclass
 class Row:
     batch: int
-    engine: str
+    backend: str
     prefill_s: float
     decode_tok_s: float
     outputs: list[list[int]]
@@ -130,29 +130,29 @@ class Row:
 
 def run_llmbus(args, device, dtype: str, prompts_by_batch: dict[int, list[list[int]]],
                path: Path) -> list[Row]:
-    """`dtype`: "fast" or "exact" (the CPU's default plans), or a torch engine dtype."""
-    from llmbus.services.executor.engines.torch_llama import select_ops
+    """`dtype`: "fast" or "exact" (the CPU's default backends), or a torch backend dtype."""
+    from llmbus.services.executor.backends.torch_llama import select_ops
     from llmbus.services.executor.runner import ModelRunner
 
     max_len = args.prompt_len + args.new_tokens
     num_blocks = max(prompts_by_batch) * -(-max_len // BLOCK_SIZE) + 1
     if dtype in ("fast", "exact"):
-        options = dict(engine="auto", exact=dtype == "exact")
+        options = dict(backend="auto", exact=dtype == "exact")
     else:
-        options = dict(engine="torch", dtype=getattr(torch, dtype))
+        options = dict(backend="torch", dtype=getattr(torch, dtype))
     runner = ModelRunner(path, model_name="bench", block_size=BLOCK_SIZE, num_blocks=num_blocks,
                          num_threads=args.threads, device=device, **options)
     if args.kernels != "auto":
         runner.model.ops = select_ops(args.kernels, device)
-    engine = f"llmbus {dtype}: {runner.plan.engine}" + \
+    backend = f"llmbus {dtype}: {runner.choice.backend}" + \
         (f" {runner.model.ops.name}" if device.type == "cuda" else "")
     rows = []
     for batch, prompts in prompts_by_batch.items():
         generate(runner, prompts, min(4, args.new_tokens), f"warmup{batch}")  # allocator, caches
         prefill_s, decode_s, outputs = generate(runner, prompts, args.new_tokens, f"b{batch}")
         steps = max(1, args.new_tokens - 1)
-        rows.append(Row(batch, engine, prefill_s, batch * steps / decode_s, outputs))
-        print(f"  {engine}, batch {batch}: {rows[-1].decode_tok_s:.0f} tok/s", file=sys.stderr)
+        rows.append(Row(batch, backend, prefill_s, batch * steps / decode_s, outputs))
+        print(f"  {backend}, batch {batch}: {rows[-1].decode_tok_s:.0f} tok/s", file=sys.stderr)
     return rows
 
 
@@ -175,8 +175,8 @@ def run_hf(args, device, prompts_by_batch: dict[int, list[list[int]]], path: Pat
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--engines", default=None,
-                        help="comma-separated: fast, exact (the CPU's plans) and torch engine "
+    parser.add_argument("--backends", "--engines", dest="backends", default=None,
+                        help="comma-separated: fast, exact (the CPU's backends) and torch "
                              "dtypes (float32, bfloat16, float16) (default: fast,exact,float32 "
                              "on the CPU, plus bfloat16 where the CPU has it natively; "
                              "bfloat16 on CUDA)")
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cpu_default = "fast,exact,float32" + (
         ",bfloat16" if has_native_bfloat16() else "")
-    dtypes = (args.engines or ("bfloat16" if device.type == "cuda" else cpu_default)).split(",")
+    dtypes = (args.backends or ("bfloat16" if device.type == "cuda" else cpu_default)).split(",")
     path = model_path(args.model)
     from llmbus.services.executor.weights.gguf_loader import load_gguf
     from llmbus.services.gguf_tokenizer import GGUFTokenizer
@@ -244,13 +244,13 @@ def print_report(args, device, rows: list[Row], hf: dict[int, Row], ceilings: di
           f"memory copy {ceilings['copy_gbps']:.1f} GB/s")
     print(f"# decode GFLOP/s = 2 x {params / 1e6:.0f}M matmul weights x decode tok/s; "
           "'same as HF' = sequences whose greedy tokens all equal HF's")
-    print(f"{'batch':>5}  {'engine':<28} {'prefill ms':>10} {'decode tok/s':>12} "
+    print(f"{'batch':>5}  {'backend':<28} {'prefill ms':>10} {'decode tok/s':>12} "
           f"{'x HF':>6} {'GFLOP/s':>8} {'same as HF':>10}")
-    for row in sorted(rows + list(hf.values()), key=lambda r: (r.batch, r.engine)):
+    for row in sorted(rows + list(hf.values()), key=lambda r: (r.batch, r.backend)):
         base = hf.get(row.batch)
         ratio = f"{row.decode_tok_s / base.decode_tok_s:.2f}" if base else "-"
         same = "-" if row is base else _same_as(row, base)
-        print(f"{row.batch:>5}  {row.engine:<28} {1e3 * row.prefill_s:>10.0f} "
+        print(f"{row.batch:>5}  {row.backend:<28} {1e3 * row.prefill_s:>10.0f} "
               f"{row.decode_tok_s:>12.0f} {ratio:>6} "
               f"{2 * params * row.decode_tok_s / 1e9:>8.1f} {same:>10}")
 

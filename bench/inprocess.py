@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = GGUFTokenizer.from_gguf(path)
     runner = ModelRunner(path, model_name=model_name_for(path), num_threads=args.threads,
                          num_blocks=-(-(args.input_len + args.max_tokens) // 16) + 2,
-                         engine="auto", exact=args.exact)
+                         backend="auto", exact=args.exact)
     dataset = random_dataset(tokenizer, num_requests=args.num_requests + 1,
                              input_len=args.input_len, seed=args.seed)
     prompts = [tokenizer.encode(r.prompt or "") for r in dataset]

@@ -132,7 +132,7 @@ def measure(path: str, kv_blocks: int) -> dict:
 
     baseline = rss()
     runner = ModelRunner(path, model_name="k-quant", num_blocks=kv_blocks,
-                         engine="auto")
+                         backend="auto")
     prompt = list(range(10, 74))
     result = runner.step(StepPlan(step_id=0, new_requests=[NewRequestData(
         "r", prompt, SamplingParams(temperature=0.0))], scheduled=[ScheduledRequest(
@@ -142,7 +142,7 @@ def measure(path: str, kv_blocks: int) -> dict:
     out = {"baseline": baseline, "after": rss(),
            "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "kv_bytes": cache.k.numel() * cache.k.element_size() * 2,
-           "engine": runner.plan.describe()}
+           "backend": runner.choice.describe()}
     if runner.config.num_experts:
         out["expert_calls"] = _expert_calls_at_batch_8(runner)
     return out
@@ -150,9 +150,9 @@ def measure(path: str, kv_blocks: int) -> dict:
 
 def _expert_calls_at_batch_8(runner) -> list[list[int]]:
     """A decode step of 8 sequences: per layer, how many times each expert ran (the
-    calls are counted as the engine makes them)."""
+    calls are counted as the backend makes them)."""
     from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
-    from llmbus.services.executor.engines import int_moe
+    from llmbus.services.executor.backends import int_moe
 
     prompts = {f"d{i}": [20 + 7 * i + j for j in range(16)] for i in range(8)}
     blocks = {seq: [10 + 2 * i, 11 + 2 * i] for i, seq in enumerate(prompts)}
@@ -215,7 +215,7 @@ def main() -> None:
     mib = 2 ** 20
     grown_peak, grown_after = m["peak"] - m["baseline"], m["after"] - m["baseline"]
     budget = size + m["kv_bytes"]
-    print(f"engine: {m['engine']}")
+    print(f"backend: {m['backend']}")
     print(f"model: {num_params / 1e6:.0f}M parameters, file {size / mib:.0f} MiB, "
           f"KV cache {m['kv_bytes'] / mib:.0f} MiB; a dense float32 copy would be "
           f"{num_params * 4 / mib:.0f} MiB")

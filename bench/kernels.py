@@ -77,7 +77,7 @@ def paged_setup(context_lens: list[int], query_lens: list[int], s: Shapes, dtype
 
 
 def bench_elementwise(s: Shapes, dtype, num_tokens: int) -> None:
-    from llmbus.services.executor.engines.torch_llama import TorchOps
+    from llmbus.services.executor.backends.torch_llama import TorchOps
     from llmbus.services.executor.kernels.triton import rmsnorm, rope_kv, swiglu
 
     x = torch.randn(num_tokens, s.hidden, dtype=dtype, device=DEVICE)

@@ -26,7 +26,8 @@ from llmbus.bus import subjects
 from llmbus.bus.messages import KvChunk, KvDestination, KvReceive, KvReply
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.kv_transfer import KvReceiver, KvSender, gather
+from llmbus.services.executor.kv_gathering import gather
+from llmbus.services.executor.kv_transfer import KvReceiver, KvSender
 from llmbus.services.executor.weights.model_config import LlamaConfig
 from llmbus.services.launcher import Stack
 
@@ -106,14 +107,14 @@ def prefill_seconds(num_tokens: int, chunk: int = 256) -> float:
     """The default model's prefill of `num_tokens` random tokens, as a prefill engine runs it
     (the executor's runner, one thread, the scheduler's chunks)."""
     from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
-    from llmbus.services.executor.plan import resolve_plan
+    from llmbus.services.executor.backend_choice import choose_backend
     from llmbus.services.executor.runner import ModelRunner
     from llmbus.services.model_files import default_model_path
 
     block_size = 16
     num_blocks = -(-num_tokens // block_size) + 2
-    path = default_model_path()  # the served default: the fast mode's engine
-    runner = ModelRunner(path, model_name="bench", plan=resolve_plan(path), num_threads=1,
+    path = default_model_path()  # the served default: the fast mode's backend
+    runner = ModelRunner(path, model_name="bench", choice=choose_backend(path), num_threads=1,
                          small_step_threads=1, num_blocks=num_blocks)
     prompt = [(i * 7919) % 40000 + 100 for i in range(num_tokens)]
     started = time.perf_counter()

@@ -42,7 +42,7 @@ def profile(runner, batch: int, context: int, num_steps: int) -> dict[str, float
     """ms per decode step: as served, and through the Python loop with its forward, dense work
     and attention."""
     from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
-    from llmbus.services.executor.engines import cpu_llama
+    from llmbus.services.executor.backends import cpu_llama
 
     model = runner.model
     assert isinstance(model, cpu_llama.CpuLlamaModel)
@@ -111,7 +111,7 @@ def main() -> int:
     contexts = [int(c) for c in args.context.split(",")]
     blocks = max(batches) * (-(-(max(contexts) + 2 * args.steps) // 16)) + 2
     runner = ModelRunner(default_model_path(), model_name="profile", num_threads=args.threads,
-                         num_blocks=blocks, engine="auto", exact=args.exact)
+                         num_blocks=blocks, backend="auto", exact=args.exact)
     print(f"# {cpu_label()}; {args.threads} threads; "
           f"{'exact' if args.exact else 'fast'} mode; ms per decode step")
     print("| batch | context | step as served | step, Python loop over layers | dense work "

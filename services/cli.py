@@ -125,12 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "(an engine is a scheduler with its executor; api copies share the "
                          "port through SO_REUSEPORT); prefill=1,decode=1 starts disaggregated "
                          "engines (--role) instead of mixed ones (default: 1 of each)")
-    seen: set[str] = set()
+    seen: set[tuple[str, ...]] = set()
     for name in SERVICE_ORDER:
         group = up.add_argument_group(f"{name} options")
         for option in service_options(name):
-            if option.dest not in seen:  # shared by several services: declared once
-                seen.add(option.dest)
+            if option.flags not in seen:  # shared by several services: declared once
+                seen.add(option.flags)
                 group.add_argument(*option.flags, **option.kwargs)
 
     serve = commands.add_parser("serve", help="run one service (what compose.yaml runs)")
@@ -168,12 +168,15 @@ SECRET_OPTIONS = {"api_key": "LLMBUS_API_KEY"}
 
 def _argv_for(name: str, args: argparse.Namespace) -> list[str]:
     """Re-create the command-line options of one service from `up`'s parsed options (the
-    secret ones excepted: see SECRET_OPTIONS)."""
+    secret ones excepted: see SECRET_OPTIONS). An option with a second, deprecated spelling
+    (the executor's `--engine` for `--backend`) is handed on once, by its first one."""
     argv = ["--log-format", args.log_format, "--log-level", args.log_level]
     if args.trace_console:
         argv.append("--trace-console")
+    handed: set[str] = set()
     for option in service_options(name):
-        if option.dest not in SECRET_OPTIONS:
+        if option.dest not in SECRET_OPTIONS and option.dest not in handed:
+            handed.add(option.dest)
             argv += option.argv(getattr(args, option.dest, option.default))
     return argv
 

@@ -1,12 +1,13 @@
-"""Disaggregated prefill, the executors' part: KV blocks moved from a prefill engine's cache into
-a decode engine's, over the bus.
+"""Disaggregated prefill, the executors' part on the bus: KV blocks moved from a prefill
+engine's cache into a decode engine's.
 
-The prefill executor gathers a sequence's blocks as they fill (`gather`, in the forward thread,
-right after the step that wrote them and before a later step can reuse them) and sends them in
-chunks no bigger than the server's max_payload (`KvSender`), a few in flight at once: each is a
-request whose answer says the decode executor wrote it, so a slow or gone receiver holds the
-sender back instead of the bus buffering it. The transfer's last blocks are acknowledged before
-the prefill's step is answered, so when the prefill engine says "done" the KV is in place.
+The prefill executor gathers a sequence's blocks as they fill (kv_gathering.py, in the forward
+thread, right after the step that wrote them and before a later step can reuse them) and sends
+them in chunks no bigger than the server's max_payload (`KvSender`), a few in flight at once:
+each is a request whose answer says the decode executor wrote it, so a slow or gone receiver
+holds the sender back instead of the bus buffering it. The transfer's last blocks are
+acknowledged before the prefill's step is answered, so when the prefill engine says "done" the
+KV is in place.
 
 The decode executor writes only blocks of a transfer its scheduler opened (`KvReceiver`) and
 stops taking them once the scheduler closes it (before those blocks can go to anyone else), so
@@ -28,68 +29,18 @@ from opentelemetry.trace import Status, StatusCode
 
 from llmbus.bus.messages import (
     KvChunk,
-    KvDestination,
-    KvLayout,
     KvReceive,
     KvReply,
     KvTransferReport,
 )
 from llmbus.bus.tracing import context_from_traceparent
 from llmbus.services.executor.kv_cache import KVCache
+from llmbus.services.executor.kv_gathering import Outgoing, layout_of
 
 _tracer = trace.get_tracer("llmbus.executor")
-CHUNK_OVERHEAD_BYTES = 16 << 10  # the chunk's fields and headers, besides K and V
 IN_FLIGHT = 4  # chunks sent and not yet acknowledged, per executor
 CHUNK_TIMEOUT_SECONDS = 10.0
 RECENTLY_CLOSED = 4096  # transfer ids a receiver remembers closing (a late open is refused)
-
-
-def layout_of(cache: KVCache) -> KvLayout:
-    num_layers, _, block_size, num_kv_heads, head_dim = cache.k.shape
-    return KvLayout(dtype=str(cache.k.dtype).removeprefix("torch."), block_size=block_size,
-                    num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
-
-
-@dataclass
-class Outgoing:
-    """Some gathered blocks of one transfer, cut into chunks; `final`: its last ones."""
-
-    destination: KvDestination
-    chunks: list[KvChunk]
-    final: bool
-    traceparent: str = ""  # the request's: its transfer is a span of its trace
-
-
-def gather(cache: KVCache, destination: KvDestination, source_blocks: list[int],
-           first: int, max_bytes: int, final: bool, traceparent: str = "") -> Outgoing:
-    """Copy blocks `source_blocks` (this cache's) out as chunks for the destination's blocks
-    from prompt block `first` on. A chunk holds as many whole blocks as fit in `max_bytes`;
-    a block bigger than that goes by layers."""
-    offset = first - destination.first_block
-    targets = destination.block_ids[offset:offset + len(source_blocks)]
-    num_layers = cache.k.shape[0]
-    layer_bytes = cache.k[0, 0].numel() * cache.k.element_size() * 2  # K and V of one block
-    budget = max(max_bytes - CHUNK_OVERHEAD_BYTES, layer_bytes)
-    layers_per_chunk = min(num_layers, budget // layer_bytes)
-    blocks_per_chunk = max(1, budget // (layer_bytes * num_layers)) if \
-        layers_per_chunk == num_layers else 1
-    chunks = []
-    for b in range(0, len(source_blocks), blocks_per_chunk):
-        index = torch.tensor(source_blocks[b:b + blocks_per_chunk], dtype=torch.int64)
-        for layer in range(0, num_layers, layers_per_chunk):
-            count = min(layers_per_chunk, num_layers - layer)
-            chunks.append(KvChunk(
-                transfer_id=destination.transfer_id,
-                block_ids=targets[b:b + blocks_per_chunk], first_layer=layer,
-                num_layers=count, k=_raw(cache.k[layer:layer + count, index]),
-                v=_raw(cache.v[layer:layer + count, index])))
-    return Outgoing(destination, chunks, final, traceparent)
-
-
-def _raw(tensor: torch.Tensor) -> bytes:
-    """The tensor's bytes (msgspec encodes a memoryview as it does bytes: no copy here)."""
-    flat = tensor.contiguous().view(torch.uint8).reshape(-1).cpu()  # a GPU's: copied out
-    return memoryview(flat.numpy())  # type: ignore[return-value]
 
 
 class KvReceiver:

@@ -42,7 +42,7 @@ def test_a_generated_family_is_served(tmp_path, family):
                         num_kv_heads=1, head_size=256, tied=True, sliding_window=8)
     if family == "qwen3":
         spec = TinySpec(vocab_size=SPEC.vocab_size, head_size=128)
-    if family == "qwen3moe":  # (the torch engine runs it: the plan's choice for experts)
+    if family == "qwen3moe":  # (the torch backend runs it: the backend chosen for experts)
         spec = TinySpec(vocab_size=SPEC.vocab_size, head_size=128, num_experts=4,
                         num_experts_used=2, expert_size=96)
     write_tiny_llama(path, spec, seed=7, quantized="Q8_0", vocab_from=vocab,
@@ -54,7 +54,7 @@ def test_a_generated_family_is_served(tmp_path, family):
         assert prompt[0] == 2 and len(prompt) + MAX_TOKENS > spec.sliding_window
         assert GGUFTokenizer.from_gguf(path).encode(" the") != \
             GGUFTokenizer.from_gguf(path).encode("the")
-    runner = ModelRunner(path, model_name="tiny", num_blocks=64, engine="auto")
+    runner = ModelRunner(path, model_name="tiny", num_blocks=64, backend="auto")
     want = generate(runner, [prompt], max_tokens=MAX_TOKENS,
                     params=[SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                            ignore_eos=True)])[0]

@@ -40,8 +40,8 @@ async def test_the_executor_answers_info_and_steps_on_a_tiny_model(bus, tmp_path
                                       "--num-blocks", "16", "--block-size", "4",
                                       "--threads", "1", "--shutdown-timeout", "0"])
     async with ServiceRuntime("executor", url, handle_signals=False) as runtime:
-        plan = executor_service.plan_for(args, cuda_available=False)
-        serving = asyncio.create_task(executor_service._serve(args, runtime, plan))
+        choice = executor_service.backend_choice_for(args, cuda_available=False)
+        serving = asyncio.create_task(executor_service.serve(args, runtime, choice))
 
         async def ask(subject, message, reply_type):
             async with asyncio.timeout(120):  # the first call waits for the model to load

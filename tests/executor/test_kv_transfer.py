@@ -1,8 +1,9 @@
-"""KV blocks moved between executors (services/executor/kv_transfer.py), on a tiny random model:
-a prefill engine's runner gathers a prompt's blocks as its chunks fill them, a decode engine's
-receiver writes them into the blocks its scheduler holds (after a prefix it caches itself), and
-the decode engine goes on exactly as the prefill engine would have. And what the receiver
-refuses: another layout, a transfer not open (or closed), blocks outside it, a short chunk."""
+"""KV blocks moved between executors (services/executor/kv_gathering.py, kv_transfer.py), on a
+tiny random model: a prefill engine's runner gathers a prompt's blocks as its chunks fill them,
+a decode engine's receiver writes them into the blocks its scheduler holds (after a prefix it
+caches itself), and the decode engine goes on exactly as the prefill engine would have. And
+what the receiver refuses: another layout, a transfer not open (or closed), blocks outside it,
+a short chunk."""
 
 from __future__ import annotations
 
@@ -23,13 +24,8 @@ from llmbus.bus.messages import (
     StepPlan,
 )
 from llmbus.services.executor.kv_cache import KVCache
-from llmbus.services.executor.kv_transfer import (
-    CHUNK_OVERHEAD_BYTES,
-    KvReceiver,
-    KvSender,
-    Outgoing,
-    gather,
-)
+from llmbus.services.executor.kv_gathering import CHUNK_OVERHEAD_BYTES, Outgoing, gather
+from llmbus.services.executor.kv_transfer import KvReceiver, KvSender
 from llmbus.services.executor.runner import ModelRunner
 from tests.gguf_fixtures import TinySpec, write_tiny_llama
 
@@ -80,11 +76,11 @@ def test_blocks_land_in_the_held_slots_after_a_cached_prefix(model_path):
     first = prefill.step(StepPlan(step_id=0, new_requests=[
         NewRequestData("p", PROMPT, GREEDY, kv_destination=destination)], scheduled=[
         ScheduledRequest("p", 0, 9, [5, 1, 7], sample=False)]))
-    [early], _ = prefill.take_kv_outbox()  # block 1 filled (block 0 is the decoder's own)
+    [early], _ = prefill.kv_gathering.take()  # block 1 filled (block 0 is the decoder's own)
     assert not early.final and [c.block_ids for c in early.chunks] == [[9]]
     last = prefill.step(StepPlan(step_id=1, scheduled=[ScheduledRequest("p", 9, 5, [4])]))
     assert first.error == last.error == ""
-    [final], dropped = prefill.take_kv_outbox()
+    [final], dropped = prefill.kv_gathering.take()
     assert dropped == []
     assert final.final and sorted(b for c in final.chunks for b in c.block_ids) == [2, 6]
     for chunk in early.chunks + final.chunks:

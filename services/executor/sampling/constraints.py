@@ -11,7 +11,7 @@ nothing.
 
 A matcher follows its request's tokens: it takes each token the request samples, and nothing
 else; a constraint with `after` (a thinking model's `</think>`) takes only the tokens after
-that text, so the reasoning is free and the answer constrained (runner._RequestState.take). A
+that text, so the reasoning is free and the answer constrained (grammar_state.py). A
 preempted request keeps its tokens in the executor and is recomputed from them, so its matcher
 stays where it was; constrained requests get no speculative drafts, so nothing it took is ever
 taken back.

@@ -1,6 +1,6 @@
 """Which of a GGUF's tensors are layer matrices, and whether llmbus's integer kernel takes a
-file, told from its header alone (no torch, nothing loaded): the executor's plan asks before
-it loads anything."""
+file, told from its header alone (no torch, nothing loaded): the executor's backend choice
+asks before it loads anything."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ NATIVE_GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6
 # The architectures whose layers the integer kernel computes (Gemma 3's norms after the
 # attention and the MLP, and its GeGLU, are not in it).
 KERNEL_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
-# Mixtures of experts: the integer kernel runs them in the fast mode (engines/int_moe.py), the
-# torch engine in the exact one (ONNX Runtime's graphs do not take experts).
+# Mixtures of experts: the integer kernel runs them in the fast mode (backends/int_moe.py), the
+# torch backend in the exact one (ONNX Runtime's graphs do not take experts).
 MOE_ARCHITECTURES = ("qwen3moe",)
 
 

@@ -1,7 +1,7 @@
 """A GGUF's hyper-parameters as one config (`LlamaConfig`), read from its metadata under the
 file's architecture (`qwen2.block_count`, ...), and the tensors each architecture needs beyond
 llama's. The families differ in a few switches (Q/K/V biases, Q/K norms, Gemma 3's post-norms,
-GeGLU, windows; experts), which every engine reads from here.
+GeGLU, windows; experts), which every backend reads from here.
 """
 
 from __future__ import annotations
@@ -111,25 +111,13 @@ def read_config(metadata: Mapping[str, Any],
     moe = arch in MOE_ARCHITECTURES
     if isinstance(field("feed_forward_length"), list):
         raise UnsupportedModelError("per-layer feed_forward_length is not supported")
-    scaling = field("rope.scaling.type", "none")
-    if scaling not in ("none", "", "linear"):
-        raise UnsupportedModelError(f"{arch}.rope.scaling.type {scaling!r} is not supported "
-                                    "(supported: none, linear, and the rope_freqs tensor)")
     if "token_embd.weight" not in tensor_shapes:
         raise UnsupportedModelError("GGUF lacks token_embd.weight")
 
     hidden = int(required("embedding_length"))
     num_heads = int(required("attention.head_count"))
     head_dim = int(field("attention.key_length", hidden // num_heads))
-    rope_dim = int(field("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise UnsupportedModelError(f"partial rotary ({rope_dim} of {head_dim}) is not supported")
-    if tensor_shapes.get("rope_freqs.weight", (head_dim // 2,)) != (head_dim // 2,):
-        raise UnsupportedModelError(f"rope_freqs.weight has shape "
-                                    f"{tensor_shapes['rope_freqs.weight']}, expected "
-                                    f"({head_dim // 2},): one factor per rotary frequency")
-    linear = float(field("rope.scaling.factor", 1.0)) if scaling == "linear" \
-        else 1.0
+    linear = _rope_linear_factor(arch, field, tensor_shapes, head_dim)
 
     eos_ids = [_field(metadata, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     bos = _field(metadata, "tokenizer.ggml.bos_token_id")
@@ -158,6 +146,24 @@ def read_config(metadata: Mapping[str, Any],
                          num_experts_used=int(required("expert_used_count")),
                          expert_intermediate_size=int(required("expert_feed_forward_length")))
     return _gemma3(config, field, required) if arch == "gemma3" else config
+
+
+def _rope_linear_factor(arch: str, field: Callable[..., Any],
+                        tensor_shapes: dict[str, tuple[int, ...]], head_dim: int) -> float:
+    """The linear RoPE scaling factor (1.0: none), after refusing the RoPE variants the
+    backends do not compute: other scalings, a partial rotary, a rope_freqs of another width."""
+    scaling = field("rope.scaling.type", "none")
+    if scaling not in ("none", "", "linear"):
+        raise UnsupportedModelError(f"{arch}.rope.scaling.type {scaling!r} is not supported "
+                                    "(supported: none, linear, and the rope_freqs tensor)")
+    rope_dim = int(field("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise UnsupportedModelError(f"partial rotary ({rope_dim} of {head_dim}) is not supported")
+    if tensor_shapes.get("rope_freqs.weight", (head_dim // 2,)) != (head_dim // 2,):
+        raise UnsupportedModelError(f"rope_freqs.weight has shape "
+                                    f"{tensor_shapes['rope_freqs.weight']}, expected "
+                                    f"({head_dim // 2},): one factor per rotary frequency")
+    return float(field("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
 
 
 def _gemma3(config: LlamaConfig, field: Callable[..., Any],

@@ -1,5 +1,5 @@
 """The GGUF's quantized layer matrices in the form llmbus's integer kernel reads
-(engines/int_step.py, kernels/cpu/int_step.cpp), and whether a file can be read so at all.
+(backends/int_step.py, kernels/cpu/int_step.cpp), and whether a file can be read so at all.
 """
 
 from __future__ import annotations

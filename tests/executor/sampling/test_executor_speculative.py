@@ -160,10 +160,10 @@ def test_the_sampling_rule_keeps_the_tiny_model_s_distribution(tmp_path):
     """The same on a tiny generated model's own logits at a prompt's end and two drafts: the
     first is its likeliest token, the second one it rarely picks (top-k 8: chi-square over
     8 tokens)."""
-    from llmbus.services.executor.engines.torch_llama import LlamaModel
+    from llmbus.services.executor.backends.torch_llama import LlamaModel
     from llmbus.services.executor.kv_cache import KVCache
     from llmbus.services.executor.weights.gguf_loader import load_gguf
-    from tests.executor.engines.test_executor_model import _run
+    from tests.executor.reference_forward import paged_forward
 
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path, TinySpec(), seed=9)
@@ -175,7 +175,7 @@ def test_the_sampling_rule_keeps_the_tiny_model_s_distribution(tmp_path):
 
     def logits_of(tokens: list[int]) -> torch.Tensor:
         cache = KVCache(config, num_blocks=8, block_size=BLOCK_SIZE)
-        return _run(model, cache, [(tokens, 0, len(tokens), [1, 2, 3, 4])])
+        return paged_forward(model, cache, [(tokens, 0, len(tokens), [1, 2, 3, 4])])
 
     likely = int(logits_of(PROMPT)[-1].argmax())
     second = target_probs(logits_of(PROMPT + [likely])[-1:], tensors)[0]

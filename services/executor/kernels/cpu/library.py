@@ -3,7 +3,7 @@
 Compiled with the system's C++ compiler for this very CPU (-march=native) and cached under the
 llmbus cache directory, keyed by the sources, the flags, the compiler and the CPU. No torch
 headers, so the build takes a few seconds. Where no compiler works, `load_library()` logs
-why and returns None, and the executor plans without them (plan.py).
+why and returns None, and the executor chooses a backend without them (backend_choice.py).
 
 `LLMBUS_CPU_ISA=avx2` builds for x86-64-v3 (AVX2, FMA, F16C) instead, `avx512` for x86-64-v4,
 and `generic` for plain x86-64 (the kernels' loops without intrinsics), so that one machine can
@@ -163,7 +163,7 @@ def _built(isa: str | None) -> Path | None:
 def builds(isa: str | None = None) -> bool:
     """Whether the kernels for `isa` build here, without loading them: loading starts libgomp,
     which reads its environment once (configure_openmp must come first), and the executor
-    plans (plan.py) before it configures OpenMP."""
+    chooses its backend (backend_choice.py) before it configures OpenMP."""
     return _built(isa) is not None
 
 

@@ -10,7 +10,7 @@ import torch
 from llmbus.services.executor.attention import cpu_paged as paged_attention
 from llmbus.services.executor.attention.cpu_paged import PagedAttention
 from llmbus.services.executor.attention.metadata import build_attention_metadata
-from llmbus.services.executor.engines.torch_llama import TorchOps
+from llmbus.services.executor.backends.torch_llama import TorchOps
 from llmbus.services.executor.kernels.cpu.library import load_library
 from tests.cpu_isas import ISAS
 

@@ -1,4 +1,4 @@
-"""llmbus's integer kernel (kernels/cpu/int_step.cpp, engines/int_step.py): each matmul kind
+"""llmbus's integer kernel (kernels/cpu/int_step.cpp, backends/int_step.py): each matmul kind
 against a torch reference of the same arithmetic, for every ISA build this CPU can run; the
 whole forward against the exact one on the default model, and across builds."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from llmbus.services.executor.attention.metadata import build_attention_metadata
-from llmbus.services.executor.engines.cpu_llama import CpuLlamaModel
-from llmbus.services.executor.engines.int_step import int_linear
-from llmbus.services.executor.engines.torch_llama import LlamaModel
+from llmbus.services.executor.backends.cpu_llama import CpuLlamaModel
+from llmbus.services.executor.backends.int_step import int_linear
+from llmbus.services.executor.backends.torch_llama import LlamaModel
 from llmbus.services.executor.kernels.cpu.library import load_library
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import load_gguf

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from llmbus.services.executor.attention.metadata import build_attention_metadata  # noqa: E402
-from llmbus.services.executor.engines.torch_llama import LlamaModel, TorchOps, select_ops  # noqa: E402
+from llmbus.services.executor.backends.torch_llama import LlamaModel, TorchOps, select_ops  # noqa: E402
 from llmbus.services.executor.kernels.triton.ops import TritonOps  # noqa: E402
 from llmbus.services.executor.kv_cache import KVCache  # noqa: E402
 from llmbus.services.executor.weights.gguf_loader import load_gguf  # noqa: E402

@@ -1,4 +1,4 @@
-"""RoPE on Q/K fused with the paged K/V write, against model.py's torch path."""
+"""RoPE on Q/K fused with the paged K/V write, against the torch path (attention/torch_paged.py)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def test_rope_kv_matches_reference(dtype, heads, num_tokens):
 
 
 def test_per_token_rows_and_skipped_slots():
-    """cos/sin already gathered per token (what model.py passes); slot -1 stores nothing."""
+    """cos/sin already gathered per token (what backends/torch_llama.py passes); slot -1 stores
+    nothing."""
     qkv, positions, slots = _case(6, 9, 3, 64, torch.float32, seed=3)
     slots[2] = -1
     cos, sin = rope_tables(64, 256, torch.float32)

@@ -35,7 +35,7 @@ def hf(hf_reference):
 @pytest.fixture(scope="module", params=["torch", "onnxruntime"])
 def runner(request):
     return ModelRunner(default_model_path(), model_name="default", num_blocks=64,
-                       max_model_len=512, engine=request.param, exact=True)
+                       max_model_len=512, backend=request.param, exact=True)
 
 
 def _chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -61,7 +61,7 @@ def test_greedy_tokens_match_transformers(hf, runner):
 
 
 def test_torch_bfloat16_fast_path_answers_like_transformers(hf):
-    """The torch engine in bfloat16 (dense weights) is not bit-exact, but on these prompts it
+    """The torch backend in bfloat16 (dense weights) is not bit-exact, but on these prompts it
     starts its answers with HF float32's first tokens and still answers the factual question
     right."""
     if not has_native_bfloat16():
@@ -92,10 +92,10 @@ NEAR_TIE = 0.5
 def test_onnxruntime_fast_mode_departs_from_transformers_only_at_near_ties(hf):
     """int8 activations and a float16 KV cache: each answer's first token is HF float32's
     choice, or one within NEAR_TIE of it in HF's own logits. (Quality over whole texts is
-    the perplexity test's job: tests/executor/engines/test_fast_mode_quality.py.)"""
+    the perplexity test's job: test_fast_mode_quality.py, beside this file.)"""
     tokenizer, model = hf
     fast = ModelRunner(default_model_path(), model_name="default", num_blocks=64,
-                       max_model_len=512, engine="auto")
+                       max_model_len=512, backend="auto")
     prompts = [_chat_ids(tokenizer, p) for p in PROMPTS]
     ours = generate(fast, prompts, max_tokens=4, chunk_size=13)
     for prompt, tokens in zip(prompts, ours, strict=True):

@@ -1,9 +1,9 @@
-"""The one contract every engine implements: a forward over a flat batch and the paged KV cache.
+"""The one contract every backend implements: a forward over a flat batch and the paged KV cache.
 
 A step is T tokens from B sequences (prefill chunks and decodes mixed); the runner builds the
-attention metadata once per step and owns the cache. Implemented by engines/torch_llama.py's
-`LlamaModel` (torch; Triton on CUDA) and engines/cpu_llama.py's `CpuLlamaModel` (the integer
-kernel or ONNX Runtime); plan.py picks one.
+attention metadata once per step and owns the cache. Implemented by backends/torch_llama.py's
+`LlamaModel` (torch; Triton on CUDA) and backends/cpu_llama.py's `CpuLlamaModel` (the integer
+kernel or ONNX Runtime); backend_choice.py picks one, backends/loading.py loads it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from llmbus.services.executor.weights.model_config import LlamaConfig
 
 
-class Engine(Protocol):
+class Backend(Protocol):
     config: LlamaConfig
     dtype: torch.dtype  # of the activations it takes and the logits' source
     device: torch.device

@@ -54,7 +54,7 @@ def runner():
     tokens rounds differently from one token at a time, and 2 of these 20 prompts then part
     at a near-tie (Zen 4); serving each prompt alone instead of all 20 together parts 12."""
     return ModelRunner(default_model_path(), model_name="default", num_blocks=512,
-                       max_model_len=1024, engine="onnxruntime", exact=True)
+                       max_model_len=1024, backend="onnxruntime", exact=True)
 
 
 def _generate(runner: ModelRunner, prompts: list[list[int]], k: int,

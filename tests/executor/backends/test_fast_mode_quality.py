@@ -1,13 +1,13 @@
 """Design invariant 3: the fast default is measured against the exact mode. Perplexity on a
-fixed text (tests/data/perplexity_text.txt, ~2,300 tokens) through each CPU engine's own
+fixed text (tests/data/perplexity_text.txt, ~2,300 tokens) through each CPU backend's own
 forward, prefill in chunks over the paged cache.
 
 The fast mode has two forwards, and each is held to it: llmbus's integer kernel (every step
 where it was built) and ONNX Runtime's int8 graphs (where no compiler built the kernel). Every
 x86-64-v3 or newer build of the kernel computes the same bits
-(tests/executor/kernels/cpu/test_int_step.py), so this one run stands for the AVX2, AVX-512
-and VNNI builds alike. On the default model: exact 16.525, the integer kernel 16.554 (+0.17%),
-the int8 graphs 16.632 (+0.65%)."""
+(tests/executor/kernels/cpu/test_int_step.py), so this one run stands for the AVX2, AVX-512 and
+VNNI builds alike. On the default model: exact
+16.525, the integer kernel 16.554 (+0.17%), the int8 graphs 16.632 (+0.65%)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmbus.services.executor.engines.cpu_llama import CpuLlamaModel
+from llmbus.services.executor.backends.cpu_llama import CpuLlamaModel
 from llmbus.services.executor.kernels.cpu.library import load_library
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.perplexity import perplexity

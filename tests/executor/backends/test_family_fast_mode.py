@@ -2,7 +2,7 @@
 mode's, on a text of the model's own (random weights have no English to be scored on: the exact
 mode samples 300 tokens, then each mode scores them through its own forward and cache). qwen3
 and qwen3moe run the integer kernel, gemma3 ONNX Runtime's int8 graphs (the kernel does not take
-its layers), all with float16 KV; qwen3moe's exact mode is the torch engine."""
+its layers), all with float16 KV; qwen3moe's exact mode is the torch backend."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from llmbus.services.executor.attention.metadata import build_attention_metadata
-from llmbus.services.executor.engines.cpu_llama import CpuLlamaModel
-from llmbus.services.executor.engines.torch_llama import LlamaModel
+from llmbus.services.executor.backends.cpu_llama import CpuLlamaModel
+from llmbus.services.executor.backends.torch_llama import LlamaModel
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.perplexity import perplexity
 from llmbus.services.executor.weights.gguf_loader import load_gguf
@@ -46,7 +46,7 @@ def _sampled_text(model, config, seed: int = 0) -> list[int]:
 def test_fast_mode_perplexity_is_within_one_percent_of_exact(tmp_path, family):
     path = tmp_path / f"{family}.gguf"
     write_tiny_llama(path, FAMILIES[family], seed=11, arch=family, quantized="Q8_0")
-    if FAMILIES[family].num_experts:  # the exact mode's engine for experts
+    if FAMILIES[family].num_experts:  # the exact mode's backend for experts
         config, dense, _ = load_gguf(path)
         exact = LlamaModel(config, dense, max_positions=NUM_TOKENS)
     else:

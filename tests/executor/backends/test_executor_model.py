@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 
 import numpy as np
@@ -10,14 +9,14 @@ import pytest
 import torch
 
 from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
-from llmbus.services.executor.attention.metadata import build_attention_metadata
-from llmbus.services.executor.engines.torch_llama import LlamaModel
+from llmbus.services.executor.backends.torch_llama import LlamaModel
 from llmbus.services.executor.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from llmbus.services.executor.runner import ModelRunner
 from llmbus.services.executor.sampling.sampler import sample
 from llmbus.services.executor.sampling.sampling_tensors import SamplingTensors
 from llmbus.services.executor.weights.gguf_loader import load_gguf
 from llmbus.services.executor.weights.model_config import UnsupportedModelError
+from tests.executor.reference_forward import paged_forward, reference_logits
 from tests.gguf_fixtures import GREEDY, TinySpec, generate, write_tiny_llama
 
 SPEC = TinySpec()
@@ -33,42 +32,6 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runner(tiny):
     return ModelRunner(tiny[0], model_name="tiny", block_size=BLOCK_SIZE, num_blocks=256)
-
-
-def reference_logits(w: dict[str, np.ndarray], spec: TinySpec, token_ids: list[int]):
-    """Plain float64 llama over the whole sequence: full causal attention, no cache."""
-    t = {k: torch.from_numpy(v).double() for k, v in w.items()}
-    n, dh, group = len(token_ids), spec.head_dim, spec.num_heads // spec.num_kv_heads
-    inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, dh, 2).double() / dh)
-    angles = torch.arange(n).double()[:, None] * inv_freq[None]  # [n, dh/2]
-    cos = torch.cat([angles.cos()] * 2, -1)[:, None]  # [n, 1, dh]
-    sin = torch.cat([angles.sin()] * 2, -1)[:, None]
-
-    def rope(x):  # [n, heads, dh]
-        x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
-        return x * cos + torch.cat([-x2, x1], -1) * sin
-
-    def norm(x, weight):
-        return weight * x / torch.sqrt((x * x).mean(-1, keepdim=True) + spec.rms_norm_eps)
-
-    x = t["token_embd.weight"][token_ids]  # [n, D]
-    causal = torch.ones(n, n, dtype=torch.bool).triu(1)
-    for i in range(spec.num_layers):
-        p = f"blk.{i}."
-        h = norm(x, t[p + "attn_norm.weight"])
-        q = rope((h @ t[p + "attn_q.weight"].T).view(n, spec.num_heads, dh))
-        k = rope((h @ t[p + "attn_k.weight"].T).view(n, spec.num_kv_heads, dh))
-        v = (h @ t[p + "attn_v.weight"].T).view(n, spec.num_kv_heads, dh)
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(dh)
-        probs = scores.masked_fill(causal, -math.inf).softmax(-1)
-        attn = torch.einsum("hqk,khd->qhd", probs, v).reshape(n, -1)
-        x = x + attn @ t[p + "attn_output.weight"].T
-        h = norm(x, t[p + "ffn_norm.weight"])
-        gate = torch.nn.functional.silu(h @ t[p + "ffn_gate.weight"].T)
-        x = x + (gate * (h @ t[p + "ffn_up.weight"].T)) @ t[p + "ffn_down.weight"].T
-    lm_head = t.get("output.weight", t["token_embd.weight"])
-    return norm(x, t["output_norm.weight"]) @ lm_head.T  # [n, V]
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -102,17 +65,6 @@ def test_loader_rejects_other_architectures(tmp_path):
         load_gguf(tmp_path / "f.gguf")
 
 
-def _run(model, cache, seqs):
-    """One forward over (token_ids, start, end, block_table) per sequence; logits of all tokens."""
-    input_ids = [tok for ids, start, end, _ in seqs for tok in ids[start:end]]
-    meta = build_attention_metadata([end - start for _, start, end, _ in seqs],
-                                    [end for _, _, end, _ in seqs],
-                                    [table for *_, table in seqs], BLOCK_SIZE)
-    ids = torch.tensor(input_ids)
-    with torch.inference_mode():
-        return model.forward(ids, meta.positions, meta, cache, torch.arange(len(input_ids)))
-
-
 def test_paged_batched_forward_matches_reference(tiny):
     path, weights = tiny
     config, loaded, _ = load_gguf(path)
@@ -130,13 +82,13 @@ def test_paged_batched_forward_matches_reference(tiny):
     # so step 2 attends over KV written by step 1 in the same paged cache.
     splits = [0, 3, 6, 5, 21, 16]
     first = [(p, 0, s, t) for p, s, t in zip(prompts, splits, tables, strict=True) if s > 0]
-    logits = _run(model, cache, first)
+    logits = paged_forward(model, cache, first)
     expected = torch.cat([r[:s] for r, s in zip(references, splits, strict=True) if s > 0])
     torch.testing.assert_close(logits, expected, atol=1e-3, rtol=1e-4)
 
     second = [(p, s, len(p), t) for p, s, t in zip(prompts, splits, tables, strict=True)
               if s < len(p)]
-    logits = _run(model, cache, second)
+    logits = paged_forward(model, cache, second)
     expected = torch.cat([r[s:] for r, s in zip(references, splits, strict=True)
                           if s < len(r)])
     torch.testing.assert_close(logits, expected, atol=1e-3, rtol=1e-4)

@@ -3,7 +3,7 @@ on the GGUF's codes, experts included, none ever dequantized.
 
 Per layer: the norm, QKV, the model's attention, O (added into the residual in the kernel),
 the norm, then the router (float32: [E, D], a few KB) and, for each expert some token chose,
-one gate-up and one down matmul on the tokens routed to it (engines/moe.py): a step reads each
+one gate-up and one down matmul on the tokens routed to it (backends/moe.py): a step reads each
 expert it uses once, whatever the batch. The dense layers' boundary calls (int_step.py) fuse
 norms and SwiGLU in C++; here those few elementwise ops run in torch between the kernel's
 matmuls, one call per matrix.
@@ -15,9 +15,9 @@ import ctypes
 
 import torch
 
-from llmbus.services.executor.engines.int_step import ALWAYS, IntLinear
-from llmbus.services.executor.engines.moe import moe_mlp
-from llmbus.services.executor.engines.torch_llama import TorchOps, rms_norm
+from llmbus.services.executor.backends.int_step import ALWAYS, IntLinear
+from llmbus.services.executor.backends.moe import moe_mlp
+from llmbus.services.executor.backends.torch_llama import TorchOps, rms_norm
 from llmbus.services.executor.weights.matrices import expert_matrix
 from llmbus.services.executor.weights.model_config import LlamaConfig
 from llmbus.services.executor.weights.quant_parts import QuantPart

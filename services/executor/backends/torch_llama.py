@@ -1,5 +1,5 @@
-"""The torch engine: Llama in plain torch (dense weights) over a flat batch and the paged
-KV cache. It is the reference every other engine is checked against, and the CUDA path, where
+"""The torch backend: Llama in plain torch (dense weights) over a flat batch and the paged
+KV cache. It is the reference every other backend is checked against, and the CUDA path, where
 `TritonOps` (kernels/triton/ops.py) fuses the non-matmul ops.
 
 A step is one flat token stream: T tokens from B sequences, each a prefill chunk or a decode
@@ -19,7 +19,7 @@ from llmbus.services.executor.attention.metadata import AttentionMetadata
 from llmbus.services.executor.attention.qk_norm import qk_rms_norm
 from llmbus.services.executor.attention.rope import rope_tables
 from llmbus.services.executor.attention.torch_paged import paged_attention, rope_write_kv
-from llmbus.services.executor.engines.moe import moe_mlp
+from llmbus.services.executor.backends.moe import moe_mlp
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import qk_norm_weights, qkv_bias
 from llmbus.services.executor.weights.model_config import LlamaConfig
@@ -39,7 +39,7 @@ def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class TorchOps:
-    """The non-matmul ops in plain torch, unfused (the CPU path of this engine).
+    """The non-matmul ops in plain torch, unfused (the CPU path of this backend).
 
     `kernels.triton.ops.TritonOps` has the same calls, each one fused Triton kernel (CUDA).
     """

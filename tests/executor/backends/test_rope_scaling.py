@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmbus.services.executor.attention.metadata import build_attention_metadata
-from llmbus.services.executor.engines.torch_llama import LlamaModel
+from llmbus.services.executor.backends.torch_llama import LlamaModel
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import load_gguf
 from llmbus.services.executor.weights.model_config import UnsupportedModelError

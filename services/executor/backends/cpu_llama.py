@@ -1,14 +1,14 @@
 # Over 300 lines: one model whose two dense paths (the integer kernel, ONNX Runtime's graphs)
-# share its embedding, attention and head, for every family the CPU engines take.
-"""The CPU engines: llmbus's integer kernel, or ONNX Runtime's graphs, with paged attention.
+# share its embedding, attention and head, for every family the CPU backends take.
+"""The CPU backends: llmbus's integer kernel, or ONNX Runtime's graphs, with paged attention.
 
-Same contract as every engine (engine.Engine), so the runner drives either. Per step: embed the
+Same contract as every backend (backend.Backend), so the runner drives either. Per step: embed the
 tokens (from the GGUF's own codes), then for each layer do the dense work up to its QKV, write
 RoPE'd K/V into the paged cache and attend (llmbus's C++ kernel, attention/cpu_paged.py; the
 torch reference where no compiler built it), and hand the attention output to the next layer's
 dense work; last, the head on the rows that sample.
 
-The dense work runs in one of two places (plan.py decides which, once):
+The dense work runs in one of two places (backend_choice.py decides which, once):
 - the integer kernel (int_step.py): the fast mode wherever the kernels were built and take the
   file; every step, on the attention's OpenMP threads, and no ONNX Runtime session at all;
 - ONNX Runtime graphs built from the GGUF (onnx_graphs.py): the exact mode (float32
@@ -33,9 +33,9 @@ from llmbus.services.executor.attention.metadata import AttentionMetadata
 from llmbus.services.executor.attention.qk_norm import qk_rms_norm
 from llmbus.services.executor.attention.rope import rope_tables
 from llmbus.services.executor.attention.torch_paged import paged_attention, rope_write_kv
-from llmbus.services.executor.engines.int_moe import IntMoeStep
-from llmbus.services.executor.engines.int_step import IntStep
-from llmbus.services.executor.engines.onnx_graphs import MatrixSource, head_graph, layer_graphs
+from llmbus.services.executor.backends.int_moe import IntMoeStep
+from llmbus.services.executor.backends.int_step import IntStep
+from llmbus.services.executor.backends.onnx_graphs import MatrixSource, head_graph, layer_graphs
 from llmbus.services.executor.kernels.cpu.library import load_library
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import qk_norm_weights, qkv_bias
@@ -168,7 +168,7 @@ class CpuLlamaModel:
         self.int_step = self.int_moe = None
         if config.num_experts and not integer_kernel:
             raise ValueError("a mixture of experts runs in the integer kernel (the fast mode, "
-                             "where a compiler built it) or the torch engine, not in ONNX "
+                             "where a compiler built it) or the torch backend, not in ONNX "
                              "Runtime's graphs")
         if config.num_experts:
             self.int_moe = IntMoeStep(config, dense, native, lib, num_threads)

@@ -98,12 +98,8 @@ def service_options(name: str) -> list[ServiceOption]:
     return recorder.options
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="llmbus", description="Serve LLMs behind an OpenAI-compatible API, built as "
-        "services on a NATS bus.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_up_command(commands: argparse._SubParsersAction) -> None:
+    """`llmbus up`: its own options, and every service's (each declared once)."""
     up = commands.add_parser(
         "up", help="start nats-server and every service (the whole stack on this machine)",
         description="Start an embedded nats-server (unless --nats-url is given) and one copy "
@@ -132,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
             if option.flags not in seen:  # shared by several services: declared once
                 seen.add(option.flags)
                 group.add_argument(*option.flags, **option.kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmbus", description="Serve LLMs behind an OpenAI-compatible API, built as "
+        "services on a NATS bus.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_up_command(commands)
 
     serve = commands.add_parser("serve", help="run one service (what compose.yaml runs)")
     services = serve.add_subparsers(dest="service", required=True, metavar="SERVICE")

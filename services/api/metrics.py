@@ -13,7 +13,7 @@ registry of their own; the copy a scrape reaches gathers every copy's exposition
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -39,6 +39,53 @@ _GAPS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 R = ("model_name", "replica")
 
+
+
+def _kv_cache_usage(s: EngineStats) -> float:
+    used = s.num_total_blocks - s.num_free_blocks - s.num_evictable_blocks
+    return used / max(s.num_total_blocks, 1)
+
+
+# What each engine reports, per engine: (kind, name, documentation, value of its EngineStats).
+ENGINE_METRICS: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] = (
+    ("gauge", "llmbus:num_requests_running", "Requests in the engine's running batch.",
+     lambda s: s.num_running),
+    ("gauge", "llmbus:num_requests_waiting", "Requests waiting for the engine.",
+     lambda s: s.num_waiting),
+    ("gauge", "llmbus:kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1); "
+     "blocks only cached for reuse count as free.", _kv_cache_usage),
+    ("counter", "llmbus:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     lambda s: s.num_prefix_query_tokens),
+    ("counter", "llmbus:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+     lambda s: s.num_prefix_hit_tokens),
+    ("counter", "llmbus:num_preemptions", "Requests preempted to free KV blocks.",
+     lambda s: s.num_preemptions),
+    ("counter", "llmbus:spec_decode_num_draft_tokens",
+     "Speculative decoding: draft tokens the model verified.", lambda s: s.num_draft_tokens),
+    ("counter", "llmbus:spec_decode_num_accepted_tokens",
+     "Speculative decoding: draft tokens the model agreed with.",
+     lambda s: s.num_accepted_tokens),
+    ("gauge", "llmbus:spec_decode_draft_acceptance_rate", "Accepted over verified draft "
+     "tokens since the engine started (0 before any draft).",
+     lambda s: s.num_accepted_tokens / max(s.num_draft_tokens, 1)),
+    ("counter", "llmbus:remote_prefills", "Disaggregation: prompts a decode engine sent to a "
+     "prefill engine.", lambda s: s.num_remote_prefills),
+    ("counter", "llmbus:remote_prefill_fallbacks", "Disaggregation: ... of which the decode "
+     "engine prefilled itself after all (the prefill engine refused, failed or went silent).",
+     lambda s: s.num_remote_fallbacks),
+    ("counter", "llmbus:kv_transfer_bytes", "Disaggregation: KV bytes a decode engine "
+     "received.", lambda s: s.kv_bytes_received),
+    ("counter", "llmbus:kv_transfer_seconds", "Disaggregation: seconds its KV chunks were in "
+     "flight (mostly while later chunks computed).", lambda s: s.kv_transfer_seconds),
+    ("counter", "llmbus:kv_transfer_wait_seconds", "Disaggregation: seconds from a prefill's "
+     "last forward to its last KV chunk acknowledged (what the transfer adds to the time to "
+     "first token), summed.", lambda s: s.kv_wait_seconds),
+    ("counter", "llmbus:kv_handoff_seconds", "Disaggregation: seconds from the prefill "
+     "engine's first token to the decode engine sending it on, summed over requests.",
+     lambda s: s.handoff_seconds),
+    ("counter", "llmbus:prefilled_for_others", "Disaggregation: prompts a prefill engine "
+     "prefilled for decode engines.", lambda s: s.num_prefilled_for_others),
+)
 
 class _Families(Collector):
     """A collector that serves metric families made elsewhere (gathered, or built per scrape)."""
@@ -121,66 +168,13 @@ class ApiMetrics:
     def _engine_families(self) -> list[Metric]:
         """The engines' state as of the last `set_engine_stats` (a custom collector's work:
         gauges and counters the engines keep, read at scrape time)."""
-        def gauge(name: str, documentation: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, documentation, labels=R)
-
-        def counter(name: str, documentation: str) -> CounterMetricFamily:
-            return CounterMetricFamily(name, documentation, labels=R)
-
-        running = gauge("llmbus:num_requests_running", "Requests in the engine's running batch.")
-        waiting = gauge("llmbus:num_requests_waiting", "Requests waiting for the engine.")
-        usage = gauge("llmbus:kv_cache_usage_perc", "Fraction of KV blocks held by requests "
-                      "(0-1); blocks only cached for reuse count as free.")
-        queries = counter("llmbus:prefix_cache_queries",
-                          "Prompt tokens looked up in the prefix cache.")
-        hits = counter("llmbus:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        preemptions = counter("llmbus:num_preemptions",
-                              "Requests preempted to free KV blocks.")
-        drafts = counter("llmbus:spec_decode_num_draft_tokens",
-                         "Speculative decoding: draft tokens the model verified.")
-        accepted = counter("llmbus:spec_decode_num_accepted_tokens",
-                           "Speculative decoding: draft tokens the model agreed with.")
-        rate = gauge("llmbus:spec_decode_draft_acceptance_rate",
-                     "Accepted over verified draft tokens since the engine started (0 before "
-                     "any draft).")
-        remote = counter("llmbus:remote_prefills", "Disaggregation: prompts a decode engine "
-                         "sent to a prefill engine.")
-        fallbacks = counter("llmbus:remote_prefill_fallbacks", "Disaggregation: ... of which "
-                            "the decode engine prefilled itself after all (the prefill engine "
-                            "refused, failed or went silent).")
-        kv_bytes = counter("llmbus:kv_transfer_bytes", "Disaggregation: KV bytes a decode "
-                           "engine received.")
-        kv_seconds = counter("llmbus:kv_transfer_seconds", "Disaggregation: seconds its KV "
-                             "chunks were in flight (mostly while later chunks computed).")
-        kv_wait = counter("llmbus:kv_transfer_wait_seconds", "Disaggregation: seconds from "
-                          "a prefill's last forward to its last KV chunk acknowledged (what "
-                          "the transfer adds to the time to first token), summed.")
-        handoff = counter("llmbus:kv_handoff_seconds", "Disaggregation: seconds from the "
-                          "prefill engine's first token to the decode engine sending it on, "
-                          "summed over requests.")
-        prefilled = counter("llmbus:prefilled_for_others", "Disaggregation: prompts a "
-                            "prefill engine prefilled for decode engines.")
-        for s in self.engine_stats:
-            labels = [self.labels[0], s.engine_id]
-            remote.add_metric(labels, s.num_remote_prefills)
-            fallbacks.add_metric(labels, s.num_remote_fallbacks)
-            kv_bytes.add_metric(labels, s.kv_bytes_received)
-            kv_seconds.add_metric(labels, s.kv_transfer_seconds)
-            kv_wait.add_metric(labels, s.kv_wait_seconds)
-            handoff.add_metric(labels, s.handoff_seconds)
-            prefilled.add_metric(labels, s.num_prefilled_for_others)
-            running.add_metric(labels, s.num_running)
-            waiting.add_metric(labels, s.num_waiting)
-            used = s.num_total_blocks - s.num_free_blocks - s.num_evictable_blocks
-            usage.add_metric(labels, used / max(s.num_total_blocks, 1))
-            queries.add_metric(labels, s.num_prefix_query_tokens)
-            hits.add_metric(labels, s.num_prefix_hit_tokens)
-            preemptions.add_metric(labels, s.num_preemptions)
-            drafts.add_metric(labels, s.num_draft_tokens)
-            accepted.add_metric(labels, s.num_accepted_tokens)
-            rate.add_metric(labels, s.num_accepted_tokens / max(s.num_draft_tokens, 1))
-        return [running, waiting, usage, queries, hits, preemptions, drafts, accepted, rate,
-                remote, fallbacks, kv_bytes, kv_seconds, kv_wait, handoff, prefilled]
+        families = [(GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+            name, documentation, labels=R) for kind, name, documentation, _ in ENGINE_METRICS]
+        for stats in self.engine_stats:
+            labels = [self.labels[0], stats.engine_id]
+            for family, (*_, value) in zip(families, ENGINE_METRICS, strict=True):
+                family.add_metric(labels, value(stats))
+        return families
 
     def render(self, copies: list[ApiMetricsSnapshot] | None = None) -> str:
         """The exposition: request metrics of every copy in `copies` (default: this one's

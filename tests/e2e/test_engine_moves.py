@@ -45,8 +45,9 @@ async def _held_by(nats_url: str, engine_id: str) -> int:
 
 async def test_requests_of_a_dead_engine_that_sent_nothing_move_and_finish(two_engines):
     stack, base_url, nats_url = two_engines
-    # Long prompts: one thread prefills them for seconds, so nothing is sent before the kill.
-    prompts = [f"Text {i}: " + " ".join(f"w{i}x{j}" for j in range(400)) + " Summarize."
+    # Long prompts (~600 tokens): one thread prefills each in several chunks, a good part of a
+    # second, and the kill comes as soon as engine1 holds one, so it has sent nothing.
+    prompts = [f"Text {i}: " + " ".join(f"w{i}x{j}" for j in range(150)) + " Summarize."
                for i in range(4)]
 
     async def complete(http: httpx.AsyncClient, prompt: str) -> dict:

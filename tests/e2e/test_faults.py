@@ -115,7 +115,7 @@ def test_sigterm_during_a_stream_ends_it_cleanly(tmp_path):
 
 def test_soak_script_runs_briefly():
     """The soak script itself (a short run here; minutes long outside CI)."""
-    result = subprocess.run([sys.executable, "-m", "llmbus.bench.soak", "--seconds", "8",
+    result = subprocess.run([sys.executable, "-m", "llmbus.bench.soak", "--seconds", "4",
                              "--concurrency", "4"], cwd=REPO, capture_output=True, text=True,
                             timeout=240, env=dict(os.environ))
     assert result.returncode == 0, result.stderr[-2000:]

@@ -128,3 +128,31 @@ def test_only_service_and_bus_modules_talk_to_nats():
     strays = [str(path.relative_to(ROOT)) for path in talkers
               if path.name != "service.py" and not path.name.endswith("_bus.py")]
     assert strays == [], f"talk to NATS but are neither service.py nor *_bus.py: {strays}"
+
+
+MAX_CORE_MODULE_LINES = 350  # the scheduler's and the executor's modules, reason or not
+MAX_CLASS_LINES = 300
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_module_class_or_function_outgrows_its_room():
+    """A class past 300 lines or a function past 60 holds more than one idea; a scheduler or
+    executor module past 350 lines is one that should be split, whatever its first line says.
+    Counted from the `def`/`class` line to the last line of the body."""
+    too_big = []
+    for folder in ("bus", "services"):
+        for path in ROOT.joinpath(folder).rglob("*.py"):
+            text = path.read_text()
+            where = path.relative_to(ROOT)
+            core = where.parts[:2] in (("services", "scheduler"), ("services", "executor"))
+            if core and text.count("\n") > MAX_CORE_MODULE_LINES:
+                too_big.append(f"{where}: {text.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(text)):
+                limit = (MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else
+                         MAX_FUNCTION_LINES if isinstance(node, (ast.FunctionDef,
+                                                                 ast.AsyncFunctionDef))
+                         else None)
+                if limit and node.end_lineno - node.lineno + 1 > limit:
+                    too_big.append(f"{where}:{node.lineno} {node.name}: "
+                                   f"{node.end_lineno - node.lineno + 1} lines")
+    assert too_big == []

@@ -168,13 +168,14 @@ class ApiMetrics:
     def _engine_families(self) -> list[Metric]:
         """The engines' state as of the last `set_engine_stats` (a custom collector's work:
         gauges and counters the engines keep, read at scrape time)."""
-        families = [(GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
-            name, documentation, labels=R) for kind, name, documentation, _ in ENGINE_METRICS]
+        families: list[GaugeMetricFamily | CounterMetricFamily] = [
+            (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, documentation, labels=R) for kind, name, documentation, _ in ENGINE_METRICS]
         for stats in self.engine_stats:
             labels = [self.labels[0], stats.engine_id]
             for family, (*_, value) in zip(families, ENGINE_METRICS, strict=True):
                 family.add_metric(labels, value(stats))
-        return families
+        return list(families)
 
     def render(self, copies: list[ApiMetricsSnapshot] | None = None) -> str:
         """The exposition: request metrics of every copy in `copies` (default: this one's

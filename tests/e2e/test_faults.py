@@ -35,10 +35,19 @@ def services(stack):
     stack_.stop()
 
 
-async def _stream(base_url: str, max_tokens: int = 300) -> str:
+async def _streaming(base_url: str, count: int, max_tokens: int = 300) -> list[asyncio.Task]:
+    """`count` streams, once each has had some text (a stream of `_stream`'s endings)."""
+    started = [asyncio.Event() for _ in range(count)]
+    streams = [asyncio.create_task(_stream(base_url, max_tokens, event)) for event in started]
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=60)
+    return streams
+
+
+async def _stream(base_url: str, max_tokens: int = 300,
+                  streaming: asyncio.Event | None = None) -> str:
     """How a stream ended: "done", "error event" (the server said why, in the stream),
     "refused <status>" (no stream at all), or "cut" (the connection ended with neither done
-    nor error); never hangs past the test."""
+    nor error); never hangs past the test. `streaming` is set once text has arrived."""
     body = {"model": MODEL_NAME, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Tell me a very long story."}]}
     try:
@@ -47,6 +56,8 @@ async def _stream(base_url: str, max_tokens: int = 300) -> str:
             if response.status_code != 200:
                 return f"refused {response.status_code}"
             async for line in response.aiter_lines():
+                if streaming is not None and '"content":"' in line:
+                    streaming.set()
                 if line.startswith('data: {"error"'):
                     return "error event"
                 if line == "data: [DONE]":
@@ -59,8 +70,7 @@ async def _stream(base_url: str, max_tokens: int = 300) -> str:
 @pytest.mark.parametrize("victim", ["executor", "scheduler", "detokenizer", "tokenizer", "api"])
 async def test_kill_9_mid_stream_then_restart(services, victim):
     stack, base_url, url, argv, health = services
-    streams = [asyncio.create_task(_stream(base_url)) for _ in range(3)]
-    await asyncio.sleep(2.0)  # streaming by now
+    streams = await _streaming(base_url, 3)
     [child] = [c for c in stack.children if c.name == victim]
     os.kill(child.process.pid, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -87,8 +97,7 @@ async def test_the_bus_killed_and_back_3_s_later_loses_no_stream(services):
     to it as the same copy, each recovers what the gap may have lost (the api resumes its
     requests from what their clients have), and every stream ends with its whole answer."""
     stack, base_url, url, argv, health = services
-    streams = [asyncio.create_task(_stream(base_url, max_tokens=200)) for _ in range(3)]
-    await asyncio.sleep(2.0)  # streaming by now
+    streams = await _streaming(base_url, 3, max_tokens=200)
     [child] = [c for c in stack.children if c.name == "nats"]
     os.kill(child.process.pid, signal.SIGKILL)
     child.process.wait()

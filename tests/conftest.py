@@ -73,18 +73,6 @@ def hf_reference():
     return tokenizer, model
 
 
-def hf_greedy(hf_reference, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation by HF `generate`, stopping at eos like the server does."""
-    import torch
-
-    tokenizer, model = hf_reference
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.eos_token_id)
-    return out[0, len(prompt_ids):].tolist()
-
-
 TESTS = Path(__file__).resolve().parent
 KINDS = ("unit", "adapter", "e2e")
 # Fixtures that start real parts: a test using one is at least of that kind.

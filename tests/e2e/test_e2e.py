@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import hf_greedy
+from tests.hf_reference import hf_greedy
 from tests.stack import API_KEY, AUTH, MODEL_NAME, engine_stats
 
 pytestmark = pytest.mark.model

@@ -156,3 +156,17 @@ def test_no_module_class_or_function_outgrows_its_room():
                     too_big.append(f"{where}:{node.lineno} {node.name}: "
                                    f"{node.end_lineno - node.lineno + 1} lines")
     assert too_big == []
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in helper modules (tests/stack.py, tests/scheduler/sim.py, ...),
+    never in a test module another one imports: moving or deleting a test stays local."""
+    crossings = []
+    for path in ROOT.joinpath("tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            crossings += [f"{path.relative_to(ROOT)}: {name}" for name in names
+                          if name.split(".")[0] == "tests"
+                          and name.split(".")[-1].startswith(("test_", "conftest"))]
+    assert crossings == []

@@ -432,7 +432,10 @@ def main() -> None:
                              "tokens are then computed again with other kernels (a prompt's), "
                              "and an answer may part from the undisturbed one where two "
                              "tokens were nearly tied")
-    sys.exit(asyncio.run(main_async(parser.parse_args())))
+    args = parser.parse_args()
+    if not 1 <= args.streams <= len(TOPICS):
+        parser.error(f"--streams must be between 1 and {len(TOPICS)} (one topic each)")
+    sys.exit(asyncio.run(main_async(args)))
 
 
 if __name__ == "__main__":

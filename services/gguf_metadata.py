@@ -109,7 +109,13 @@ def read_layout(path: str | PathLike[str]) -> GGUFLayout:
             ggml_type = _read(f, "<I")
             relative = _read(f, "<Q")  # to the data section, which starts aligned
             entries.append((name, TensorInfo(tuple(reversed(dims)), ggml_type), relative))
-        alignment = int(metadata.get("general.alignment", 32))
+        alignment = metadata.get("general.alignment", 32)
+        if not (isinstance(alignment, int) and alignment > 0 and alignment & (alignment - 1) == 0):
+            raise GGUFFormatError(f"{path}: general.alignment {alignment!r} is not a power of two")
+        names = [name for name, _, _ in entries]
+        if len(set(names)) != len(names):
+            twice = sorted({name for name in names if names.count(name) > 1})
+            raise GGUFFormatError(f"{path}: tensors named twice: {', '.join(twice)}")
         data_start = -(-f.tell() // alignment) * alignment
     return GGUFLayout(metadata, [TensorEntry(name, info, data_start + relative)
                                  for name, info, relative in entries])

@@ -161,9 +161,13 @@ async def serve(args: argparse.Namespace, runtime: ServiceRuntime, choice: Backe
     path = resolve_model(args.model)
     log.info("loading model", path=str(path))
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-    runner = await asyncio.get_running_loop().run_in_executor(
-        compute, _load_runner, args, choice, path)
-    service = ExecutorService(runtime, runner, args.engine_id, compute)
+    try:
+        runner = await asyncio.get_running_loop().run_in_executor(
+            compute, _load_runner, args, choice, path)
+        service = ExecutorService(runtime, runner, args.engine_id, compute)
+    except BaseException:
+        compute.shutdown(wait=False)  # the forward thread of a model that never served
+        raise
     log.info("model loaded", num_blocks=service.info.num_blocks,
              max_model_len=service.info.max_model_len, kv_cache_dtype=choice.kv_dtype)
     try:

@@ -167,6 +167,28 @@ operations = st.lists(st.one_of(
 ), max_size=60)
 
 
+def arrive_or_abort(s: Scheduler, op: tuple, ids: list[str]) -> bool:
+    """Apply a random trace's ("add", num_prompt, n, max_tokens, family) or ("abort", k) op,
+    naming arrivals r0, r1, ... in `ids`; False for any other op. A prompt's first half is its
+    family's token, so families share cached prefixes."""
+    if op[0] == "add":
+        _, num_prompt, n, max_tokens, family = op
+        request_id = f"r{len(ids)}"
+        try:
+            s.add_request(request_id, "api", [family] * (num_prompt // 2)
+                          + list(range(num_prompt - num_prompt // 2)),
+                          SamplingParams(max_tokens=max_tokens), n=n)
+            ids.append(request_id)
+        except ValueError:
+            pass  # refused up front: it could never fit
+        return True
+    if op[0] == "abort":
+        if ids:
+            s.abort_request(ids[op[1] % len(ids)])
+        return True
+    return False
+
+
 def replay_trace(s: Scheduler, executor: FakeExecutor, ops) -> None:
     """Apply `operations` (arrivals, aborts, plans up to 2 ahead, results) with the invariants
     checked after each, then finish everything: nothing may be left, and what stays cached
@@ -174,18 +196,8 @@ def replay_trace(s: Scheduler, executor: FakeExecutor, ops) -> None:
     in_flight: deque = deque()
     ids = []
     for op in ops:
-        if op[0] == "add":
-            _, num_prompt, n, max_tokens, family = op
-            request_id = f"r{len(ids)}"
-            try:
-                s.add_request(request_id, "api", [family] * (num_prompt // 2)
-                              + list(range(num_prompt - num_prompt // 2)),
-                              SamplingParams(max_tokens=max_tokens), n=n)
-                ids.append(request_id)
-            except ValueError:
-                pass  # refused up front: it could never fit
-        elif op[0] == "abort" and ids:
-            s.abort_request(ids[op[1] % len(ids)])
+        if arrive_or_abort(s, op, ids):
+            pass  # an arrival or an abort, applied
         elif op[0] == "step" and len(in_flight) < 2:
             plan = s.schedule()
             if plan.scheduled or not in_flight:

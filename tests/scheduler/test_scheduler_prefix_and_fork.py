@@ -7,8 +7,8 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmbus.bus.messages import BlockCopy, FinishReason, SamplingParams, StepResult
-from tests.scheduler.sim import EOS, add, make, run_step
+from llmbus.bus.messages import BlockCopy, FinishReason, StepResult
+from tests.scheduler.sim import EOS, add, arrive_or_abort, make, run_step
 
 
 def drain(s, token: int = 7, max_steps: int = 100):
@@ -182,18 +182,8 @@ def test_random_traces_keep_every_invariant(ops, prefix_caching, num_blocks):
         s.update(plan, StepResult(step_id=plan.step_id, sampled_token_ids=tokens))
 
     for op in ops:
-        if op[0] == "add":
-            _, num_prompt, n, max_tokens, family = op
-            request_id = f"r{len(ids)}"
-            try:
-                s.add_request(request_id, "api", [family] * (num_prompt // 2)
-                              + list(range(num_prompt - num_prompt // 2)),
-                              SamplingParams(max_tokens=max_tokens), n=n)
-                ids.append(request_id)
-            except ValueError:
-                pass  # refused up front: it could never fit
-        elif op[0] == "abort" and ids:
-            s.abort_request(ids[op[1] % len(ids)])
+        if arrive_or_abort(s, op, ids):
+            pass  # an arrival or an abort, applied
         elif op[0] == "step" and len(in_flight) < 2:
             in_flight.append(s.schedule())
         elif op[0] == "result" and in_flight:

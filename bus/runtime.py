@@ -39,6 +39,7 @@ from llmbus.bus.messages import Heartbeat, Ping, Pong
 from llmbus.bus.servers import (
     MAX_OUTSTANDING_PINGS,
     PING_INTERVAL,
+    connect_order,
     server_urls,
     tls_options,
 )
@@ -115,10 +116,11 @@ class ServiceRuntime:
             credentials = {"user": user, "password": os.environ.get("LLMBUS_NATS_PASSWORD", ""),
                            "inbox_prefix": subjects.inbox_prefix(user)}
         self.nc = await nats.connect(
-            server_urls(self.nats_url), name=f"llmbus-{self.service}-{self.instance_id}",
+            connect_order(server_urls(self.nats_url)),
+            name=f"llmbus-{self.service}-{self.instance_id}",
             error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
             ping_interval=PING_INTERVAL, max_outstanding_pings=MAX_OUTSTANDING_PINGS,
-            dont_randomize=True,  # the list's order is the user's: its own host's server first
+            dont_randomize=True,  # connect_order's: the user's first, then spread
             disconnected_cb=self._disconnected, reconnected_cb=self._reconnected,
             **credentials, **tls_options(self.nats_url))
         await self.on_request(subjects.ping(self.service), Ping, self._pong)

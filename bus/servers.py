@@ -4,6 +4,7 @@ how fast a dead server is noticed."""
 from __future__ import annotations
 
 import os
+import random
 import ssl
 
 # A server that dies with its host, or a partition (no RST), is noticed only by unanswered
@@ -32,6 +33,16 @@ def server_urls(nats_url: str) -> list[str]:
     if len({url.startswith("tls://") for url in urls}) > 1:
         raise ValueError(f"--nats-url {nats_url!r}: every server tls://, or none")
     return urls
+
+
+def connect_order(urls: list[str], rng: random.Random | None = None) -> list[str]:
+    """The order a client tries `urls` in: the first as the user put it (its own host's
+    server), the others shuffled. Copies given the same list then fall back to different
+    servers when their first is lost, instead of all landing on the second entry at once
+    (and all losing it together if it fails next)."""
+    rest = urls[1:]
+    (rng or random.Random()).shuffle(rest)
+    return urls[:1] + rest
 
 
 def tls_options(nats_url: str) -> dict[str, ssl.SSLContext]:

@@ -4,13 +4,15 @@ nats-server."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from llmbus.bus import subjects
 from llmbus.bus.codec import decode, encode
 from llmbus.bus.messages import Ping, Pong
 from llmbus.bus.runtime import ServiceRuntime
-from llmbus.bus.servers import server_urls, tls_options
+from llmbus.bus.servers import connect_order, server_urls, tls_options
 from llmbus.services.launcher import free_port
 
 pytestmark = pytest.mark.adapter  # a real nats-server, no model
@@ -23,6 +25,17 @@ def test_a_list_names_each_server_and_one_url_is_a_list_of_one():
     assert server_urls("nats://a:1, nats://b:2,nats://c:3") == [
         "nats://a:1", "nats://b:2", "nats://c:3"]
     assert "tls" in tls_options("tls://a:1,tls://b:2") and tls_options("nats://a:1") == {}
+
+
+def test_copies_keep_the_first_server_and_spread_over_the_others():
+    """Each copy tries the user's first server first; the fallbacks come in an order of its
+    own, so copies that lose the same server do not all move to the same next one."""
+    urls = [f"nats://h{i}:4222" for i in range(4)]
+    orders = [connect_order(urls, random.Random(seed)) for seed in range(40)]
+    assert all(order[0] == urls[0] and sorted(order) == sorted(urls) for order in orders)
+    assert {order[1] for order in orders} == set(urls[1:])  # every fallback comes first somewhere
+    assert urls == [f"nats://h{i}:4222" for i in range(4)]  # the caller's list is left alone
+    assert connect_order(urls[:1]) == urls[:1]
 
 
 @pytest.mark.parametrize(("url", "says"), [

@@ -97,6 +97,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                      key=KINDS.index, default="unit")
         if KINDS.index(needed) > KINDS.index(kind):
             wrong.append(f"{item.nodeid} ({kind}, but its fixtures make it {needed})")
+        if declared and declared[0] != kind:  # a `model` test in an adapter module, say
+            wrong.append(f"{item.nodeid} (its module says {declared[0]}, but it is {kind})")
         if kind not in declared:
             item.add_marker(kind)
     if wrong:

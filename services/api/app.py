@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
 
 from litestar import Litestar, Request, Response, Router, get, post
 from litestar.connection import ASGIConnection
@@ -22,11 +21,11 @@ from litestar.handlers import BaseRouteHandler
 from litestar.response import ServerSentEvent
 
 from llmbus.bus.messages import EncodeRequest
+from llmbus.services.api.chat import check_model, include_usage, metrics_for, start_chat
 from llmbus.services.api.constraints import output_constraint
 from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.errors import EXCEPTION_HANDLERS, OpenAIError, bad_request
 from llmbus.services.api.generation import Generation
-from llmbus.services.api.metrics import ApiMetrics
 from llmbus.services.api.pages import PAGE_ROUTES
 from llmbus.services.api.pipeline import TokenRates, pipeline_view
 from llmbus.services.api.schemas import (
@@ -35,7 +34,6 @@ from llmbus.services.api.schemas import (
     DetokenizeRequest,
     Limits,
     TokenizeRequest,
-    chat_logprobs,
     chat_messages,
     completion_prompts,
     decode_body,
@@ -59,14 +57,6 @@ def _version() -> str:
         return "unknown"
 
 
-async def _check_model(engine: EngineClient, model: str | None) -> str:
-    info = await engine.model_info()
-    if model is not None and model != info.model_name:
-        raise bad_request(f"the model `{model}` does not exist; this server serves "
-                          f"`{info.model_name}`", param="model", code="model_not_found")
-    return info.model_name
-
-
 async def _respond(generation: Generation, stream: bool) -> Response:
     generation.engine.runtime.num_handled += 1
     if stream:
@@ -74,37 +64,17 @@ async def _respond(generation: Generation, stream: bool) -> Response:
     return Response(await generation.collect())
 
 
-def _include_usage(req: Any) -> bool:
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("`stream_options` is only allowed with `stream: true`",
-                          param="stream_options")
-    return bool(req.stream_options and req.stream_options.include_usage)
-
-
 @post("/chat/completions", status_code=200)
 async def chat_completions(request: Request, state: State) -> Response:
-    engine: EngineClient = state.engine
     req = decode_body(await request.body(), ChatCompletionRequest)
-    model = await _check_model(engine, req.model)
-    messages = chat_messages(req.messages)
-    params = sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens,
-                             default_max_tokens=0, num_logprobs=chat_logprobs(req),
-                             limits=state.settings.limits)
-    # Compiling a big schema to check it takes a while: not on the event loop.
-    params.structured, tools = await asyncio.to_thread(output_constraint, req, chat=True)
-    generation = await Generation.start(
-        engine, chat=True, model=model, params=params, n=req.n,
-        sources=[{"messages": messages, "tools_json": tools.tools_json if tools else "",
-                  "chat_template_kwargs_json": template_kwargs_json(req.chat_template_kwargs)}],
-        include_usage=_include_usage(req), metrics=_metrics(state, model), tools=tools)
-    return await _respond(generation, req.stream)
+    return await _respond(await start_chat(state, req), req.stream)
 
 
 @post("/completions", status_code=200)
 async def completions(request: Request, state: State) -> Response:
     engine: EngineClient = state.engine
     req = decode_body(await request.body(), CompletionRequest)
-    model = await _check_model(engine, req.model)
+    model = await check_model(engine, req.model)
     prompts = completion_prompts(req, state.settings.limits)
     params = sampling_params(req, max_tokens=req.max_tokens, default_max_tokens=16,
                              num_logprobs=req.logprobs, limits=state.settings.limits)
@@ -116,8 +86,8 @@ async def completions(request: Request, state: State) -> Response:
                for p in prompts]
     generation = await Generation.start(
         engine, chat=False, model=model, params=params, n=req.n, sources=sources,
-        include_usage=_include_usage(req), echo_texts=echo_texts,
-        metrics=_metrics(state, model))
+        include_usage=include_usage(req), echo_texts=echo_texts,
+        metrics=metrics_for(state, model))
     return await _respond(generation, req.stream)
 
 
@@ -133,7 +103,7 @@ async def models(state: State) -> dict:
 async def tokenize(request: Request, state: State) -> dict:
     engine: EngineClient = state.engine
     req = decode_body(await request.body(), TokenizeRequest)
-    await _check_model(engine, req.model)
+    await check_model(engine, req.model)
     info = await engine.model_info()  # cached after the first call
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
@@ -152,22 +122,15 @@ async def tokenize(request: Request, state: State) -> dict:
 async def detokenize(request: Request, state: State) -> dict:
     engine: EngineClient = state.engine
     req = decode_body(await request.body(), DetokenizeRequest)
-    await _check_model(engine, req.model)
+    await check_model(engine, req.model)
     return {"prompt": await engine.decode(req.tokens)}
-
-
-def _metrics(state: State, model: str) -> ApiMetrics:
-    if state.get("metrics") is None:
-        registry = state.metrics = ApiMetrics(model, state.engine.runtime.instance_id)
-        state.engine.migrations.on_migrated = registry.migrations.labels(*registry.labels).inc
-    return state.metrics
 
 
 @get("/metrics", media_type="text/plain; version=0.0.4")
 async def metrics(state: State) -> str:
     """Prometheus text format: every api copy's request metrics, every engine's state."""
     info = await state.engine.model_info()
-    registry = _metrics(state, info.model_name)
+    registry = metrics_for(state, info.model_name)
     stats, copies = await asyncio.gather(state.engine.stats.engine_stats(),
                                          state.engine.stats.api_metrics())
     registry.set_engine_stats(stats)

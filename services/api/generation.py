@@ -13,6 +13,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,6 +247,15 @@ class Generation:
 
     async def stream(self) -> AsyncIterator[str]:
         """SSE data lines; a client that goes away cancels this and the requests are aborted."""
+        async with aclosing(self.chunks()) as chunks:
+            async for chunk in chunks:
+                yield _json(chunk)
+        yield "[DONE]"
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        """The chat (or text) completion chunks as they come, then the usage chunk if asked
+        for; a failure ends them with an `{"error": ...}` chunk. The other API dialects
+        (Responses, Messages) translate these, so every dialect streams through one path."""
         finished = False
         error: str | None = CLIENT_GONE
         stream_span = _tracer.start_span("sse_stream", context=trace.set_span_in_context(
@@ -259,25 +269,24 @@ class Generation:
             async for delta in self.engine.deltas(self.queue, len(self.choices)):
                 if delta.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                     error = f"generation failed: {delta.error or 'aborted'}"
-                    yield _json({"error": {"message": error, "type": "server_error",
-                                           "param": None, "code": None}})
+                    yield {"error": {"message": error, "type": "server_error", "param": None,
+                                     "code": None}}
                     break  # not `finished`: the rest of the request is aborted everywhere
                 for chunk in self._delta_chunks(delta):
                     yield chunk
             else:
                 finished, error = True, None
                 if self.include_usage:
-                    yield _json({"id": self.id, "object": fmt.completion_object(self.chat, True),
-                                 "created": self.created, "model": self.model, "choices": [],
-                                 "usage": self.usage()})
-            yield "[DONE]"
+                    yield {"id": self.id, "object": fmt.completion_object(self.chat, True),
+                           "created": self.created, "model": self.model, "choices": [],
+                           "usage": self.usage()}
         finally:
             await self.engine.release(self.request_ids, finished)
             if stream_span is not None:
                 stream_span.end()
             self._end_span(error)
 
-    def _delta_chunks(self, delta: TextDelta) -> list[str]:
+    def _delta_chunks(self, delta: TextDelta) -> list[dict]:
         """The SSE chunks one delta makes: its reasoning and its content (held while it may
         be function calls)."""
         index, choice = self._apply(delta)
@@ -306,7 +315,7 @@ class Generation:
         return reasoning, content
 
     def _tool_chunks(self, index: int, choice: Choice, text: str,
-                     logprobs: list[TextLogprob], reason: str | None) -> list[str]:
+                     logprobs: list[TextLogprob], reason: str | None) -> list[dict]:
         """Stream a choice that may call functions: text that opens like calls (`[`, `{` or
         `<tool_call>`) is held to the end, then sent as tool-call deltas if it parses as calls
         (one delta per call, whole, which the OpenAI SDK accumulates as it would pieces);
@@ -334,7 +343,7 @@ class Generation:
         return []
 
     def _chunk(self, index: int, content: Any, reason: str | None,
-               logprobs: list[TextLogprob] | None, choice: Choice | None = None) -> str:
+               logprobs: list[TextLogprob] | None, choice: Choice | None = None) -> dict:
         if self.chat:
             delta = content if isinstance(content, dict) else (
                 {"content": content} if content else {})
@@ -349,8 +358,8 @@ class Generation:
                 body["logprobs"] = fmt.completion_logprobs(logprobs, offset)
         if choice is not None:
             choice.text_offset += len(content) if isinstance(content, str) else 0
-        return _json({"id": self.id, "object": fmt.completion_object(self.chat, stream=True),
-                      "created": self.created, "model": self.model, "choices": [body]})
+        return {"id": self.id, "object": fmt.completion_object(self.chat, stream=True),
+                "created": self.created, "model": self.model, "choices": [body]}
 
 
 def _opens_calls(start: str) -> bool | None:

@@ -18,7 +18,8 @@ import pytest
 from llmbus.services.launcher import Stack
 from llmbus.services.model_files import default_model_path
 from tests.otlp_receiver import OtlpReceiver
-from tests.stack import API_KEY, RunningStack, start_stack, stop_stack
+from tests.stack import API_KEY, ApiCopies, RunningStack, start_stack, stop_stack
+from tests.thinking_model import write_thinking_qwen3
 
 
 @pytest.fixture(scope="session")
@@ -73,10 +74,25 @@ def hf_reference():
     return tokenizer, model
 
 
+@pytest.fixture(scope="session")
+def thinking_stack(tmp_path_factory: pytest.TempPathFactory) -> ApiCopies:
+    """The generated thinking model (tests/thinking_model.py) behind two api copies with
+    ports of their own: reasoning output, and what api copies share (stored responses)."""
+    if not default_model_path().is_file():  # its vocabulary is the default model's
+        pytest.skip("default model not pulled (`llmbus model pull`)")
+    path = tmp_path_factory.mktemp("thinking") / "thinking-qwen3.gguf"
+    write_thinking_qwen3(path)
+    model = ["--model", str(path)]
+    copies = ApiCopies.start({"tokenizer": model, "executor": [*model, "--threads", "1"],
+                              "detokenizer": model, "api": []})
+    yield copies
+    copies.stop()
+
+
 TESTS = Path(__file__).resolve().parent
 KINDS = ("unit", "adapter", "e2e")
 # Fixtures that start real parts: a test using one is at least of that kind.
-NEEDS = {"bus": "adapter", "stack": "e2e", "hf_reference": "e2e"}
+NEEDS = {"bus": "adapter", "stack": "e2e", "hf_reference": "e2e", "thinking_stack": "e2e"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers

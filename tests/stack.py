@@ -4,14 +4,16 @@ the stack itself comes from the bench package (benchmark scripts start it the sa
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from llmbus.bench.stack import MODEL_NAME, RunningStack, engine_stats, start_stack, stop_stack
+from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
 from llmbus.services.model_files import default_model_path
 
-__all__ = ["API_KEY", "AUTH", "MODEL_NAME", "REPO", "RunningStack", "engine_stats",
+__all__ = ["API_KEY", "AUTH", "MODEL_NAME", "REPO", "ApiCopies", "RunningStack", "engine_stats",
            "needs_default_model", "processes_mentioning", "start_stack", "stop_stack"]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,3 +39,52 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline:
             pids.append(int(entry.name))
     return pids
+
+
+@dataclass
+class ApiCopies:
+    """A stack whose api copies each listen on a port of their own (with the bus's users and
+    permissions), so a test can choose which copy answers and restart one alone."""
+
+    stack: Stack
+    nats_url: str
+    ports: list[int]
+    argv: list[str]  # every api copy's options
+
+    @classmethod
+    def start(cls, service_argv: dict[str, list[str]], copies: int = 2,
+              timeout: float = 300.0) -> ApiCopies:
+        stack = Stack()
+        url = stack.start_nats()
+        counts = _start_services(stack, url, service_argv, {
+            "api": 0, "tokenizer": 1, "detokenizer": 1, "engine": 1})
+        api = cls(stack, url, [free_port() for _ in range(copies)], service_argv.get("api", []))
+        for index in range(copies):
+            api._start_copy(index)
+        dead = wait_until_ready(stack, f"{api.base_url(0).removesuffix('/v1')}/health",
+                                timeout, counts | {"api": copies})
+        if dead is not None:
+            stack.stop()
+            raise RuntimeError(f"{dead.name} died while starting: {list(dead.tail)}")
+        return api
+
+    def base_url(self, index: int) -> str:
+        return f"http://127.0.0.1:{self.ports[index]}/v1"
+
+    def _start_copy(self, index: int) -> None:
+        self.stack.start_service("api", ["--nats-url", self.nats_url, *self.argv, "--port",
+                                         str(self.ports[index])], f"api.{index}")
+
+    def restart(self, index: int, timeout: float = 60.0) -> None:
+        """Stop api copy `index` (SIGTERM, as a rolling restart does) and start it again."""
+        [child] = [c for c in self.stack.children if c.name == f"api.{index}"]
+        child.process.terminate()
+        child.process.wait(30)
+        self.stack.children.remove(child)
+        self._start_copy(index)
+        dead = wait_until_ready(self.stack, f"{self.base_url(index).removesuffix('/v1')}/health",
+                                timeout)
+        assert dead is None, f"{dead.name} died: {list(dead.tail)}"
+
+    def stop(self) -> None:
+        self.stack.stop()

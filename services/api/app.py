@@ -28,6 +28,7 @@ from llmbus.services.api.errors import EXCEPTION_HANDLERS, OpenAIError, bad_requ
 from llmbus.services.api.generation import Generation
 from llmbus.services.api.pages import PAGE_ROUTES
 from llmbus.services.api.pipeline import TokenRates, pipeline_view
+from llmbus.services.api.responses_api import RESPONSES_ROUTES
 from llmbus.services.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -202,7 +203,8 @@ def create_app(engine: EngineClient, settings: ApiSettings | None = None) -> Lit
         app.state.token_rates = TokenRates()
         yield
 
-    v1 = Router(path="/v1", route_handlers=[chat_completions, completions, models, pipeline],
+    v1 = Router(path="/v1", route_handlers=[chat_completions, completions, models, pipeline,
+                                            *RESPONSES_ROUTES],
                 guards=[_require_api_key])
     return Litestar(
         route_handlers=[v1, tokenize, detokenize, health, version_route, metrics,

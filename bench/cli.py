@@ -22,8 +22,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
                         help="the server's OpenAI base URL (default: %(default)s)")
-    server.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                        help="/v1/completions or /v1/chat/completions (default: %(default)s)")
+    server.add_argument("--endpoint", choices=("completions", "chat", "responses", "messages"),
+                        default="completions",
+                        help="/v1/completions, /v1/chat/completions, or the same chat through "
+                             "the Responses or the Anthropic Messages API (default: "
+                             "%(default)s)")
     server.add_argument("--model", default=None,
                         help="model name to send (default: the first in /v1/models)")
     server.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")

@@ -30,6 +30,13 @@ def server_root(base_url: str) -> str:
 
 
 def _chunk_text(chunk: dict[str, Any]) -> str:
+    """The answer text one chunk carries: a chat or text completion chunk, a Responses API
+    `response.output_text.delta` or a Messages API `text_delta`."""
+    kind = chunk.get("type")
+    if kind == "response.output_text.delta":
+        return chunk["delta"]
+    if kind == "content_block_delta":
+        return chunk["delta"].get("text") or ""
     choices = chunk.get("choices") or []
     if not choices:
         return ""
@@ -50,7 +57,19 @@ async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]
         yield json.loads(data)
 
 
+def _stream_error(chunk: dict[str, Any]) -> Any:
+    """The error a chunk reports, in any of the dialects (None when it reports none)."""
+    if chunk.get("type") in ("error", "response.failed"):
+        return chunk.get("error") or chunk.get("response", {}).get("error") or chunk
+    return chunk.get("error")
+
+
 def _count_usage(result: RequestResult, chunk: dict[str, Any]) -> None:
+    kind = chunk.get("type")
+    if kind in ("response.completed", "response.incomplete", "message_delta"):
+        usage = (chunk.get("response") or chunk).get("usage") or {}
+        chunk = {"usage": {"completion_tokens": usage.get("output_tokens"),
+                           "prompt_tokens": usage.get("input_tokens")}}
     usage = chunk.get("usage")
     if usage and usage.get("completion_tokens") is not None:
         result.output_tokens = usage["completion_tokens"]
@@ -74,8 +93,9 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
                 result.error = f"HTTP {response.status_code}: {text[:300]}"
                 return result
             async for chunk in _sse_chunks(response):
-                if chunk.get("error"):
-                    result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
+                error = _stream_error(chunk)
+                if error:
+                    result.error = f"stream error: {json.dumps(error)[:300]}"
                     return result
                 _count_usage(result, chunk)
                 text = _chunk_text(chunk)

@@ -163,3 +163,19 @@ def request_body(request: BenchRequest, *, chat: bool, model: str, max_tokens: i
             raise ValueError("a request with `messages` needs --endpoint chat")
         body["prompt"] = (request.system or "") + (request.prompt or "")
     return body
+
+
+def dialect_body(body: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    """A chat request's body as the Responses or the Messages API takes it (the same
+    conversation, output cap and sampling), or unchanged for the other endpoints."""
+    if endpoint not in ("responses", "messages"):
+        return body
+    extra = {k: body[k] for k in ("ignore_eos", "response_format") if k in body}
+    common = {"model": body["model"], "stream": body["stream"],
+              "temperature": body["temperature"], **extra}
+    if endpoint == "responses":
+        return common | {"input": body["messages"], "max_output_tokens": body["max_tokens"]}
+    system = "".join(m["content"] for m in body["messages"] if m["role"] == "system")
+    turns = [m for m in body["messages"] if m["role"] != "system"]
+    return common | {"messages": turns, "max_tokens": body["max_tokens"],
+                     **({"system": system} if system else {})}

@@ -20,10 +20,11 @@ from typing import Any, TextIO
 import httpx
 
 from llmbus.bench.client import TIMEOUT, auth_headers, stream_request
-from llmbus.bench.datasets import BenchRequest, request_body
+from llmbus.bench.datasets import BenchRequest, dialect_body, request_body
 from llmbus.bench.metrics import RequestResult, summarize
 
-ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
+ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions",
+             "responses": "/responses", "messages": "/messages"}
 
 
 def arrival_delays(num_requests: int, request_rate: float, seed: int = 0) -> list[float]:
@@ -112,10 +113,13 @@ async def run_benchmark(requests: Sequence[BenchRequest], config: RunConfig,
     limits = httpx.Limits(max_connections=limit + 1, max_keepalive_connections=limit + 1)
 
     def body(request: BenchRequest, max_tokens: int | None = None) -> dict[str, Any]:
-        return request_body(request, chat=config.endpoint == "chat", model=config.model,
+        chat = request_body(request, chat=config.endpoint != "completions", model=config.model,
                             max_tokens=max_tokens or config.max_tokens,
-                            ignore_eos=config.ignore_eos, include_usage=include_usage,
+                            ignore_eos=config.ignore_eos,
+                            include_usage=include_usage and config.endpoint in ("chat",
+                                                                                "completions"),
                             json_schema=config.json_schema)
+        return dialect_body(chat, config.endpoint)
 
     async with httpx.AsyncClient(timeout=TIMEOUT, limits=limits, transport=transport) as client:
         include_usage = True

@@ -24,7 +24,7 @@ _ROLES = {"user", "assistant", "system", "developer"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
 
 
-class ResponsesRequest(msgspec.Struct, kw_only=True):
+class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     input: str | list[Any]
     instructions: str | None = None
@@ -41,6 +41,13 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension, as on chat (benchmarks fix output lengths)
+    # Harmless to accept: the prefix cache needs no key, there is one service tier, and no
+    # stream is obfuscated.
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    stream_options: dict[str, Any] | None = None
     # Accepted so that asking for them gets a clear answer (see `_refuse_unsupported`).
     include: list[str] | None = None
     background: bool | None = None
@@ -195,7 +202,8 @@ def chat_request(req: ResponsesRequest, history: list[ChatMessageIn],
         max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
         tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice) if req.tools else None,
         parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req.text),
-        user=req.user, chat_template_kwargs=_template_kwargs(req.reasoning)), conversation
+        user=req.user, ignore_eos=req.ignore_eos,
+        chat_template_kwargs=_template_kwargs(req.reasoning)), conversation
 
 
 def message_dicts(messages: list[ChatMessageIn]) -> list[dict]:

@@ -9,6 +9,7 @@ import pytest
 from llmbus.services.api.errors import OpenAIError
 from llmbus.services.api.responses_output import ResponseEvents, conversation_turn, output_items
 from llmbus.services.api.responses_schema import ResponsesRequest, chat_request, input_messages
+from llmbus.services.api.schemas import decode_body
 
 CALL = {"id": "call_1", "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
@@ -81,6 +82,12 @@ def test_what_chat_cannot_do_is_refused(body, param):
     with pytest.raises(OpenAIError) as caught:
         chat_request(_request(**body), [])
     assert caught.value.status_code == 400 and caught.value.param == param
+
+
+def test_an_unknown_field_is_refused_not_ignored():
+    with pytest.raises(OpenAIError) as caught:
+        decode_body(b'{"model": "m", "input": "Hi", "max_tokens": 5}', ResponsesRequest)
+    assert caught.value.status_code == 400 and "max_tokens" in caught.value.message
 
 
 def _chunk(reason=None, **delta) -> dict:

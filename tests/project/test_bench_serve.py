@@ -17,6 +17,7 @@ import pytest
 from llmbus.bench.client import server_root, stream_request
 from llmbus.bench.datasets import (
     BenchRequest,
+    dialect_body,
     exact_text,
     jsonl_dataset,
     parse_jsonl_line,
@@ -174,6 +175,29 @@ def test_request_bodies():
     with pytest.raises(ValueError, match="--endpoint chat"):
         request_body(BenchRequest(messages=[{"role": "user", "content": "x"}]), chat=False,
                      model="m", max_tokens=1, ignore_eos=False, include_usage=False)
+    responses = dialect_body(chat, "responses")
+    assert responses["input"] == chat["messages"] and responses["max_output_tokens"] == 9
+    messages = dialect_body(chat, "messages")
+    assert messages["system"] == "You are terse." and messages["max_tokens"] == 9
+    assert messages["messages"] == [{"role": "user", "content": " Why?"}]
+    assert responses["ignore_eos"] and messages["ignore_eos"]
+    assert "stream_options" not in responses and "stream_options" not in messages
+
+
+@pytest.mark.parametrize("events", [
+    [{"type": "response.output_text.delta", "delta": t} for t in (" a", " b", " c")]
+    + [{"type": "response.completed", "response": {"usage": {"input_tokens": 4,
+                                                            "output_tokens": 3}}}],
+    [{"type": "content_block_delta", "delta": {"type": "text_delta", "text": t}}
+     for t in (" a", " b", " c")]
+    + [{"type": "message_delta", "usage": {"input_tokens": 4, "output_tokens": 3}}]])
+async def test_stream_request_reads_the_responses_and_messages_events(events):
+    transport = httpx.MockTransport(lambda r: httpx.Response(
+        200, content=_sse(events), headers={"content-type": "text/event-stream"}))
+    async with httpx.AsyncClient(transport=transport) as client:
+        result = await stream_request(client, "http://x/v1/responses", {}, headers={})
+    assert result.ok and result.output_text == " a b c"
+    assert result.output_tokens == 3 and result.usage_counted and result.prompt_len == 4
 
 
 # --- reports ----------------------------------------------------------------------------------

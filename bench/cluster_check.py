@@ -5,7 +5,8 @@
     sudo .venv/bin/python -m llmbus.bench.cluster_check [--faults all] [--json FILE]
 
 Hosts are network namespaces (bench/netns_hosts.py). Each runs a nats-server; the three form
-one cluster (routes with their own user), with the per-service users and permissions of
+one cluster (routes with their own user) and one JetStream cluster (the api's stored
+responses, kept on all three: replicas 3), with the per-service users and permissions of
 `llmbus up`, and TLS between every client and its server (a self-signed certificate for the
 three addresses). Host 1 runs the api and the tokenizer, host 2 engine e1 and detokenizer d2,
 host 3 engine e2 and detokenizer d3. Every service is given its own host's server alone and
@@ -113,7 +114,8 @@ class Cluster:
         self._certificate()
         for host in (1, 2, 3):
             self.start_nats(host)
-        self.start_service(1, "api", "api", ["--host", self.hosts.address(1), "--port", "8000"])
+        self.start_service(1, "api", "api", ["--host", self.hosts.address(1), "--port", "8000",
+                                             "--responses-replicas", "3"])
         for host, stage, instance, extra in LAYOUT:
             self.start_service(host, stage, instance, extra)
 
@@ -130,7 +132,8 @@ class Cluster:
         config.write_text(server_config(
             self.hosts.address(host), 4222, self.passwords,
             (str(self.work / "cert.pem"), str(self.work / "key.pem")),
-            ClusterRoutes(f"n{host}", 6222, routes, self.route_password)))
+            ClusterRoutes(f"n{host}", 6222, routes, self.route_password),
+            store_dir=str(self.work / f"jetstream{host}")))  # kept across a restart
         self._spawn(f"nats{host}", host, [nats_server_binary(), "-c", str(config)], {})
 
     def start_service(self, host: int, stage: str, instance: str, extra: list[str]) -> None:

@@ -30,6 +30,7 @@ import nats
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from opentelemetry import context as otel_context
 
 from llmbus.bus import subjects
@@ -126,6 +127,13 @@ class ServiceRuntime:
         await self.on_request(subjects.ping(self.service), Ping, self._pong)
         self.bus_alive_at = time.monotonic()
         self._probe_task = asyncio.create_task(self._probe())
+
+    def jetstream(self, timeout: float) -> JetStreamContext:
+        """nats-py's JetStream context on this connection (the api's stored responses,
+        services/api/response_store_bus.py): its requests wait up to `timeout` for the server
+        and take their replies on this copy's own inbox, as its other requests do."""
+        assert self.nc is not None
+        return self.nc.jetstream(timeout=timeout)
 
     @property
     def connected(self) -> bool:

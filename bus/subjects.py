@@ -148,3 +148,24 @@ def queue_group(service: str) -> str:
 # prefix that only this user may subscribe to (services/nats_auth.py), not the shared `_INBOX`.
 def inbox_prefix(user: str) -> str:
     return f"_INBOX_{user}"
+
+
+# The api's stored responses (services/api/response_store_bus.py) live in a JetStream key-value
+# bucket: a stream KV_<bucket> holding subjects $KV.<bucket>.<key>, which the client manages
+# through the server's JetStream API ($JS.API.<verb>...). These names are JetStream's own, so
+# they carry no llmbus version; the bucket's name is ours.
+RESPONSES_BUCKET = "llmbus_responses"
+RESPONSES_STREAM = f"KV_{RESPONSES_BUCKET}"
+JS_API = "$JS.API"
+
+
+def js_stream_api(verb: str, stream: str) -> str:
+    """client -> JetStream (request/reply): a verb (`STREAM.INFO`, `STREAM.CREATE`,
+    `STREAM.MSG.GET`, `DIRECT.GET`, ...) on one stream."""
+    return f"{JS_API}.{verb}.{stream}"
+
+
+def kv_key(bucket: str, key: str) -> str:
+    """client -> JetStream (publish, acknowledged): the value of `key` in a key-value bucket
+    (the same subject with a KV-Operation header deletes it)."""
+    return f"$KV.{bucket}.{key}"

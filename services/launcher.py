@@ -101,9 +101,11 @@ class Stack:
         self.env: dict[str, str] = {}  # for every service
 
     def start_nats(self, host: str = "127.0.0.1", auth: bool = True,
-                   tls: tuple[str, str] | None = None) -> str:
+                   tls: tuple[str, str] | None = None, jetstream: bool = True) -> str:
         """An embedded nats-server on a free port; with auth, one user per service; with `tls`
-        (certificate file, key file), TLS only. Its URL."""
+        (certificate file, key file), TLS only; JetStream (the api's stored responses) in a
+        store of its own under the stack's directory, unless `jetstream=False` (a bus
+        without it, as an external server may be). Its URL."""
         port = free_port(host)
         if auth:
             self.passwords = generate_passwords()
@@ -114,7 +116,8 @@ class Stack:
             self.env.setdefault(TLS_CA_VARIABLE, os.environ.get(TLS_CA_VARIABLE) or cert)
         config = Path(self._tmpdir.name) / "nats.conf"
         config.touch(mode=0o600)
-        config.write_text(server_config(host, port, self.passwords, tls))
+        store_dir = self._store_dir("jetstream") if jetstream else None
+        config.write_text(server_config(host, port, self.passwords, tls, store_dir=store_dir))
         self._spawn("nats", [nats_server_binary(), "-c", str(config)])
         if not wait_for_port(host, port, timeout=10):
             raise RuntimeError("nats-server did not start listening within 10 s")
@@ -123,7 +126,8 @@ class Stack:
     def start_nats_cluster(self, size: int = 3, host: str = "127.0.0.1",
                            auth: bool = True) -> list[str]:
         """`size` nats-servers on `host` that form one cluster (child `nats.i` each, so that
-        one can be killed alone); their client URLs."""
+        one can be killed alone), and one JetStream cluster, each server with its own store
+        (kept when one is killed and started again); their client URLs."""
         if auth:
             self.passwords = generate_passwords()
         ports = [(free_port(host), free_port(host)) for _ in range(size)]
@@ -133,12 +137,16 @@ class Stack:
             config = Path(self._tmpdir.name) / f"nats-{i}.conf"
             config.touch(mode=0o600)
             config.write_text(server_config(host, port, self.passwords, cluster=ClusterRoutes(
-                f"n{i}", route_port, routes, route_password)))
+                f"n{i}", route_port, routes, route_password),
+                store_dir=self._store_dir(f"jetstream-{i}")))
             self._spawn(f"nats.{i}", [nats_server_binary(), "-c", str(config)])
         for port, _ in ports:
             if not wait_for_port(host, port, timeout=10):
                 raise RuntimeError("a nats-server did not start listening within 10 s")
         return [f"nats://{host}:{port}" for port, _ in ports]
+
+    def _store_dir(self, name: str) -> str:
+        return str(Path(self._tmpdir.name) / name)
 
     def observer_url(self, url: str) -> str:
         """The NATS URL with the read-mostly observer's credentials (for tests, dashboards)."""

@@ -9,6 +9,10 @@ no stage can read the replies another asked for (an executor's step results, say
 `observer` user (tests, dashboards) may read heartbeats and ask for stats, on the default
 `_INBOX.` prefix, which no service uses; nothing else.
 
+Every server the project starts runs JetStream (server_config's `store_dir`): the api keeps
+stored responses (the Responses API's `store: true`) in its key-value store, and only the api
+may reach that bucket.
+
 Services read their credentials from LLMBUS_NATS_USER / LLMBUS_NATS_PASSWORD (not from the
 command line, which `ps` shows). `llmbus up --nats-tls-cert/--nats-tls-key` adds a `tls` block,
 so that the bus is encrypted too; see README.
@@ -29,12 +33,24 @@ def _inbox(user: str) -> str:
     return f"{S.inbox_prefix(user)}.>"
 
 
+# The api's stored responses (services/api/response_store_bus.py), a JetStream key-value
+# bucket: its stream's info, its creation (binding to it when it exists), reading a key
+# (direct get, or the stream's message get where the bucket was made without direct gets) and
+# writing or deleting a key. Keys are one token (no dots), so `*`. Nothing else of JetStream:
+# no other bucket or stream, no deleting or changing the bucket, no consumers.
+_RESPONSE_STORE = [
+    *(S.js_stream_api(verb, S.RESPONSES_STREAM)
+      for verb in ("STREAM.INFO", "STREAM.CREATE", "STREAM.MSG.GET")),
+    f"{S.js_stream_api('DIRECT.GET', S.RESPONSES_STREAM)}.{S.kv_key(S.RESPONSES_BUCKET, ANY)}",
+    S.kv_key(S.RESPONSES_BUCKET, ANY)]
+
+
 # Built from bus/subjects.py (never spelled out here), so a renamed subject cannot drift.
 PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "api": {
         "publish": [S.TOKENIZER_GENERATE, S.TOKENIZER_ENCODE, S.TOKENIZER_DECODE,
                     S.SCHEDULER_ABORT, S.ENGINE_MODEL, S.ENGINE_STATS, S.ping(ANY),
-                    S.heartbeat("api"), S.API_METRICS],
+                    S.heartbeat("api"), S.API_METRICS, *_RESPONSE_STORE],
         "subscribe": [S.api_deltas(ANY), S.API_METRICS, S.heartbeat(ANY), S.ping("api"),
                       _inbox("api")],
     },
@@ -112,7 +128,8 @@ def _compose_config(cluster: ClusterRoutes | None = None,
     $LLMBUS_NATS_PASSWORD_<USER> (NATS configuration resolves `$NAME` from the environment), and
     each other string value in `variables` becomes the variable it names."""
     passwords = {user: _marker(password_variable(user)) for user in PERMISSIONS}
-    text = server_config("0.0.0.0", COMPOSE_CLIENT_PORT, passwords, cluster=cluster)
+    text = server_config("0.0.0.0", COMPOSE_CLIENT_PORT, passwords, cluster=cluster,
+                         store_dir=COMPOSE_STORE_DIR)
     names = {marker: password_variable(user) for user, marker in passwords.items()}
     for value, variable in (names | (variables or {})).items():
         assert json.dumps(value) in text, value  # else a secret would stay a placeholder
@@ -170,14 +187,29 @@ class ClusterRoutes:
     name: str = "llmbus"
 
 
+# What JetStream may take on each server. Only the api's stored responses use it, a file-stored
+# bucket of --responses-max-bytes (1 GiB by default), which the server reserves in full when
+# the bucket is made: room for it several times over, and little memory (nothing asks for
+# memory storage).
+JETSTREAM_MAX_FILE_STORE = 8 * 2**30
+JETSTREAM_MAX_MEMORY_STORE = 64 * 2**20
+COMPOSE_STORE_DIR = "/data/jetstream"  # a volume of each nats container (compose*.yaml)
+
+
 def server_config(host: str, port: int, passwords: dict[str, str] | None,
                   tls: tuple[str, str] | None = None,
-                  cluster: ClusterRoutes | None = None) -> str:
+                  cluster: ClusterRoutes | None = None, store_dir: str | None = None) -> str:
     """A nats-server configuration (JSON is valid NATS config): with `passwords`, one user per
     service; with `tls` (certificate file, key file), TLS required of every client; with
     `cluster`, routes to the cluster's other servers. Each server tells its clients of the
-    others (`connect_urls`), so a client given one server reconnects to any."""
+    others (`connect_urls`), so a client given one server reconnects to any. With `store_dir`
+    (this server's own directory), JetStream, whose servers in a cluster form one JetStream
+    cluster (by their server_name): the api keeps stored responses there."""
     text = f"host: {json.dumps(host)}\nport: {port}\n"
+    if store_dir is not None:
+        text += "jetstream: " + json.dumps({
+            "store_dir": store_dir, "max_file_store": JETSTREAM_MAX_FILE_STORE,
+            "max_memory_store": JETSTREAM_MAX_MEMORY_STORE}, indent=2) + "\n"
     if cluster is not None:
         text += f"server_name: {json.dumps(cluster.server_name)}\n"
         text += "cluster: " + json.dumps({

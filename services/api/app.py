@@ -28,6 +28,7 @@ from llmbus.services.api.errors import EXCEPTION_HANDLERS, OpenAIError, bad_requ
 from llmbus.services.api.generation import Generation
 from llmbus.services.api.pages import PAGE_ROUTES
 from llmbus.services.api.pipeline import TokenRates, pipeline_view
+from llmbus.services.api.response_store_bus import ResponseStore
 from llmbus.services.api.responses_api import RESPONSES_ROUTES
 from llmbus.services.api.schemas import (
     ChatCompletionRequest,
@@ -193,13 +194,16 @@ def _require_api_key(connection: ASGIConnection, _handler: BaseRouteHandler) -> 
                           code="invalid_api_key")
 
 
-def create_app(engine: EngineClient, settings: ApiSettings | None = None) -> Litestar:
+def create_app(engine: EngineClient, settings: ApiSettings | None = None, *,
+               response_store: ResponseStore | None = None) -> Litestar:
+    """`response_store`: the bus's stored responses, None where they are off."""
     settings = settings or ApiSettings()
 
     @asynccontextmanager
     async def state_lifespan(app: Litestar) -> AsyncIterator[None]:
         app.state.engine = engine
         app.state.settings = settings
+        app.state.response_store = response_store
         app.state.token_rates = TokenRates()
         yield
 

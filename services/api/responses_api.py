@@ -23,6 +23,7 @@ from litestar.response import ServerSentEvent, ServerSentEventMessage
 from llmbus.services.api.chat import start_chat
 from llmbus.services.api.errors import OpenAIError
 from llmbus.services.api.generation import Generation
+from llmbus.services.api.response_store_bus import ResponseStore, ResponseStoreUnavailable
 from llmbus.services.api.responses_output import (
     ResponseEvents,
     conversation_turn,
@@ -56,7 +57,7 @@ def _not_found(response_id: str, param: str | None) -> OpenAIError:
                        code="previous_response_not_found" if param else "response_not_found")
 
 
-def _store_of(state: State) -> object | None:
+def _store_of(state: State) -> ResponseStore | None:
     return state.get("response_store")
 
 
@@ -65,7 +66,10 @@ async def _load(state: State, response_id: str, param: str | None) -> StoredResp
     if store is None:
         raise OpenAIError(503, "stored responses are unavailable: the bus has no JetStream "
                           "store (run nats-server with JetStream; `llmbus up` does)", param=param)
-    raw = await store.get(response_id)
+    try:
+        raw = await store.get(response_id)
+    except ResponseStoreUnavailable as exc:
+        raise OpenAIError(503, f"stored responses are unavailable: {exc}", param=param) from None
     if raw is None:
         raise _not_found(response_id, param)
     return msgspec.json.decode(raw, type=StoredResponse)
@@ -89,8 +93,9 @@ def _skeleton(req: ResponsesRequest, model: str, stored: bool) -> dict:
 
 
 async def _save(state: State, response: dict, conversation: list[ChatMessageIn]) -> None:
-    """Keep a finished response (when it asked to be stored); a response too big for the bus
-    is answered but not stored, and says so (`store: false`)."""
+    """Keep a finished response (when it asked to be stored); one the store cannot take (too
+    big for the bus, the bucket full, the bus down) is answered but not stored, and says so
+    (`store: false`)."""
     store = _store_of(state)
     if not response["store"] or store is None:
         return
@@ -98,7 +103,7 @@ async def _save(state: State, response: dict, conversation: list[ChatMessageIn])
     value = msgspec.json.encode(StoredResponse(response, message_dicts(turn)))
     try:
         await store.put(response["id"], value)
-    except ValueError as exc:
+    except (ValueError, ResponseStoreUnavailable) as exc:
         log.warning("response not stored", response_id=response["id"], reason=str(exc))
         response["store"] = False
 
@@ -158,7 +163,11 @@ async def get_response(response_id: str, state: State) -> dict:
 @delete("/responses/{response_id:str}", status_code=200)
 async def delete_response(response_id: str, state: State) -> dict:
     store = _store_of(state)
-    if store is None or not await store.delete(response_id):
+    try:
+        deleted = store is not None and await store.delete(response_id)
+    except ResponseStoreUnavailable as exc:
+        raise OpenAIError(503, f"stored responses are unavailable: {exc}") from None
+    if not deleted:
         raise _not_found(response_id, None)
     return {"id": response_id, "object": "response", "deleted": True}
 

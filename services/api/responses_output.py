@@ -127,11 +127,12 @@ class ResponseEvents:
         events: list[Event] = []
         if self.open_item is None or self.open_item["type"] != kind:
             events += self._close() + self._open(kind)
+        assert self.open_item is not None
         self.open_text.append(text)
         index, item_id = len(self.response["output"]), self.open_item["id"]
         name = "response.reasoning_text.delta" if kind == "reasoning" \
             else "response.output_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
         events.append(self._event(name, item_id=item_id, output_index=index, content_index=0,
                                   delta=text, **extra))
         return events

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from collections.abc import Callable
 from types import FrameType
 
 import structlog
@@ -18,6 +19,7 @@ from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.api.app import ApiSettings, create_app
 from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.migration import DEFAULT_MIGRATION_LIMIT
+from llmbus.services.api.response_store_bus import ResponseStore, ResponseStoreUnavailable
 from llmbus.services.api.schemas import Limits
 
 log = structlog.get_logger()
@@ -72,6 +74,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("LLMBUS_API_KEY"),
                         help="require `Authorization: Bearer KEY` on every /v1 route "
                              "(default: $LLMBUS_API_KEY; unset = no key)")
+    parser.add_argument("--responses-ttl", type=_positive(float), default=30 * 24 * 3600.0,
+                        help="seconds a stored response (Responses API, store: true) is kept "
+                             "in the bus's JetStream bucket llmbus_responses (default: 2592000, "
+                             "30 days, as OpenAI keeps them)")
+    parser.add_argument("--responses-max-bytes", type=_positive(int), default=2**30,
+                        help="most bytes the stored responses may take; past it, storing is "
+                             "refused until some expire (default: 1 GiB)")
+    parser.add_argument("--responses-replicas", type=_positive(int), default=1,
+                        help="NATS servers that keep a copy of each stored response: 3 on a "
+                             "cluster, so that losing a server loses none (default: 1)")
+
+
+def _positive(kind: type) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
+        return value
+
+    return parse
 
 
 class DrainingServer(uvicorn.Server):
@@ -111,6 +133,19 @@ async def answer_metrics(runtime: ServiceRuntime, app: Litestar) -> None:
     await runtime.on_request(subjects.API_METRICS, ApiMetricsRequest, on_metrics)
 
 
+async def _open_response_store(runtime: ServiceRuntime,
+                               args: argparse.Namespace) -> ResponseStore | None:
+    """The bus's store of responses; None, with one warning line, where it cannot be had
+    (the api serves everything else, and answers `store: true` with an error)."""
+    try:
+        return await ResponseStore.open(runtime, ttl_s=args.responses_ttl,
+                                        max_bytes=args.responses_max_bytes,
+                                        replicas=args.responses_replicas)
+    except ResponseStoreUnavailable as exc:
+        log.warning(f"stored responses are off: {exc}")
+        return None
+
+
 async def main(args: argparse.Namespace) -> None:
     # uvicorn takes SIGINT/SIGTERM itself: stops accepting, finishes streams, then returns.
     async with ServiceRuntime("api", args.nats_url, args.instance_id,
@@ -118,11 +153,13 @@ async def main(args: argparse.Namespace) -> None:
         engine = EngineClient(runtime, request_timeout=args.request_timeout,
                               migration_limit=args.migration_limit)
         await engine.start()
-        app = create_app(engine, ApiSettings(
+        settings = ApiSettings(
             limits=Limits(max_tokens=args.max_tokens_cap, max_n=args.max_n,
                           max_prompts=args.max_prompts),
             max_body_bytes=args.max_body_size, api_key=args.api_key,
-            trace_url=args.trace_url))
+            trace_url=args.trace_url)
+        store = await _open_response_store(runtime, args)
+        app = create_app(engine, settings, response_store=store)
         server = DrainingServer(app, uvicorn.Config(
             app, host=args.host, port=args.port, log_config=None, access_log=False,
             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"))

@@ -14,6 +14,7 @@ from llmbus.bus import subjects
 from llmbus.services.cli import build_parser
 from llmbus.services.launcher import free_port, nats_server_binary, wait_for_port
 from llmbus.services.nats_auth import (
+    COMPOSE_STORE_DIR,
     PERMISSIONS,
     ROUTE_PASSWORD_VARIABLE,
     compose_cluster_config,
@@ -30,9 +31,11 @@ pytestmark = pytest.mark.adapter  # a real nats-server, no model
 def test_compose_cluster_spreads_the_stages_over_three_locked_servers():
     """compose.cluster.yaml: compose.yaml's stages, with two engines and two detokenizers, on
     the servers nats0..2, each running its deploy/nats-cluster-N.conf (current with
-    services/nats_auth.py) and none published on the host; every stage is given all three."""
+    services/nats_auth.py) with a JetStream store of its own, and none published on the host;
+    every stage is given all three, and the api keeps stored responses on all three."""
     single = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
-    services = yaml.safe_load((REPO / "compose.cluster.yaml").read_text())["services"]
+    compose = yaml.safe_load((REPO / "compose.cluster.yaml").read_text())
+    services = compose["services"]
     servers = [f"nats{i}" for i in range(3)]
     stages = {name: s for name, s in services.items() if name not in {*servers, "jaeger"}}
     stage_of = {name: stage["command"][1] for name, stage in stages.items()}
@@ -48,8 +51,10 @@ def test_compose_cluster_spreads_the_stages_over_three_locked_servers():
         nats_service = services[server]
         assert "ports" not in nats_service
         assert nats_service["entrypoint"] == ["nats-server", "-c", "/etc/llmbus/nats.conf"]
-        assert nats_service["volumes"] == [
-            f"./deploy/nats-cluster-{i}.conf:/etc/llmbus/nats.conf:ro"]
+        assert nats_service["volumes"] == [  # its config, and its own JetStream store
+            f"./deploy/nats-cluster-{i}.conf:/etc/llmbus/nats.conf:ro",
+            f"{server}-store:{COMPOSE_STORE_DIR}"]
+        assert f"{server}-store" in compose["volumes"]
         assert (REPO / "deploy" / f"nats-cluster-{i}.conf").read_text() == \
             compose_cluster_config(i)
         environment = nats_service["environment"]
@@ -61,6 +66,8 @@ def test_compose_cluster_spreads_the_stages_over_three_locked_servers():
             assert environment[route_variable(host)] == route_url(f"{host}:6222",
                                                                   route_password)
     assert all("ports" not in stage for name, stage in stages.items() if name != "api")
+    # a stored response is kept on every server, so that losing one loses none
+    assert parser.parse_args(stages["api"]["command"]).responses_replicas == 3
     for name, stage in stages.items():
         environment = stage["environment"]
         urls = environment["LLMBUS_NATS_URL"].split(",")
@@ -87,7 +94,8 @@ async def test_compose_cluster_configs_form_one_cluster(tmp_path):
             config.write_text((REPO / "deploy" / f"nats-cluster-{i}.conf").read_text()
                               .replace('"0.0.0.0"', '"127.0.0.1"')
                               .replace("port: 4222", f"port: {port}")
-                              .replace('"port": 6222', f'"port": {route_port}'))
+                              .replace('"port": 6222', f'"port": {route_port}')
+                              .replace(COMPOSE_STORE_DIR, str(tmp_path / f"jetstream-{i}")))
             with open(tmp_path / f"nats-{i}.log", "wb") as out:
                 servers.append(subprocess.Popen([nats_server_binary(), "-c", str(config)],
                                                 env=dict(os.environ, **env),

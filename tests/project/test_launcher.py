@@ -23,6 +23,7 @@ from llmbus.services.launcher import (
     wait_for_port,
 )
 from llmbus.services.nats_auth import (
+    COMPOSE_STORE_DIR,
     PERMISSIONS,
     compose_env,
     compose_server_config,
@@ -75,7 +76,9 @@ def test_compose_stack_is_locked():
     nats_service = compose["services"]["nats"]
     assert "ports" not in nats_service
     assert nats_service["entrypoint"] == ["nats-server", "-c", "/etc/llmbus/nats.conf"]
-    assert "./deploy/nats.conf:/etc/llmbus/nats.conf:ro" in nats_service["volumes"]
+    assert nats_service["volumes"] == ["./deploy/nats.conf:/etc/llmbus/nats.conf:ro",
+                                       f"nats-store:{COMPOSE_STORE_DIR}"]  # JetStream's
+    assert "nats-store" in compose["volumes"]
     assert set(nats_service["environment"]) == {password_variable(u) for u in PERMISSIONS}
     assert (REPO / "deploy" / "nats.conf").read_text() == compose_server_config()
     assert compose["services"]["api"]["environment"]["LLMBUS_API_KEY"].startswith(
@@ -109,7 +112,8 @@ async def test_compose_bus_config_admits_only_its_users(tmp_path):
     config = tmp_path / "nats.conf"
     config.write_text((REPO / "deploy" / "nats.conf").read_text()
                       .replace('host: "0.0.0.0"', 'host: "127.0.0.1"')
-                      .replace("port: 4222", f"port: {port}"))
+                      .replace("port: 4222", f"port: {port}")
+                      .replace(COMPOSE_STORE_DIR, str(tmp_path / "jetstream")))
     log = tmp_path / "nats.log"
     with open(log, "wb") as out:
         server = subprocess.Popen([nats_server_binary(), "-c", str(config)],

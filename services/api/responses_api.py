@@ -18,6 +18,7 @@ import msgspec
 import structlog
 from litestar import Request, Response, delete, get, post
 from litestar.datastructures import State
+from litestar.params import FromPath
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
 from llmbus.services.api.chat import start_chat
@@ -156,12 +157,12 @@ def _sse(event: tuple[str, dict]) -> ServerSentEventMessage:
 
 
 @get("/responses/{response_id:str}")
-async def get_response(response_id: str, state: State) -> dict:
+async def get_response(response_id: FromPath[str], state: State) -> dict:
     return (await _load(state, response_id, None)).response
 
 
 @delete("/responses/{response_id:str}", status_code=200)
-async def delete_response(response_id: str, state: State) -> dict:
+async def delete_response(response_id: FromPath[str], state: State) -> dict:
     store = _store_of(state)
     try:
         deleted = store is not None and await store.delete(response_id)

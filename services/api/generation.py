@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,7 +252,7 @@ class Generation:
                 yield _json(chunk)
         yield "[DONE]"
 
-    async def chunks(self) -> AsyncIterator[dict]:
+    async def chunks(self) -> AsyncGenerator[dict, None]:
         """The chat (or text) completion chunks as they come, then the usage chunk if asked
         for; a failure ends them with an `{"error": ...}` chunk. The other API dialects
         (Responses, Messages) translate these, so every dialect streams through one path."""

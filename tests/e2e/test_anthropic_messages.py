@@ -110,6 +110,9 @@ def test_a_tool_use_and_its_result(stack):
     [tool_use] = [block for block in called.content if block.type == "tool_use"]
     assert tool_use.name == "get_weather" and isinstance(tool_use.input["city"], str)
     assert tool_use.id.startswith("toolu_")
+    counted = [client.messages.count_tokens(model=MODEL_NAME, messages=turns, **tools)
+               for tools in ({"tools": [WEATHER]}, {})]  # the tools' prompt is counted too
+    assert called.usage.input_tokens == counted[0].input_tokens > counted[1].input_tokens
     turns += [{"role": "assistant", "content": called.content},
               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use.id,
                                             "content": "21 degrees, sunny"}]}]

@@ -58,6 +58,7 @@ class EncodeRequest(Message):
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     chat_template_kwargs_json: str = ""  # as in GenerateRequest
+    tools_json: str = ""  # as in GenerateRequest (count_tokens counts the tools' prompt too)
 
 
 class EncodeResult(Message):

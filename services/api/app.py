@@ -21,6 +21,7 @@ from litestar.handlers import BaseRouteHandler
 from litestar.response import ServerSentEvent
 
 from llmbus.bus.messages import EncodeRequest
+from llmbus.services.api.anthropic_messages import MESSAGES_ROUTER
 from llmbus.services.api.chat import check_model, include_usage, metrics_for, start_chat
 from llmbus.services.api.constraints import output_constraint
 from llmbus.services.api.engine_client_bus import EngineClient
@@ -187,11 +188,13 @@ def _require_api_key(connection: ASGIConnection, _handler: BaseRouteHandler) -> 
     expected = connection.app.state.settings.api_key
     if expected is None:
         return
-    header = connection.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not _same_key(token.strip(), expected):
-        raise OpenAIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
-                          code="invalid_api_key")
+    scheme, _, token = connection.headers.get("authorization", "").partition(" ")
+    # Anthropic's clients send the key as `x-api-key`; either header may carry it.
+    sent = [token.strip()] if scheme.lower() == "bearer" else []
+    sent += connection.headers.getall("x-api-key", [])
+    if not any(_same_key(key, expected) for key in sent):
+        raise OpenAIError(401, "missing or invalid API key: send `Authorization: Bearer <key>` "
+                          "or `x-api-key: <key>`", code="invalid_api_key")
 
 
 def create_app(engine: EngineClient, settings: ApiSettings | None = None, *,
@@ -208,7 +211,7 @@ def create_app(engine: EngineClient, settings: ApiSettings | None = None, *,
         yield
 
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, models, pipeline,
-                                            *RESPONSES_ROUTES],
+                                            *RESPONSES_ROUTES, MESSAGES_ROUTER],
                 guards=[_require_api_key])
     return Litestar(
         route_handlers=[v1, tokenize, detokenize, health, version_route, metrics,

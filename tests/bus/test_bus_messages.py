@@ -51,7 +51,7 @@ EXAMPLES = [
                 error_message="too long", error_param="messages", scheduler_instance_id="s1",
                 scheduler_reconnects=2, reasoning=True, reasoning_open=True),
     m.EncodeRequest(messages=[CHAT], prompt="p", add_generation_prompt=False,
-                    add_special_tokens=False, chat_template_kwargs_json="{}"),
+                    add_special_tokens=False, chat_template_kwargs_json="{}", tools_json="[]"),
     m.EncodeResult(token_ids=[1, 2], error_message="e"),
     m.DecodeRequest(token_ids=[1, 2]),
     m.DecodeResult(text="t", error_message="e"),
@@ -135,7 +135,7 @@ GOLDEN = {
         "72a26869a25b5da26331a1709101c202a25b5d01919201912aa27331b97b22656e61626c655f7468696e"
         "6b696e67223a66616c73657d"),
     "Admission": "980302a8746f6f206c6f6e67a86d65737361676573a2733102c3c3",
-    "EncodeRequest": "959194a475736572a26869a25b5da26331a170c2c2a27b7d",
+    "EncodeRequest": "969194a475736572a26869a25b5da26331a170c2c2a27b7da25b5d",
     "EncodeResult": "92920102a165",
     "DecodeRequest": "91920102",
     "DecodeResult": "92a174a165",

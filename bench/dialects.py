@@ -25,24 +25,31 @@ from llmbus.bench.stack import start_stack, stop_stack
 DIALECTS = ("chat", "responses", "messages")
 
 
-def measure(base_url: str, api_key: str | None, args: argparse.Namespace) -> dict[str, list]:
-    """Output tok/s per dialect, one number per round."""
+def measure(base_url: str, api_key: str | None,
+            args: argparse.Namespace) -> dict[str, list[float]]:
+    """Output tok/s per dialect, one number per round. Every run has prompts of its own (the
+    same lengths), so no run finds another's in the prefix cache; a first, unmeasured run
+    warms the stack up."""
     model = asyncio.run(fetch_model_name(base_url, api_key))
     tokenizer = ServerTokenizer(base_url, model, api_key)
-    requests = random_dataset(tokenizer, num_requests=args.requests, input_len=args.input_len)
     rates: dict[str, list[float]] = {d: [] for d in DIALECTS}
-    for round_ in range(args.rounds):
-        for dialect in DIALECTS if round_ % 2 == 0 else reversed(DIALECTS):
-            report = bench_report(requests, RunConfig(
-                base_url=base_url, model=model, endpoint=dialect, api_key=api_key,
-                max_concurrency=args.concurrency, max_tokens=args.max_tokens, ignore_eos=True,
-                progress=False))
-            if report["failed"]:
-                raise SystemExit(f"{dialect}: {report['failed']} requests failed: "
-                                 f"{report['errors']}")
+    runs = [("warm-up", "chat")] + [
+        (f"round {r + 1}", dialect) for r in range(args.rounds)
+        for dialect in (DIALECTS if r % 2 == 0 else DIALECTS[::-1])]
+    for seed, (label, dialect) in enumerate(runs):
+        requests = random_dataset(tokenizer, num_requests=args.requests,
+                                  input_len=args.input_len, seed=seed)
+        report = bench_report(requests, RunConfig(
+            base_url=base_url, model=model, endpoint=dialect, api_key=api_key,
+            max_concurrency=args.concurrency, max_tokens=args.max_tokens, ignore_eos=True,
+            progress=False))
+        if report["failed"]:
+            raise SystemExit(f"{dialect}: {report['failed']} requests failed: "
+                             f"{report['errors']}")
+        if label != "warm-up":
             rates[dialect].append(report["output_throughput"])
-            print(f"round {round_ + 1} {dialect:<10} {report['output_throughput']:8.1f} "
-                  f"output tok/s  ITL p50 {report['itl_ms']['p50']:.1f} ms", flush=True)
+        print(f"{label:<8} {dialect:<10} {report['output_throughput']:8.1f} output tok/s  "
+              f"ITL p50 {report['itl_ms']['p50']:.1f} ms", flush=True)
     return rates
 
 

@@ -103,6 +103,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     thinking: ThinkingIn | None = None
     metadata: MetadataIn | None = None
     service_tier: str | None = None  # one tier here: any value is honoured trivially
+    ignore_eos: bool = False  # vLLM's extension, as on chat (benchmarks fix output lengths)
 
 
 def _text(blocks: str | list[TextBlock]) -> str:
@@ -219,4 +220,4 @@ def chat_request(req: MessagesRequest, *, counting: bool = False) -> ChatComplet
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel,
         chat_template_kwargs=kwargs, user=req.metadata.user_id if req.metadata else None,
-        stream=True, stream_options=StreamOptions(include_usage=True))
+        ignore_eos=req.ignore_eos, stream=True, stream_options=StreamOptions(include_usage=True))

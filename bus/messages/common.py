@@ -65,6 +65,9 @@ class SamplingParams(Message):
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the top k
     logit_bias: dict[int, float] = {}
     structured: StructuredOutput | None = None  # constrained decoding (grammar, JSON schema)
+    # An embedding request: how its prompt's final hidden states pool into one vector
+    # ("mean", "cls", "last"; "model": the model's own default). Nothing is sampled.
+    pooling: str = ""
 
 
 class TokenLogprobs(Message):

@@ -35,6 +35,9 @@ class TextDelta(Message):
     attempt: int = 0
     resumable: bool = False
     detokenizer_id: str = ""  # the copy that sent it: if it dies, what it held is lost
+    # An embedding request's answer (from its engine's scheduler, not a detokenizer): the
+    # pooled vector as float32 bytes (little-endian), not normalised.
+    embedding: bytes = b""
 
 
 class DeltaBatch(Message):

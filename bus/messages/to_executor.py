@@ -146,6 +146,13 @@ class StepResult(Message):
     # A prefill engine's KV transfers that ended with this step: all sent and acknowledged,
     # or failed (`error`: the decode engine refused or is gone).
     transfers: list[KvTransferReport] = []
+    # Embedding requests whose prompt this step finished: their pooled vectors.
+    embeddings: list[PooledEmbedding] = []
+
+
+class PooledEmbedding(Message):
+    sequence_id: str
+    vector: bytes  # float32, little-endian: the prompt's final hidden states, pooled
 
 
 class KvTransferReport(Message):

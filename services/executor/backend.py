@@ -31,3 +31,8 @@ class Backend(Protocol):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T]; logits_indices [S] -> float32 logits [S, V] of the rows
         that sample. Writes this step's K/V into `kv_cache` at `meta.slot_mapping`."""
+
+    def last_hidden(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [H] of the last forward's tokens -> float32 [H, D]: their final hidden states
+        after the output norm (what an embedding pools; HF's `last_hidden_state`). Only
+        between that forward and the next."""

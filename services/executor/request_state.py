@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmbus.bus.messages import SamplingParams, ScheduledRequest
+from llmbus.services.executor.embedding_pooling import Pooling
 from llmbus.services.executor.grammar_state import GrammarState
 from llmbus.services.executor.sampling.sampling_tensors import RequestSampling
 
@@ -28,6 +29,7 @@ class RequestState:
     penalty_slot: int | None  # its row in the runner's TokenCounts, if it has penalties
     block_table: list[int] = field(default_factory=list)
     grammar: GrammarState | None = None  # constrained decoding: where its grammar is
+    pooling: Pooling | None = None  # an embedding request: its prompt's pooling so far
 
     @property
     def num_output_tokens(self) -> int:

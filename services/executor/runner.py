@@ -20,6 +20,7 @@ from llmbus.bus.messages import (
     ExecutorInfo,
     KvTransferReport,
     NewRequestData,
+    PooledEmbedding,
     ScheduledRequest,
     StepPlan,
     StepResult,
@@ -29,6 +30,12 @@ from llmbus.services.executor.backend import Backend
 from llmbus.services.executor.backend_choice import BackendChoice, choose_backend
 from llmbus.services.executor.backends.loading import load_backend
 from llmbus.services.executor.drafts import logits_indices, sample_with_drafts
+from llmbus.services.executor.embedding_pooling import (
+    Pooling,
+    model_pooling,
+    pool_step,
+    resolve_pooling,
+)
 from llmbus.services.executor.grammar_state import GrammarState
 from llmbus.services.executor.kv_cache import (
     KVCache,
@@ -44,6 +51,7 @@ from llmbus.services.executor.sampling.penalties import TokenCounts
 from llmbus.services.executor.sampling.sampled_tokens import SampledTokens
 from llmbus.services.executor.sampling.sampler import sample
 from llmbus.services.executor.sampling.sampling_tensors import RequestSampling, SamplingTensors
+from llmbus.services.gguf_metadata import read_metadata
 
 # A step this small (a few decodes) is short and memory-bound. When the executor shares a small
 # machine with the rest of the stack, a thread of its parallel matmuls that gets descheduled
@@ -62,6 +70,7 @@ class StepOutcome:
     batch_size: int = 0
     num_tokens: int = 0
     error: str = ""
+    embeddings: tuple[PooledEmbedding, ...] = ()  # embedding requests whose prompt ended
 
     def result(self, *, idle_seconds: float = 0.0,
                transfers: list[KvTransferReport] | None = None) -> StepResult:
@@ -72,7 +81,7 @@ class StepOutcome:
             forward_seconds=self.forward_seconds, batch_size=self.batch_size,
             num_tokens=self.num_tokens, error=self.error, idle_seconds=idle_seconds,
             logprobs=self.sampled.logprobs, num_sampled=self.sampled.num_sampled,
-            transfers=transfers or [])
+            transfers=transfers or [], embeddings=list(self.embeddings))
 
 
 class ModelRunner:
@@ -85,13 +94,15 @@ class ModelRunner:
                  device: torch.device | str = "cpu", block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  max_model_len: int | None = None, num_threads: int | None = None,
-                 small_step_threads: int | None = None) -> None:
+                 small_step_threads: int | None = None, pooling: str | None = None) -> None:
         """`choice` (backend_choice.py) says which backend runs; without one, it is chosen
         here from `backend`, `exact`, `dtype` and `device` (tests and benchmarks pick so).
 
         `small_step_threads`: CPU threads for steps of at most SMALL_STEP_TOKENS tokens (None:
         `num_threads`), see SMALL_STEP_TOKENS; torch backend only (the CPU backends keep
         single-threaded sessions for small steps themselves, or need every core).
+        `pooling`: how embedding requests that leave it to the model pool (None: the file's
+        `<arch>.pooling_type`, else mean).
         """
         if choice is None:
             choice = choose_backend(model_path, backend=backend, exact=exact,
@@ -124,6 +135,8 @@ class ModelRunner:
         self.token_counts = TokenCounts(self.device)
         self.shared_generator = torch.Generator(device=self.device)
         self.shared_generator.seed()
+        self.pooling = model_pooling(read_metadata(model_path), pooling)
+        self._embeddings: list[PooledEmbedding] = []  # of the step under way
         self.grammars = Grammars(lambda: Vocabulary.from_gguf(
             model_path, config.vocab_size, config.eos_token_ids), config.vocab_size)
 
@@ -151,6 +164,7 @@ class ModelRunner:
                    else self.num_threads)
         if self.device.type == "cpu" and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+        self._embeddings = []
         try:
             with torch.inference_mode():
                 sampled = self._step(plan)
@@ -158,7 +172,7 @@ class ModelRunner:
             return StepOutcome(plan.step_id, SampledTokens(),
                                error=f"{type(exc).__name__}: {exc}")
         return StepOutcome(plan.step_id, sampled, time.perf_counter() - started,
-                           len(plan.scheduled), num_tokens)
+                           len(plan.scheduled), num_tokens, embeddings=tuple(self._embeddings))
 
     def _forget(self, sequence_id: str) -> None:
         state = self.requests.pop(sequence_id, None)
@@ -178,9 +192,11 @@ class ModelRunner:
                    if new.params.structured is not None else None)  # may raise: before the slot
         slot = (self.token_counts.add(new.prompt_token_ids, output) if sampling.has_penalties
                 else None)
+        pooling = (Pooling(resolve_pooling(new.params.pooling, self.pooling),
+                           len(new.prompt_token_ids)) if new.params.pooling else None)
         self.requests[new.sequence_id] = RequestState(
             list(new.prompt_token_ids) + list(output), len(new.prompt_token_ids), new.params,
-            sampling, generator, slot, grammar=grammar)
+            sampling, generator, slot, grammar=grammar, pooling=pooling)
         self.kv_gathering.start(new)
 
     def _apply_plan_changes(self, plan: StepPlan) -> None:
@@ -239,6 +255,8 @@ class ModelRunner:
         last = meta.cu_seqlens_q[1:][rows] - 1  # [S] last token of each sampler
         logits = self.model.forward(ids, meta.positions, meta, self.kv_cache,
                                     logits_indices(last, samplers))
+        self._embeddings += pool_step(scheduled, meta.cu_seqlens_q.tolist(), self.requests,
+                                      self.model.last_hidden)
         if not sampling_rows:
             return SampledTokens()
         states = [self.requests[s.sequence_id] for s in samplers]

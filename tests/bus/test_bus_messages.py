@@ -13,7 +13,8 @@ PARAMS = m.SamplingParams(
     stop_token_ids=[2], stop=["\n"], include_stop_str_in_output=True, min_p=0.05,
     presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1, min_tokens=1,
     logprobs=2, logit_bias={5: -1.0},
-    structured=m.StructuredOutput(kind="regex", spec="[0-9]+", param="guided_regex"))
+    structured=m.StructuredOutput(kind="regex", spec="[0-9]+", param="guided_regex"),
+    pooling="mean")
 LOGPROBS = m.TokenLogprobs(logprob=-0.5, top_token_ids=[42, 7], top_logprobs=[-0.5, -1.5])
 CHAT = m.ChatMessage(role="user", content="hi", tool_calls_json="[]", tool_call_id="c1")
 START = m.CompletionStart(reply_subject="api.x", num_prompt_tokens=2, stop=["x"],
@@ -30,7 +31,7 @@ DELTA = m.TextDelta(request_id="r1", text="hé", num_new_tokens=1,
                     finish_reason=m.FinishReason.LENGTH, num_prompt_tokens=2,
                     num_output_tokens=3, error="e", step_id=3, index=1, logprobs=[TEXT_LOGPROB],
                     queue_seconds=0.25, token_ids=[42], attempt=1, resumable=True,
-                    detokenizer_id="d1")
+                    detokenizer_id="d1", embedding=b"\x00\x00\x80?")
 RESUMED = m.ResumedCompletion(index=1, output_token_ids=[42])
 LAYOUT = m.KvLayout(dtype="float16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
 DESTINATION = m.KvDestination(transfer_id="r1>1", engine_id="d0", first_block=1,
@@ -102,7 +103,9 @@ EXAMPLES = [
                copy_blocks=[m.BlockCopy(src=1, dst=2)], closed_transfers=["r2>1"]),
     m.StepResult(step_id=3, sampled_token_ids=[42], forward_seconds=0.01, batch_size=1,
                  num_tokens=2, error="e", idle_seconds=0.5, logprobs=[LOGPROBS, None],
-                 num_sampled=[1], transfers=[m.KvTransferReport(transfer_id="r1>1")]),
+                 num_sampled=[1], transfers=[m.KvTransferReport(transfer_id="r1>1")],
+                 embeddings=[m.PooledEmbedding(sequence_id="r1", vector=b"\x00\x00\x80?")]),
+    m.PooledEmbedding(sequence_id="r1", vector=b"\x00\x00\x80?"),
     START, TOKENS,
     m.TokenBatch(engine_id="e0", items=[TOKENS]),
     TEXT_LOGPROB, DELTA,
@@ -123,17 +126,17 @@ EXAMPLES = [
 # the new field's value to its example and its bytes here.
 GOLDEN = {
     "SamplingParams": (
-        "dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999999999999acb3f"
+        "dc0012cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999999999999acb3f"
         "e0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff000000000000094a57265"
-        "676578a65b302d395d2bac6775696465645f7265676578a0"),
+        "676578a65b302d395d2bac6775696465645f7265676578a0a46d65616e"),
     "TokenLogprobs": "93cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000",
     "ChatMessage": "94a475736572a26869a25b5da26331",
     "GenerateRequest": (
-        "9ea27231a56170692e78a16ddc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10a"
+        "9ea27231a56170692e78a16ddc0012cb3fe0000000000000cb3feccccccccccccd280807c3910291a10a"
         "c3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cb"
-        "bff000000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a09194a4757365"
-        "72a26869a25b5da26331a1709101c202a25b5d01919201912aa27331b97b22656e61626c655f7468696e"
-        "6b696e67223a66616c73657d"),
+        "bff000000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616e91"
+        "94a475736572a26869a25b5da26331a1709101c202a25b5d01919201912aa27331b97b22656e61626c65"
+        "5f7468696e6b696e67223a66616c73657d"),
     "Admission": "980302a8746f6f206c6f6e67a86d65737361676573a2733102c3c3",
     "EncodeRequest": "969194a475736572a26869a25b5da26331a170c2c2a27b7da25b5d",
     "EncodeResult": "92920102a165",
@@ -141,10 +144,10 @@ GOLDEN = {
     "DecodeResult": "92a174a165",
     "CacheEvent": "95a26530910b910cc3a27331",
     "SubmitRequest": (
-        "98a27231a56170692e78920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a1"
+        "98a27231a56170692e78920102dc0012cb3fe0000000000000cb3feccccccccccccd280807c3910291a1"
         "0ac3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105"
-        "cbbff000000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0cb3ff80000"
-        "000000000201919201912a"),
+        "cbbff000000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616e"
+        "cb3ff80000000000000201919201912a"),
     "ResumedCompletion": "9201912a",
     "AbortRequest": "93a272310102",
     "UnknownCompletion": "93a2723101a26431",
@@ -156,28 +159,43 @@ GOLDEN = {
     "ModelInfo": "93a16dcd2000a26530",
     "ExecutorInfoRequest": "90",
     "ExecutorInfo": "97a16dcd200064109102cdc00095a7666c6f61743136101e0340",
+    "KvLayout": "95a7666c6f61743136101e0340",
+    "KvDestination": "94a472313e31a2643001920708",
+    "KvReceive": "93a472313e3192070895a7666c6f61743136101e0340",
+    "KvChunk": "96a472313e3191070203c4016bc40176",
+    "KvReply": "91a165",
+    "KvTransferReport": "95a472313e3104cb3fe0000000000000a165cb3fd0000000000000",
+    "PrefillRequest": (
+        "98a2723101920102dc0012cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa9"
+        "99999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff00000"
+        "0000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616e94a472313e"
+        "31a264300192070895a7666c6f61743136101e0340ae652e64302e70726566696c6c6564a930302d742d"
+        "732d3031"),
+    "PrefillReply": "91a165",
+    "PrefillDone": (
+        "99a472313e312a93cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000a16504"
+        "cb3fe0000000000000cb3ff8000000000000cb4004000000000000cb3fd0000000000000"),
     "StructuredOutput": (
         "94a663686f696365a55b2261225dad6775696465645f63686f696365a83c2f7468696e6b3e"),
     "GrammarRequest": "9194ab6a736f6e5f6f626a656374a0af726573706f6e73655f666f726d6174a0",
     "GrammarReply": "91a165",
     "NewRequestData": (
-        "96a27231920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999"
+        "96a27231920102dc0012cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999"
         "999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff0000000"
-        "00000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a930302d742d732d303191"
-        "0394a472313e31a2643001920708"),
+        "00000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616ea930302d742d"
+        "732d3031910394a472313e31a2643001920708"),
     "ScheduledRequest": "97a2723100029105c2910903",
     "BlockCopy": "920102",
     "StepPlan": (
-        "97039196a272319101dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3f"
+        "97039196a272319101dc0012cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3f"
         "a999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff000"
-        "000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a090c09197a2723100"
-        "0190c3900191a2723091a272399192010291a472323e31"),
+        "000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616ea090c091"
+        "97a27231000190c3900191a2723091a272399192010291a472323e31"),
     "StepResult": (
-        "9a03912acb3f847ae147ae147b0102a165cb3fe00000000000009293cbbfe0000000000000922a0792cb"
+        "9b03912acb3f847ae147ae147b0102a165cb3fe00000000000009293cbbfe0000000000000922a0792cb"
         "bfe0000000000000cbbff8000000000000c091019195a472313e3100cb0000000000000000a0cb000000"
-        "0000000000"),
-    # Laid out anew in the tokens subjects' v2 (bus/subjects.py TOKENS_PREFIX): a completion's
-    # constants moved into CompletionStart, sent once per detokenizer copy.
+        "00000000009192a27231c4040000803f"),
+    "PooledEmbedding": "92a27231c4040000803f",
     "CompletionStart": "96a56170692e780291a178c3a930302d742d732d30319129",
     "RequestTokens": (
         "9ca2723101912a01a165039193cbbfe0000000000000922a0792cbbfe0000000000000cbbff800000000"
@@ -190,39 +208,23 @@ GOLDEN = {
         "96a168cbbfe000000000000092a168a17992cbbfe0000000000000cbbff8000000000000c4016892c401"
         "68c40179"),
     "TextDelta": (
-        "9fa27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe000000000"
-        "0000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000912a01c3a26431"),
+        "dc0010a27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe00000"
+        "00000000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000912a01c3a26431c40400"
+        "00803f"),
     "DeltaBatch": (
-        "91919fa27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe00000"
-        "00000000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000912a01c3a26431"),
+        "9191dc0010a27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe0"
+        "000000000000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000912a01c3a26431c4"
+        "040000803f"),
     "ApiMetricsRequest": "90",
-    # retyped from sample lines by metric name to one exposition text (prometheus-client),
-    # which only api copies of one version exchange
-    "ApiMetricsSnapshot": (
-        "93a26131a47820310a919aaa63686174636d706c2d31a26131cb3ff8000000000000a866696e69736865"
-        "64a473746f700203cb3fd0000000000000cb3fe0000000000000a26162"),
     "RecentRequest": (
         "9aaa63686174636d706c2d31a26131cb3ff8000000000000a866696e6973686564a473746f700203cb3f"
         "d0000000000000cb3fe0000000000000a26162"),
-    "Heartbeat": (
-        "9da97363686564756c6572a27331a2653001020304100506a66465636f64650708"),
+    "ApiMetricsSnapshot": (
+        "93a26131a47820310a919aaa63686174636d706c2d31a26131cb3ff8000000000000a866696e69736865"
+        "64a473746f700203cb3fd0000000000000cb3fe0000000000000a26162"),
+    "Heartbeat": "9da97363686564756c6572a27331a2653001020304100506a66465636f64650708",
     "Ping": "90",
     "Pong": "93a3617069a26131c2",
-    "KvLayout": "95a7666c6f61743136101e0340",
-    "KvDestination": "94a472313e31a2643001920708",
-    "KvReceive": "93a472313e3192070895a7666c6f61743136101e0340",
-    "KvChunk": "96a472313e3191070203c4016bc40176",
-    "KvReply": "91a165",
-    "KvTransferReport": "95a472313e3104cb3fe0000000000000a165cb3fd0000000000000",
-    "PrefillRequest": (
-        "98a2723101920102dc0011cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa9"
-        "99999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff00000"
-        "0000000094a57265676578a65b302d395d2bac6775696465645f7265676578a094a472313e31a2643001"
-        "92070895a7666c6f61743136101e0340ae652e64302e70726566696c6c6564a930302d742d732d3031"),
-    "PrefillReply": "91a165",
-    "PrefillDone": (
-        "99a472313e312a93cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000a16504"
-        "cb3fe0000000000000cb3ff8000000000000cb4004000000000000cb3fd0000000000000"),
 }
 
 

@@ -36,6 +36,7 @@ from llmbus.services.executor.attention.torch_paged import paged_attention, rope
 from llmbus.services.executor.backends.int_moe import IntMoeStep
 from llmbus.services.executor.backends.int_step import IntStep
 from llmbus.services.executor.backends.onnx_graphs import MatrixSource, head_graph, layer_graphs
+from llmbus.services.executor.backends.torch_llama import rms_norm
 from llmbus.services.executor.kernels.cpu.library import load_library
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import qk_norm_weights, qkv_bias
@@ -186,6 +187,8 @@ class CpuLlamaModel:
         if self.int_step is None and self.int_moe is None:
             self._build_graphs(config, dense, native, num_threads)
         self.embed = _Embedding(native.get("token_embd.weight"), dense.get("token_embd.weight"))
+        self.output_norm = dense["output_norm.weight"].float()  # embeddings' final norm
+        self._residual = torch.empty(0, config.hidden_size)
         self.qkv_biases = [qkv_bias(dense, i) for i in range(config.num_layers)]
         self.qk_norms = [qk_norm_weights(dense, i) for i in range(config.num_layers)]
         # The integer kernel's layers and the attention in one C++ call (step_layers.cpp),
@@ -307,6 +310,7 @@ class CpuLlamaModel:
             hidden = self.int_step.layers(hidden, attend)
         else:
             hidden = self._layers(layers, hidden, rope, kv_cache, meta)
+        self._residual = hidden  # for last_hidden: the stream before the output norm
         rows = hidden[logits_indices].contiguous()  # [S, D]
         if not rows.shape[0]:  # a step of prefill chunks alone samples nothing
             return torch.empty(0, cfg.vocab_size)
@@ -317,3 +321,7 @@ class CpuLlamaModel:
         logits = torch.empty(rows.shape[0], cfg.vocab_size)
         head.run({"hidden": rows}, {"logits": logits})
         return logits
+
+    def last_hidden(self, rows: torch.Tensor) -> torch.Tensor:
+        """The last forward's rows after the output norm, in float32 (Backend.last_hidden)."""
+        return rms_norm(self._residual[rows].float(), self.output_norm, self.config.rms_norm_eps)

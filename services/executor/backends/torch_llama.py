@@ -114,6 +114,8 @@ class LlamaModel:
                  device: torch.device | str = "cpu", kernels: str | None = None) -> None:
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.ops = select_ops(kernels, self.device)
+        self._residual: torch.Tensor = torch.empty(0)  # the last forward's (last_hidden)
+        self._delta: torch.Tensor | None = None
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
@@ -208,7 +210,15 @@ class LlamaModel:
                                     layer.down)
             if layer.post_ffw_norm is not None:
                 delta = rms_norm(delta, layer.post_ffw_norm, eps)
+        self._residual, self._delta = h, delta  # for last_hidden
         # Only the positions that sample pay for the norm and the vocab projection.
         tail = None if delta is None else delta[logits_indices]
         h, _ = ops.add_rms_norm(h[logits_indices], tail, self.output_norm, eps)  # [S, D]
         return self.linear(h, self.lm_head).float()  # [S, V]
+
+    def last_hidden(self, rows: torch.Tensor) -> torch.Tensor:
+        """The last forward's rows after the output norm, in float32 (Backend.last_hidden)."""
+        tail = None if self._delta is None else self._delta[rows]
+        h, _ = self.ops.add_rms_norm(self._residual[rows], tail, self.output_norm,
+                                     self.config.rms_norm_eps)
+        return h.float()

@@ -64,6 +64,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "scheduler": {
         "publish": [S.executor_info(ANY), S.executor_step(ANY), S.executor_grammar(ANY),
                     S.DETOKENIZER_TOKENS, S.detokenizer_tokens(ANY), S.ENGINE_CACHE_EVENTS,
+                    S.api_deltas(ANY),  # embedding answers go straight to their api copy
                     S.heartbeat("scheduler"), S.executor_kv_receive(ANY), S.engine_prefill(ANY),
                     S.engine_prefill_cancel(ANY), S.engine_prefilled(ANY)],
         "subscribe": [S.ENGINE_SUBMIT, S.engine_submit(ANY), S.engine_withdraw(ANY),

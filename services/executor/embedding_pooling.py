@@ -11,16 +11,13 @@ api's. The KV the prompt leaves is a decoder's real KV, so the scheduler may cac
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from llmbus.bus.messages import PooledEmbedding, ScheduledRequest
-
-if TYPE_CHECKING:
-    from llmbus.services.executor.request_state import RequestState
 
 POOLING_KINDS = ("mean", "cls", "last")
 # llama.cpp's `<arch>.pooling_type`: 0 none, 1 mean, 2 cls, 3 last, 4 rank.
@@ -75,20 +72,20 @@ class Pooling:
 
 
 def pool_step(scheduled: list[ScheduledRequest], starts: list[int],
-              requests: Mapping[str, RequestState],
+              pooling_of: Callable[[str], Pooling | None],
               last_hidden: Callable[[torch.Tensor], torch.Tensor]) -> list[PooledEmbedding]:
     """After a forward: fold its embedding chunks (`starts`: each scheduled request's first row
-    in the step) into their requests' pooling; the vectors of those whose prompt ended."""
-    chunks = [(sched, starts[i]) for i, sched in enumerate(scheduled)
-              if requests[sched.sequence_id].pooling is not None]
+    in the step; `pooling_of`: a sequence's pooling, None if it generates) into their pooling;
+    the vectors of those whose prompt ended."""
+    chunks = [(sched, starts[i], pooling) for i, sched in enumerate(scheduled)
+              if (pooling := pooling_of(sched.sequence_id)) is not None]
     if not chunks:
         return []
-    rows = torch.cat([torch.arange(first, first + sched.num_tokens) for sched, first in chunks])
+    rows = torch.cat([torch.arange(first, first + sched.num_tokens)
+                      for sched, first, _ in chunks])
     hidden = last_hidden(rows)  # [rows, D], after the output norm
     vectors, offset = [], 0
-    for sched, _ in chunks:
-        pooling = requests[sched.sequence_id].pooling
-        assert pooling is not None
+    for sched, _, pooling in chunks:
         vector = pooling.fold(sched, offset, hidden)
         offset += sched.num_tokens
         if vector is not None:

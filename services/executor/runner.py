@@ -255,7 +255,8 @@ class ModelRunner:
         last = meta.cu_seqlens_q[1:][rows] - 1  # [S] last token of each sampler
         logits = self.model.forward(ids, meta.positions, meta, self.kv_cache,
                                     logits_indices(last, samplers))
-        self._embeddings += pool_step(scheduled, meta.cu_seqlens_q.tolist(), self.requests,
+        self._embeddings += pool_step(scheduled, meta.cu_seqlens_q.tolist(),
+                                      lambda sequence_id: self.requests[sequence_id].pooling,
                                       self.model.last_hidden)
         if not sampling_rows:
             return SampledTokens()

@@ -29,7 +29,7 @@ class BlockTables:
         At least one token is left to compute: the step needs its logits (or, for a parent,
         its KV must be written by a step before the fork).
         """
-        if request.num_computed_tokens:
+        if request.num_computed_tokens or request.embeds:  # pooling reads every prompt row
             return 0
         block_ids = self.kv.match(request.token_ids(),
                                   (request.target_tokens - 1) // self.block_size)

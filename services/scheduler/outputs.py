@@ -1,12 +1,13 @@
 """What the scheduler tells the detokenizer about a request: its new tokens, and whether and why
-it ended. Pure functions of a request's state."""
+it ended; and what it tells the api of an embedding request (no detokenizer is involved).
+Pure functions of a request's state."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmbus.bus.messages import CompletionStart, FinishReason, RequestTokens
-from llmbus.services.scheduler.request import Request
+from llmbus.bus.messages import CompletionStart, FinishReason, RequestTokens, TextDelta
+from llmbus.services.scheduler.request import Embedded, Request
 
 
 def stop_reason(request: Request, token_id: int, eos_token_ids: Sequence[int]) -> FinishReason:
@@ -66,3 +67,13 @@ def end_updates(request: Request, step_id: int, error: str = "",
         request.sent.start = started
         updates.append(token_update(request, step_id, error, index=i, resumable=resumable))
     return updates
+
+
+def embedding_answer(ended: Embedded) -> TextDelta:
+    """An ended embedding request's answer to its api copy: the vector, or the error."""
+    request = ended.request
+    return TextDelta(
+        request_id=request.request_id, text="", index=request.index, attempt=request.attempt,
+        finish_reason=FinishReason.STOP if ended.vector else FinishReason.ERROR,
+        num_prompt_tokens=request.num_prompt_tokens, error=ended.error,
+        embedding=ended.vector, resumable=bool(ended.error) and ended.error != "aborted")

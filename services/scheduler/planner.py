@@ -133,7 +133,7 @@ class StepPlanner:
     def _drafts(self, request: Request, budget: int) -> list[int] | None:
         """The request's drafts ([] if none); None: it skips this step, to speculate from its
         token on the way once that is known (speculation.py)."""
-        if self.config.num_speculative_tokens == 0:
+        if self.config.num_speculative_tokens == 0 or request.embeds:
             return []
         drafts = drafts_for(request, self.config, budget)
         if not drafts and waits_for_drafts(request, self.config):
@@ -153,7 +153,7 @@ class StepPlanner:
 
     def _decode_steps(self, request: Request, num_new: int, budget: int, most_steps: int) -> int:
         """Steps this request takes in the plan: further ones only with blocks to spare."""
-        if most_steps == 1:
+        if most_steps == 1 or request.embeds:
             return 1
         num_steps = decode_steps(request, self.config, budget, most_steps)
         if num_steps > 1 and not self.blocks.reserve(request, num_new + num_steps - 1):
@@ -261,7 +261,8 @@ class StepPlanner:
         start = request.num_computed_tokens
         end = start + num_new
         drafts = request.spec.draft_token_ids
-        sample = not request.is_parent and end - len(drafts) == request.num_tokens
+        sample = (not request.is_parent and not request.embeds
+                  and end - len(drafts) == request.num_tokens)
         item = ScheduledRequest(
             sequence_id=request.sequence_id, start=start, num_tokens=num_new,
             new_block_ids=request.block_table[request.sent.num_blocks:], sample=sample,

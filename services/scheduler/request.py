@@ -123,9 +123,24 @@ class Request:
         return self.num_forks > 1
 
     @property
+    def embeds(self) -> bool:
+        """An embedding request: its prompt is computed and pooled (by the executor), nothing
+        sampled; it ends when the step that computed the prompt's end answers."""
+        return bool(self.params.pooling)
+
+    @property
     def target_tokens(self) -> int:
         """How far computed tokens should catch up: a parent stops before its last token."""
         return self.num_prompt_tokens - 1 if self.is_parent else self.num_tokens
 
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass
+class Embedded:
+    """An embedding request that ended: its pooled vector (float32 bytes), or why not."""
+
+    request: Request
+    vector: bytes = b""
+    error: str = ""

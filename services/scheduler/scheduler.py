@@ -20,14 +20,12 @@ fills in the sampled values; a request that turns out to have finished at step N
 what step N+1 computed for it.
 
 n > 1: one parent request prefills the prompt but its last token, then forks into n
-completions that share the parent's blocks; each copies the shared partial block before it
-writes into it (copy-on-write).
+completions that share the parent's blocks (copy-on-write of the shared partial block). An
+embedding request computes its prompt and ends with the executor's pooled vector.
 
-Here: what the engine holds, and each request's life (admitted, results, ended). Each step's
-plan is planner.py's, each request's blocks block_tables.py's; disaggregation/ holds the
-prompts other engines prefill.
-
-No I/O, no clock, no torch.
+Here: what the engine holds, and each request's life (admitted, results, ended); each step's
+plan is planner.py's, each request's blocks block_tables.py's, the prompts other engines
+prefill disaggregation/'s. No I/O, no clock, no torch.
 """
 
 from __future__ import annotations
@@ -58,6 +56,7 @@ from llmbus.services.scheduler.kv_manager import KVManager
 from llmbus.services.scheduler.outputs import end_updates, stop_reason, token_update
 from llmbus.services.scheduler.planner import StepPlanner
 from llmbus.services.scheduler.request import (
+    Embedded,
     RemotePrefillState,
     Request,
     RequestStatus,
@@ -85,6 +84,7 @@ class Scheduler:
         self._step_time = StepTimeModel()  # sizes prompt chunks and multi-step plans
         self._ended_updates: list[RequestTokens] = []  # aborts, sent with the next update
         self._finished: list[Request] = []  # for the adapter's traces: take_finished()
+        self._embedded: list[Embedded] = []  # embedding requests ended: take_embedded()
         # Disaggregated prefill (a decode engine): the prompts prefill engines prefill.
         self.remote = RemotePrefilling(config, self._step_time, self.counters, self.blocks,
                                        self.waiting, self.running, self._first_token)
@@ -200,11 +200,8 @@ class Scheduler:
 
     def fail_all(self, error: str, resumable: bool = True) -> list[RequestTokens]:
         """End every request with an error (the executor failed, the bus lost messages); returns
-        their updates. The error is the engine's, not the requests': by default resumable.
-
-        The prefix cache is emptied too: blocks planned in the failed step may never have
-        been written.
-        """
+        their updates. The error is the engine's, not the requests': by default resumable. The
+        prefix cache is emptied too: blocks planned in the failed step may never be written."""
         held = list(self.running) + list(self.waiting) + self.remote.requests()
         updates = self._end(held, FinishReason.ERROR, error, resumable)
         self.kv.clear_cache()
@@ -222,6 +219,11 @@ class Scheduler:
     def take_ended_updates(self) -> list[RequestTokens]:
         updates, self._ended_updates = self._ended_updates, []
         return updates
+
+    def take_embedded(self) -> list[Embedded]:
+        """Embedding requests ended since the last call: the adapter answers their api."""
+        embedded, self._embedded = self._embedded, []
+        return embedded
 
     def take_finished(self) -> list[Request]:
         """Requests that ended since the last call (for spans; their blocks are gone)."""
@@ -249,7 +251,8 @@ class Scheduler:
 
     def update(self, plan: StepPlan, result: StepResult,
                now: float = 0.0) -> list[RequestTokens]:
-        """Fill in a step's sampled tokens; returns the token updates for the detokenizer."""
+        """Fill in a step's sampled tokens and pooled vectors; returns the token updates for
+        the detokenizer."""
         updates = self.take_ended_updates()
         self.step_time.observe(plan, result.forward_seconds)
         sampled = iter(result.sampled_token_ids)
@@ -273,6 +276,12 @@ class Scheduler:
                 request.trace.first_token_time = now
             self._append_tokens(request, tokens, now)
             updates.append(token_update(request, self.num_steps))
+        for pooled in result.embeddings:  # embedding requests whose prompt was computed
+            if (request := self.table.get(pooled.sequence_id)) is not None:
+                request.trace.first_token_time = request.trace.finish_time = now
+                self._remove(request)
+                self._finish(request, FinishReason.STOP)
+                self._embedded.append(Embedded(request, pooled.vector))
         return updates
 
     def _append_tokens(self, request: Request,
@@ -306,7 +315,10 @@ class Scheduler:
         for request in requests:
             self._remove(request)
             self._finish(request, reason)
-            updates.extend(end_updates(request, self.num_steps, error, resumable))
+            if request.embeds:
+                self._embedded.append(Embedded(request, error=error or "aborted"))
+            else:
+                updates.extend(end_updates(request, self.num_steps, error, resumable))
         return updates
 
     def _remove(self, request: Request) -> None:

@@ -23,6 +23,7 @@ from llmbus.bus.messages import (
     AbortRequest,
     Admission,
     CacheEvent,
+    DeltaBatch,
     EngineStats,
     EngineStatsRequest,
     ErrorCode,
@@ -35,6 +36,7 @@ from llmbus.bus.messages import (
     StepPlan,
     StepResult,
     SubmitRequest,
+    TextDelta,
     TokenBatch,
 )
 from llmbus.bus.runtime import ServiceRuntime
@@ -46,6 +48,7 @@ from llmbus.services.scheduler.detokenizer_routing import DetokenizerRouting
 from llmbus.services.scheduler.disaggregation.remote_prefill_bus import DecodeSide, PrefillSide
 from llmbus.services.scheduler.engine_loop import EngineLoop
 from llmbus.services.scheduler.grammar_bus import GrammarAdmission
+from llmbus.services.scheduler.outputs import embedding_answer
 from llmbus.services.scheduler.peers_bus import Peers
 from llmbus.services.scheduler.scheduler import Scheduler
 from llmbus.services.scheduler.spans import record_request_spans
@@ -244,6 +247,11 @@ class SchedulerService:
         for subject, items in self.detokenizers.route(updates, self.runtime.bus_time()).items():
             await self.runtime.publish(subject, TokenBatch(engine_id=self.engine_id,
                                                            items=items))
+        answers: dict[str, list[TextDelta]] = {}  # embedding requests: to their api copies
+        for ended in scheduler.take_embedded():
+            answers.setdefault(ended.request.reply_subject, []).append(embedding_answer(ended))
+        for subject, deltas in answers.items():
+            await self.runtime.publish(subject, DeltaBatch(items=deltas))
         if scheduler.kv.tree is not None:
             stored, removed = scheduler.kv.take_events()
             if stored or removed or cache_cleared:

@@ -59,6 +59,7 @@ class RemotePrefilling:
         away out of its queue."""
         rule = self.config.disaggregation
         if (rule is None or not self.prefill_engines or request.remote.local_only
+                or request.embeds  # its pooling needs the prompt's rows here
                 or request.num_computed_tokens >= request.num_prompt_tokens):
             return False
         # Weighed against this step's decodes, as the step's budget began from them.

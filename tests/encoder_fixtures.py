@@ -33,9 +33,9 @@ CONTROL, NORMAL = 3, 1  # llama.cpp token types
 @dataclass(frozen=True)
 class EncoderSpec:
     num_layers: int = 2
-    hidden_size: int = 48
+    hidden_size: int = 64  # Q8_0 stores rows in blocks of 32
     num_heads: int = 4
-    intermediate_size: int = 96
+    intermediate_size: int = 128
     context_length: int = 64
     layer_norm_eps: float = 1e-12
     pooling_type: int = 1  # llama.cpp's enum: 1 mean, 2 cls
@@ -92,10 +92,22 @@ def nomic_weights(spec: EncoderSpec, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
+def stored_as(weights: dict[str, np.ndarray], kind: str) -> dict[str, np.ndarray]:
+    """The values a file holds when its matrices are stored as `kind` (F16, Q8_0, ...), as
+    float32: what a reference must compute with to equal a forward on that file."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    return {name: gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype)
+            .astype(np.float32).reshape(a.shape) if a.ndim == 2 else a
+            for name, a in weights.items()}
+
+
 def write_encoder_gguf(path: Path, spec: EncoderSpec, weights: dict[str, np.ndarray],
-                       arch: str = "bert", vocab: list[str] = VOCAB, **extra: Any) -> Path:
-    """A GGUF with `weights` and the keys llama.cpp's converter writes for `arch`; `extra`
-    overrides or drops keys (`None`) to test refusals."""
+                       arch: str = "bert", vocab: list[str] = VOCAB, matrix_type: str = "F32",
+                       **extra: Any) -> Path:
+    """A GGUF with `weights` (its matrices stored as `matrix_type`) and the keys llama.cpp's
+    converter writes for `arch`; `extra` overrides or drops keys (`None`) to test refusals."""
     import gguf
 
     tokens, types = gguf_spellings(vocab)
@@ -133,8 +145,12 @@ def write_encoder_gguf(path: Path, spec: EncoderSpec, weights: dict[str, np.ndar
             writer.add_string(key, value)
     writer.add_array("tokenizer.ggml.tokens", tokens)
     writer.add_array("tokenizer.ggml.token_type", types)
+    qtype = gguf.GGMLQuantizationType[matrix_type]
     for name, array in weights.items():
-        writer.add_tensor(name, array)
+        if array.ndim == 2 and matrix_type != "F32":
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

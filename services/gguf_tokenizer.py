@@ -1,5 +1,6 @@
 """A tokenizer rebuilt from a GGUF file's metadata alone: byte-level BPE (`tokenizer.ggml.model`
-gpt2: SmolLM2, Llama 3, Qwen2) or SentencePiece-style BPE (llama: Llama 2, Mistral).
+gpt2: SmolLM2, Llama 3, Qwen2), SentencePiece-style BPE (llama: Llama 2, Mistral) or BERT's
+WordPiece (bert: embedding encoders; gguf_wordpiece.py).
 
 A GGUF carries no `tokenizer.json`, only llama.cpp's metadata keys (vocabulary, merges or
 scores, token types, special token ids, chat template). We rebuild the `tokenizers.Tokenizer`
@@ -22,10 +23,12 @@ from os import PathLike
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from llmbus.services.gguf_wordpiece import cls_sep_ids, hf_spellings, wordpiece_tokenizer
+
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: special tokens such as <|im_end|>
 USER_DEFINED_TOKEN_TYPE = 4  # added tokens matched whole in text, but not special
-# llama.cpp's names: byte-level BPE, and SentencePiece-style BPE with byte fallback
-SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
+# llama.cpp's names: byte-level BPE, SentencePiece-style BPE with byte fallback, WordPiece
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama", "bert")
 SPACE = "\u2581"  # how a SentencePiece vocabulary spells a space
 # How text is cut into words before byte-level BPE, by llama.cpp's name for it in a GGUF
 # (`tokenizer.ggml.pre`). Each family splits differently (digits one by one or in threes,
@@ -154,6 +157,9 @@ class GGUFTokenizer:
                  unk_token_id: int | None = None) -> None:
         if model == "llama":
             tokenizer, spelled = _sentencepiece(tokens, scores, add_space_prefix, unk_token_id)
+        elif model == "bert":  # spelled as vocab.txt from here on ("##ing", not "ing")
+            tokens = hf_spellings(tokens, token_types)
+            tokenizer, spelled = wordpiece_tokenizer(tokens, token_types, unk_token_id)
         else:
             tokenizer, spelled = _byte_level(tokens, merges, pre)
         # A control token spelled outside the vocabulary's alphabet is a llama.cpp mislabel
@@ -200,16 +206,18 @@ class GGUFTokenizer:
         if tokens is None:
             raise UnsupportedTokenizerError(f"{path}: no vocabulary (tokenizer.ggml.tokens)")
         spm = model == "llama"
+        # BERT: `add_special_tokens` gives [CLS] ... [SEP], as HF's template and llama.cpp do
+        bos, eos = (cls_sep_ids(get, tokens) if model == "bert" else
+                    (get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id")))
         return cls(
             tokens=tokens,
             token_types=get("tokenizer.ggml.token_type") or [1] * len(tokens),
             merges=get("tokenizer.ggml.merges", []),
-            bos_token_id=get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=get("tokenizer.ggml.eos_token_id"),
+            bos_token_id=bos, eos_token_id=eos,
             chat_template=get("tokenizer.chat_template"),
             # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
-            add_bos_token=bool(get("tokenizer.ggml.add_bos_token", spm)),
-            add_eos_token=bool(get("tokenizer.ggml.add_eos_token", False)),
+            add_bos_token=model == "bert" or bool(get("tokenizer.ggml.add_bos_token", spm)),
+            add_eos_token=model == "bert" or bool(get("tokenizer.ggml.add_eos_token", False)),
             pre=pre or "smollm",  # absent: files predating the key, split as SmolLM2 does
             model=model, scores=get("tokenizer.ggml.scores"),
             add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),

@@ -84,15 +84,16 @@ def test_a_vocabulary_without_scores_or_of_another_kind_is_refused(tmp_path):
     write_vocab(tmp_path / "no-scores.gguf", scores=False)
     with pytest.raises(UnsupportedTokenizerError, match="tokenizer.ggml.scores"):
         GGUFTokenizer.from_gguf(tmp_path / "no-scores.gguf")
-    writer = gguf.GGUFWriter(str(tmp_path / "bert.gguf"), "bert")
-    writer.add_tokenizer_model("bert")
-    writer.add_token_list(["[UNK]", "a"])
+    # t5: the unigram vocabulary of xlm-roberta encoders (bge-m3), not rebuilt here
+    writer = gguf.GGUFWriter(str(tmp_path / "t5.gguf"), "bert")
+    writer.add_tokenizer_model("t5")
+    writer.add_token_list(["<unk>", "a"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedTokenizerError, match="'bert' \\(tokenizer.ggml.model\\)"):
-        GGUFTokenizer.from_gguf(tmp_path / "bert.gguf")
+    with pytest.raises(UnsupportedTokenizerError, match="'t5' \\(tokenizer.ggml.model\\)"):
+        GGUFTokenizer.from_gguf(tmp_path / "t5.gguf")
 
 
 def test_streamed_text_is_the_whole_text(vocab_file):

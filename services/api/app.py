@@ -24,6 +24,7 @@ from llmbus.bus.messages import EncodeRequest
 from llmbus.services.api.anthropic_messages import MESSAGES_ROUTER
 from llmbus.services.api.chat import check_model, include_usage, metrics_for, start_chat
 from llmbus.services.api.constraints import output_constraint
+from llmbus.services.api.embeddings import DEFAULT_MAX_INPUTS, EMBEDDING_ROUTES
 from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.errors import EXCEPTION_HANDLERS, OpenAIError, bad_request
 from llmbus.services.api.generation import Generation
@@ -51,6 +52,7 @@ class ApiSettings:
     max_body_bytes: int = 4 * 2**20
     api_key: str | None = None
     trace_url: str | None = None  # a trace viewer's URL with `{trace_id}` in it
+    max_embedding_inputs: int = DEFAULT_MAX_INPUTS
 
 
 def _version() -> str:
@@ -211,7 +213,8 @@ def create_app(engine: EngineClient, settings: ApiSettings | None = None, *,
         yield
 
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, models, pipeline,
-                                            *RESPONSES_ROUTES, MESSAGES_ROUTER],
+                                            *RESPONSES_ROUTES, MESSAGES_ROUTER,
+                                            *EMBEDDING_ROUTES],
                 guards=[_require_api_key])
     return Litestar(
         route_handlers=[v1, tokenize, detokenize, health, version_route, metrics,

@@ -129,8 +129,27 @@ class ApiMetrics:
         self.migrations = Counter("llmbus:request_migrations",
                                   "Requests resumed on an engine mid-stream (one per move).", R,
                                   registry=reg)
+        self.embedding_requests = Counter("llmbus:embedding_requests",
+                                          "Embedding (and score) requests served.", R,
+                                          registry=reg)
+        self.embedding_inputs = Counter("llmbus:embedding_inputs",
+                                        "Inputs embedded (a request may carry many).", R,
+                                        registry=reg)
+        self.embedding_prompt_tokens = Counter("llmbus:embedding_prompt_tokens",
+                                               "Prompt tokens of embedded inputs.", R,
+                                               registry=reg)
+        self.embedding_latency = histogram("llmbus:embedding_request_latency_seconds",
+                                           "Time from an embedding request's arrival to its "
+                                           "vectors.", _LATENCY)
         self.engine_stats: list[EngineStats] = []
         self.recent = RecentRequests(replica)  # for the pipeline page
+
+    def observe_embeddings(self, num_inputs: int, num_tokens: int, seconds: float) -> None:
+        labels = self.labels
+        self.embedding_requests.labels(*labels).inc()
+        self.embedding_inputs.labels(*labels).inc(num_inputs)
+        self.embedding_prompt_tokens.labels(*labels).inc(num_tokens)
+        self.embedding_latency.labels(*labels).observe(seconds)
 
     def observe_request(self, *, ttft: float | None, itls: list[float], e2e: float,
                         queue: float, num_prompt_tokens: int, num_output_tokens: int,

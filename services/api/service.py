@@ -17,6 +17,7 @@ from llmbus.bus import subjects
 from llmbus.bus.messages import ApiMetricsRequest, ApiMetricsSnapshot
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.api.app import ApiSettings, create_app
+from llmbus.services.api.embeddings import DEFAULT_MAX_INPUTS
 from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.migration import DEFAULT_MIGRATION_LIMIT
 from llmbus.services.api.response_store_bus import ResponseStore, ResponseStoreUnavailable
@@ -60,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompts", type=int, default=64,
                         help="most prompts one batched /v1/completions request may carry "
                              "(default: 64)")
+    parser.add_argument("--max-embedding-inputs", type=int, default=DEFAULT_MAX_INPUTS,
+                        help="most inputs one /v1/embeddings request may carry (default: "
+                             f"{DEFAULT_MAX_INPUTS}, as OpenAI)")
     parser.add_argument("--max-body-size", type=int, default=4 * 2**20,
                         help="largest request body in bytes (default: 4 MiB)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -157,6 +161,7 @@ async def main(args: argparse.Namespace) -> None:
             limits=Limits(max_tokens=args.max_tokens_cap, max_n=args.max_n,
                           max_prompts=args.max_prompts),
             max_body_bytes=args.max_body_size, api_key=args.api_key,
+            max_embedding_inputs=args.max_embedding_inputs,
             trace_url=args.trace_url)
         store = await _open_response_store(runtime, args)
         app = create_app(engine, settings, response_store=store)

@@ -22,7 +22,13 @@ import numpy as np
 from litestar import Request, post
 from litestar.datastructures import State
 
-from llmbus.bus.messages import EncodeRequest, FinishReason, GenerateRequest, SamplingParams
+from llmbus.bus.messages import (
+    EncodeRequest,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    TextDelta,
+)
 from llmbus.services.api.chat import check_model, metrics_for
 from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.errors import OpenAIError, bad_request
@@ -101,7 +107,7 @@ async def embed(engine: EngineClient, model: str, inputs: list[str | list[int]],
     if truncate is not None and truncate < 1:
         raise bad_request("`truncate_prompt_tokens` must be at least 1",
                           param="truncate_prompt_tokens")
-    base, queue = f"embd-{uuid.uuid4().hex}", asyncio.Queue()
+    base, queue = f"embd-{uuid.uuid4().hex}", asyncio.Queue[TextDelta]()
     ids = [f"{base}-{i}" for i in range(len(inputs))]
     requests = [GenerateRequest(
         request_id=request_id, reply_subject=engine.reply_subject, model=model,

@@ -19,6 +19,9 @@ class ExecutorInfo(Message):
     eos_token_ids: list[int]
     vocab_size: int
     layout: KvLayout | None = None  # what one block of its cache is, for KV moved between engines
+    # An encoder (BERT's family): every prompt in one step, never in chunks.
+    whole_prompts: bool = False
+    embed_only: bool = False  # an encoder, or `--task embed`: generation is refused
 
 
 class KvLayout(Message):

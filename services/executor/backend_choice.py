@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from os import PathLike
 
+from llmbus.services.executor.weights.encoder_config import ENCODER_ARCHITECTURES
 from llmbus.services.executor.weights.matrices import MOE_ARCHITECTURES, architecture
 
 BACKENDS = ("auto", "integer-kernel", "onnxruntime", "torch")
@@ -29,7 +30,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class BackendChoice:
-    backend: str  # "integer-kernel" | "onnxruntime" | "torch"
+    backend: str  # "integer-kernel" | "onnxruntime" | "torch" | "encoder" (BERT's family)
     device: str  # "cpu" | "cuda"
     exact: bool  # greedy output equals HF transformers on the same weights
     dtype: str  # compute dtype of the torch backend; float32 on the CPU backends
@@ -42,6 +43,8 @@ class BackendChoice:
     def describe(self) -> str:
         """One line a person can read, e.g. "integer kernel (native build, VNNI) + C++ paged
         attention, float16 KV, fast mode"."""
+        if self.backend == "encoder":
+            return "torch encoder (dense float32 weights, bidirectional attention), embeddings only"
         if self.backend == "integer-kernel":
             what = f"integer kernel ({self.kernels})"
         elif self.backend == "onnxruntime":
@@ -67,6 +70,12 @@ def choose_backend(model_path: str | PathLike[str] | None, *, backend: str = "au
         raise ValueError(f"unknown dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     device = device if device != "auto" else ("cuda" if cuda_available else "cpu")
     arch = _architecture(model_path)
+    if arch in ENCODER_ARCHITECTURES:  # BERT's family: its own forward, whatever was asked
+        if backend != "auto" or device != "cpu" or dtype != "float32":
+            raise ValueError(f"an encoder ({arch}) runs on its own CPU backend in float32; "
+                             "leave --backend, --device and --dtype at their defaults")
+        return BackendChoice("encoder", "cpu", exact=True, dtype="float32",
+                             kv_dtype="float32", attention="", kernels=None)
     moe = arch in MOE_ARCHITECTURES
     if backend == "auto":  # (a mixture of experts: the integer kernel's, or torch's)
         backend = "torch" if device != "cpu" or dtype != "float32" or (moe and exact) else "cpu"

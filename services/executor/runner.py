@@ -28,6 +28,7 @@ from llmbus.bus.messages import (
 from llmbus.services.executor.attention.metadata import build_attention_metadata
 from llmbus.services.executor.backend import Backend
 from llmbus.services.executor.backend_choice import BackendChoice, choose_backend
+from llmbus.services.executor.backends.encoder_backend import ENCODER_SEQUENCES
 from llmbus.services.executor.backends.loading import load_backend
 from llmbus.services.executor.drafts import logits_indices, sample_with_drafts
 from llmbus.services.executor.embedding_pooling import (
@@ -94,7 +95,8 @@ class ModelRunner:
                  device: torch.device | str = "cpu", block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  max_model_len: int | None = None, num_threads: int | None = None,
-                 small_step_threads: int | None = None, pooling: str | None = None) -> None:
+                 small_step_threads: int | None = None, pooling: str | None = None,
+                 embed_only: bool = False) -> None:
         """`choice` (backend_choice.py) says which backend runs; without one, it is chosen
         here from `backend`, `exact`, `dtype` and `device` (tests and benchmarks pick so).
 
@@ -102,8 +104,7 @@ class ModelRunner:
         `num_threads`), see SMALL_STEP_TOKENS; torch backend only (the CPU backends keep
         single-threaded sessions for small steps themselves, or need every core).
         `pooling`: how embedding requests that leave it to the model pool (None: the file's
-        `<arch>.pooling_type`, else mean).
-        """
+        `<arch>.pooling_type`, else mean). `embed_only`: refuse generation (an encoder always)."""
         if choice is None:
             choice = choose_backend(model_path, backend=backend, exact=exact,
                                     dtype=str(dtype).removeprefix("torch."), device=str(device))
@@ -121,6 +122,10 @@ class ModelRunner:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
                              f"length {config.context_length}")
         kv_dtype = getattr(torch, choice.kv_dtype)
+        self.encoder = choice.backend == "encoder"
+        self.embed_only = embed_only or self.encoder
+        if num_blocks is None and self.encoder:  # blocks only count its tokens: no KV
+            num_blocks = ENCODER_SEQUENCES * -(-config.context_length // block_size) + 1
         if num_blocks is None:
             budget = (kv_cache_bytes if kv_cache_bytes is not None
                       else default_budget_bytes(self.device))
@@ -145,7 +150,8 @@ class ModelRunner:
             model_name=self.model_name, max_model_len=self.max_model_len,
             num_blocks=self.kv_cache.num_blocks, block_size=self.block_size,
             eos_token_ids=list(self.config.eos_token_ids), vocab_size=self.config.vocab_size,
-            layout=layout_of(self.kv_cache))
+            layout=layout_of(self.kv_cache), whole_prompts=self.encoder,
+            embed_only=self.embed_only)
 
     def step(self, plan: StepPlan) -> StepResult:
         """`execute(plan).result()`: the StepResult of a step run without a bus (tests,

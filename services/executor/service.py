@@ -99,6 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "single-stream decode (default: --threads minus one on machines "
                              "of up to 4 cores, which leaves a core to the other services, else "
                              "--threads)")
+    parser.add_argument("--task", choices=("auto", "embed"), default="auto",
+                        help="auto: a generation model generates and embeds, an encoder (bert, "
+                             "nomic-bert) embeds; embed: only /v1/embeddings and /v1/score "
+                             "(default: auto)")
+    parser.add_argument("--pooling", choices=("mean", "cls", "last"), default=None,
+                        help="how an embedding pools the prompt's final hidden states "
+                             "(default: the file's <arch>.pooling_type, else mean)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to keep serving steps while the scheduler "
                              "finishes its requests (default: 30)")
@@ -150,7 +157,8 @@ def _load_runner(args: argparse.Namespace, choice: BackendChoice, path: Path) ->
             path, model_name=model_name_for(path), choice=choice, block_size=args.block_size,
             num_blocks=args.num_blocks, kv_cache_bytes=kv_bytes,
             max_model_len=args.max_model_len, num_threads=threads,
-            small_step_threads=args.small_step_threads or default_small_step_threads(threads))
+            small_step_threads=args.small_step_threads or default_small_step_threads(threads),
+            pooling=args.pooling, embed_only=args.task == "embed")
     except UnsupportedModelError as exc:
         raise SystemExit(f"llmbus executor: {path.name}: {exc}") from None
 

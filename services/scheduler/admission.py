@@ -20,6 +20,19 @@ class AdmissionError(ValueError):
         self.context_length = context_length
 
 
+def refuse_task(config: SchedulerConfig, params: SamplingParams, num_prompt_tokens: int) -> str:
+    """Why this engine cannot serve the request's kind ("" if it can): generation on an
+    embedding engine, or an encoder's prompt longer than one step takes."""
+    if config.embed_only and not params.pooling:
+        return ("this model only computes embeddings (an encoder, or --task embed): use "
+                "/v1/embeddings or /v1/score")
+    if config.whole_prompts and num_prompt_tokens > config.max_num_batched_tokens:
+        return (f"the input has {num_prompt_tokens} tokens; this encoder takes each input whole, "
+                f"in one step of at most {config.max_num_batched_tokens} tokens "
+                "(--max-num-batched-tokens)")
+    return ""
+
+
 def resolve_max_tokens(config: SchedulerConfig, num_usable_blocks: int, num_prompt_tokens: int,
                        params: SamplingParams, n: int) -> int:
     """The request's output limit (0 in params = as much as fits), or AdmissionError when

@@ -56,6 +56,10 @@ class SchedulerConfig:
     role: str = "mixed"
     disaggregation: DisaggregationRule | None = None
     remote_prefill_timeout_seconds: float = 30.0
+    # The executor's model (ExecutorInfo): an encoder takes each prompt whole, in one step;
+    # an embedding engine refuses generation.
+    whole_prompts: bool = False
+    embed_only: bool = False
 
     def __post_init__(self) -> None:
         check_speculation(self.num_speculative_tokens, self.spec_ngram_min,
@@ -84,7 +88,7 @@ class SchedulerConfig:
         return dataclasses.replace(
             self, num_blocks=info.num_blocks, block_size=info.block_size,
             max_model_len=info.max_model_len, eos_token_ids=tuple(info.eos_token_ids),
-            disaggregation=rule)
+            disaggregation=rule, whole_prompts=info.whole_prompts, embed_only=info.embed_only)
 
 
 def check_speculation(num_tokens: int, ngram_min: int, ngram_max: int) -> None:

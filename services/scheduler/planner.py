@@ -224,6 +224,8 @@ class StepPlanner:
                 continue
             num_new = step.prompt_chunk(request.num_computed_tokens,
                                         self._num_new_tokens(request, budget))
+            if self.config.whole_prompts and num_new < request.target_tokens:
+                num_new = 0  # an encoder's prompt waits for a step with room for all of it
             if num_new == 0 or not self.blocks.reserve(request, num_new):
                 self.blocks.release(request)  # give back the matched prefix
                 break

@@ -46,6 +46,7 @@ from llmbus.bus.messages import (
 from llmbus.services.scheduler.admission import (
     AdmissionError,
     params_for,
+    refuse_task,
     resolve_max_tokens,
     sequences,
 )
@@ -116,12 +117,11 @@ class Scheduler:
                     resumed: Sequence[ResumedCompletion] = (),
                     kv_destination: KvDestination | None = None) -> None:
         """Queue a request (n completions of it), or raise AdmissionError if it can never run
-        (or was withdrawn before it arrived).
-
-        A migrated request comes as a later `attempt`, which supersedes (aborts) an earlier one
-        held here; with `resumed`, each of those completions continues from the tokens it
-        already streamed (computed again with the prompt, counted as output)."""
-        refusal = self.table.refusal(request_id, attempt)
+        here (or was withdrawn before it arrived). A migrated request comes as a later
+        `attempt`, which supersedes (aborts) an earlier one held here; with `resumed`, each of
+        those completions continues from the tokens it already streamed (counted as output)."""
+        refusal = self.table.refusal(request_id, attempt) or refuse_task(
+            self.config, params, len(prompt_token_ids))
         if refusal:
             raise AdmissionError(refusal)
         max_tokens = resolve_max_tokens(self.config, self.kv.num_usable,

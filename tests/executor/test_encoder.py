@@ -1,3 +1,5 @@
+# Over 300 lines: the tokenizer, the two forwards, pooling and the refusals share one fixture
+# set and one derived tolerance.
 """BERT-family encoders from GGUF: the WordPiece tokenizer against HF's BertTokenizer, the
 `bert` forward against transformers' BertModel, `nomic-bert` against a float64 reference
 written here from the architecture's definition, pooling and the config's refusals.

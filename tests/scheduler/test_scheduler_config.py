@@ -41,7 +41,8 @@ def test_every_option_sets_its_field():
         disaggregation=DisaggregationRule(mode="always", min_tokens=99, max_cached_fraction=0.25,
                                           max_queued_tokens=77),
         remote_prefill_timeout_seconds=12.0)
-    executor_fields = {"num_blocks", "block_size", "max_model_len", "eos_token_ids"}
+    executor_fields = {"num_blocks", "block_size", "max_model_len", "eos_token_ids",
+                       "whole_prompts", "embed_only"}
     unset = [f.name for f in dataclasses.fields(SchedulerConfig)
              if getattr(config, f.name) == f.default and f.name not in executor_fields]
     assert unset == []  # no field without its option
@@ -49,10 +50,12 @@ def test_every_option_sets_its_field():
 
 def test_the_executor_gives_the_cache_shape():
     info = ExecutorInfo(model_name="m", max_model_len=512, num_blocks=33, block_size=16,
-                        eos_token_ids=[2, 3], vocab_size=100)
+                        eos_token_ids=[2, 3], vocab_size=100, whole_prompts=True,
+                        embed_only=True)
     config = _parse("--max-num-seqs", "3").with_executor(info)
     assert (config.num_blocks, config.block_size, config.max_model_len, config.eos_token_ids,
             config.max_num_seqs) == (33, 16, 512, (2, 3), 3)
+    assert config.whole_prompts and config.embed_only
 
 
 @pytest.mark.parametrize(("options", "named"), [

@@ -15,6 +15,10 @@ def load_backend(model_path: str | Path, choice: BackendChoice, device: torch.de
                  num_threads: int) -> Backend:
     """The backend `choice` names, over the file's weights; its rotary tables are sized later
     (`set_max_positions`), once the runner knows its context window."""
+    if choice.backend == "encoder":
+        from llmbus.services.executor.backends.encoder_backend import EncoderBackend
+
+        return EncoderBackend.load(model_path)
     if choice.backend == "torch":
         from llmbus.services.executor.backends.torch_llama import LlamaModel
 

@@ -21,6 +21,8 @@ import msgspec
 import numpy as np
 from litestar import Request, post
 from litestar.datastructures import State
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from llmbus.bus.messages import (
     EncodeRequest,
@@ -35,6 +37,7 @@ from llmbus.services.api.errors import OpenAIError, bad_request
 from llmbus.services.api.schemas import decode_body
 
 DEFAULT_MAX_INPUTS = 2048  # OpenAI's limit per request
+_tracer = trace.get_tracer("llmbus.api")
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -155,7 +158,11 @@ async def embeddings(request: Request, state: State) -> dict:
     model = await check_model(engine, req.model)
     inputs = inputs_of(req.input, state.settings.max_embedding_inputs)
     started = time.monotonic()
-    vectors, num_tokens = await embed(engine, model, inputs, req.truncate_prompt_tokens)
+    with _tracer.start_as_current_span("embeddings", kind=SpanKind.SERVER, attributes={
+            "gen_ai.operation.name": "embeddings", "gen_ai.request.model": model,
+            "llmbus.num_inputs": len(inputs)}) as span:  # every input's request joins it
+        vectors, num_tokens = await embed(engine, model, inputs, req.truncate_prompt_tokens)
+        span.set_attribute("gen_ai.usage.input_tokens", num_tokens)
     vectors = finish_vectors(vectors, normalize=req.normalize, dimensions=req.dimensions)
     metrics_for(state, model).observe_embeddings(len(inputs), num_tokens,
                                                  time.monotonic() - started)

@@ -15,6 +15,14 @@ from tests.gguf_fixtures import TinySpec
 def reference_logits(w: dict[str, np.ndarray], spec: TinySpec, token_ids: list[int]):
     """Plain float64 llama over the whole sequence: full causal attention, no cache."""
     t = {k: torch.from_numpy(v).double() for k, v in w.items()}
+    lm_head = t.get("output.weight", t["token_embd.weight"])
+    return reference_hidden(w, spec, token_ids) @ lm_head.T  # [n, V]
+
+
+def reference_hidden(w: dict[str, np.ndarray], spec: TinySpec, token_ids: list[int]):
+    """The float64 llama's final hidden states after the output norm, [n, D] (what an
+    embedding pools)."""
+    t = {k: torch.from_numpy(v).double() for k, v in w.items()}
     n, dh, group = len(token_ids), spec.head_dim, spec.num_heads // spec.num_kv_heads
     inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, dh, 2).double() / dh)
     angles = torch.arange(n).double()[:, None] * inv_freq[None]  # [n, dh/2]
@@ -44,8 +52,7 @@ def reference_logits(w: dict[str, np.ndarray], spec: TinySpec, token_ids: list[i
         h = norm(x, t[p + "ffn_norm.weight"])
         gate = torch.nn.functional.silu(h @ t[p + "ffn_gate.weight"].T)
         x = x + (gate * (h @ t[p + "ffn_up.weight"].T)) @ t[p + "ffn_down.weight"].T
-    lm_head = t.get("output.weight", t["token_embd.weight"])
-    return norm(x, t["output_norm.weight"]) @ lm_head.T  # [n, V]
+    return norm(x, t["output_norm.weight"])
 
 
 def paged_forward(model, cache, seqs, block_size: int = 4):

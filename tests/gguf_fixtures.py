@@ -45,10 +45,16 @@ class TinySpec:
     num_experts: int = 0
     num_experts_used: int = 0
     expert_size: int = 0
+    # `<arch>.pooling_type` as llama.cpp writes it for embedders (1 mean, 2 cls, 3 last)
+    pooling_type: int | None = None
 
     @property
     def head_dim(self) -> int:
         return self.head_size or self.hidden_size // self.num_heads
+
+
+# transformers reads no head size from a qwen3 GGUF: its default, 128, as in every Qwen3.
+QWEN3_SPEC = TinySpec(head_size=128)
 
 
 def permute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -129,6 +135,31 @@ def family_tensors(spec: TinySpec, arch: str, seed: int) -> dict[str, np.ndarray
     return extra
 
 
+def _add_hyperparameters(writer, spec: TinySpec) -> None:
+    """`<arch>.*` keys of the spec, as llama.cpp's converter writes them."""
+    import gguf
+
+    writer.add_block_count(spec.num_layers)
+    writer.add_context_length(spec.context_length)
+    writer.add_embedding_length(spec.hidden_size)
+    writer.add_feed_forward_length(spec.intermediate_size)
+    writer.add_head_count(spec.num_heads)
+    writer.add_head_count_kv(spec.num_kv_heads)
+    writer.add_rope_freq_base(spec.rope_theta)
+    writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    if spec.head_size is not None:
+        writer.add_key_length(spec.head_size)
+        writer.add_value_length(spec.head_size)
+    if spec.sliding_window:
+        writer.add_sliding_window(spec.sliding_window)
+    if spec.pooling_type is not None:
+        writer.add_pooling_type(gguf.PoolingType(spec.pooling_type))
+    if spec.num_experts:
+        writer.add_expert_count(spec.num_experts)
+        writer.add_expert_used_count(spec.num_experts_used)
+        writer.add_expert_feed_forward_length(spec.expert_size)
+
+
 def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
                      quantized: str | None = None, rope_freqs: np.ndarray | None = None,
                      rope_scaling: tuple[str, float] | None = None,
@@ -158,23 +189,7 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
                    if not n.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))}
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny-random-llama")
-    writer.add_block_count(spec.num_layers)
-    writer.add_context_length(spec.context_length)
-    writer.add_embedding_length(spec.hidden_size)
-    writer.add_feed_forward_length(spec.intermediate_size)
-    writer.add_head_count(spec.num_heads)
-    writer.add_head_count_kv(spec.num_kv_heads)
-    writer.add_rope_freq_base(spec.rope_theta)
-    writer.add_layer_norm_rms_eps(spec.rms_norm_eps)
-    if spec.head_size is not None:
-        writer.add_key_length(spec.head_size)
-        writer.add_value_length(spec.head_size)
-    if spec.sliding_window:
-        writer.add_sliding_window(spec.sliding_window)
-    if spec.num_experts:
-        writer.add_expert_count(spec.num_experts)
-        writer.add_expert_used_count(spec.num_experts_used)
-        writer.add_expert_feed_forward_length(spec.expert_size)
+    _add_hyperparameters(writer, spec)
     if vocab_from is None:
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list([f"<t{i}>" for i in range(spec.vocab_size)])

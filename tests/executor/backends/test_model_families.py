@@ -19,22 +19,17 @@ from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import load_gguf
 from llmbus.services.executor.weights.model_config import UnsupportedModelError
 from tests.executor.rounding_noise import assert_within_rounding_noise, draws, fast_mode_model
-from tests.gguf_fixtures import TinySpec, write_tiny_llama
+from tests.gguf_fixtures import QWEN3_SPEC, TinySpec, write_tiny_llama
+from tests.hf_reference import hf_from_gguf
 
 pytest.importorskip("transformers")
 
 SPEC = TinySpec()
-# transformers reads no head size from a qwen3 GGUF: its default, 128, as in every Qwen3.
-QWEN3_SPEC = TinySpec(head_size=128)
 TOKENS = [int(t) for t in np.random.default_rng(1).integers(3, SPEC.vocab_size, 40)]
 
 
 def _hf_logits(path, family: str = "Qwen2") -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32).eval()
-    assert type(model).__name__ == f"{family}ForCausalLM"
+    model = hf_from_gguf(path, family)
     with torch.inference_mode():
         return model(torch.tensor([TOKENS])).logits[0]
 

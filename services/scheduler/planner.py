@@ -127,7 +127,7 @@ class StepPlanner:
         only a chunk that keeps the step within its time target beside the decodes."""
         num_new = self._num_new_tokens(request, budget)
         if prompt:
-            return step.prompt_chunk(request.num_computed_tokens, num_new)
+            return step.prompt_chunk(request.num_computed_tokens, num_new, request.embeds)
         return num_new
 
     def _drafts(self, request: Request, budget: int) -> list[int] | None:
@@ -223,7 +223,7 @@ class StepPlanner:
                     self._count_prefix_hits(request.num_prompt_tokens, num_matched)
                 continue
             num_new = step.prompt_chunk(request.num_computed_tokens,
-                                        self._num_new_tokens(request, budget))
+                                        self._num_new_tokens(request, budget), request.embeds)
             if self.config.whole_prompts and num_new < request.target_tokens:
                 num_new = 0  # an encoder's prompt waits for a step with room for all of it
             if num_new == 0 or not self.blocks.reserve(request, num_new):

@@ -153,11 +153,17 @@ class StepBudget:
         self.decoding = decodes.rows > 0
         self.prompt_tokens = 0  # taken so far
 
-    def prompt_chunk(self, start: int, wanted: int) -> int:
-        """How many of `wanted` prompt tokens of a sequence at `start` this step may take."""
+    def prompt_chunk(self, start: int, wanted: int, yielding: bool = False) -> int:
+        """How many of `wanted` prompt tokens of a sequence at `start` this step may take.
+        `yielding` (an embedding's prompt, which no one streams): only the time left under
+        the target, with the floor only where the decodes alone take it all (else it would
+        wait for them forever)."""
         if not (self.seconds and self.decoding):
             return wanted
         fit = self.model.most_tokens(self.shape, start, wanted, self.seconds)
+        decodes = self.model.predict(self.decodes)
+        if yielding and decodes is not None and decodes < self.seconds:
+            return fit
         return max(fit, min(wanted, PREFILL_FLOOR_TOKENS - self.prompt_tokens))
 
     def take(self, start: int, num_tokens: int) -> None:

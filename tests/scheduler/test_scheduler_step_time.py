@@ -104,15 +104,16 @@ def serve(s: Scheduler, formula, arrivals: dict[int, list[tuple[str, list[int], 
           num_steps: int, depth: int = 2) -> list[tuple[StepPlan, float]]:
     """Plan up to `depth` steps ahead as the engine loop does, for `num_steps` steps; before
     step i, the requests of arrivals[i] (id, prompt, max_tokens) arrive. Each result takes
-    `formula(plan)` seconds on the fake clock. Returns (plan, its seconds) in order."""
+    `formula(plan)` seconds on the fake clock; an arrival with a fourth item is an embedding
+    request pooled that way. Returns (plan, its seconds) in order."""
     executor = FakeExecutor(cycle([5, 6, 7]))
     in_flight: deque[StepPlan] = deque()
     done: list[tuple[StepPlan, float]] = []
     clock = 0.0
     for step in range(num_steps):
-        for request_id, prompt, max_tokens in arrivals.get(step, []):
-            s.add_request(request_id, "api", prompt,
-                          SamplingParams(max_tokens=max_tokens, ignore_eos=True), clock)
+        for request_id, prompt, max_tokens, *pooling in arrivals.get(step, []):
+            s.add_request(request_id, "api", prompt, SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, pooling="".join(pooling)), clock)
         while len(in_flight) < depth and s.has_work:
             plan = s.schedule(clock)
             if not plan.scheduled:
@@ -207,6 +208,38 @@ def test_decodes_slower_than_the_target_still_admit_prompt_tokens():
     steps = serve(s, formula, arrivals, 60)
     chunks = [prompt_tokens(p) for p, _ in steps[31:50] if decoding(p)]
     assert chunks and set(chunks) == {PREFILL_FLOOR_TOKENS}
+
+
+def _chunks_beside_decodes(steps, request_id: str) -> list[tuple[int, float]]:
+    return [(i.num_tokens, t) for p, t in steps if decoding(p)
+            for i in p.scheduled if i.sequence_id == request_id and i.num_tokens > 1]
+
+
+def test_an_embedding_prompt_takes_only_the_time_left_beside_decodes():
+    """8 decodes take 32 ms of a 40 ms target: a generation prompt still takes the 32-token
+    floor (64 ms steps: its first token must not wait forever), an embedding's prompt only
+    the tokens that fit the 8 ms left, so the streams' gaps stay within the target."""
+    formula = Formula(0.02, 0.0005, 0.001, 0.0)
+    for pooling, within in (("mean", True), ("", False)):
+        arrivals = dict(STREAMS)
+        arrivals[30] = [("long", [5] * 300, 2, pooling)]
+        steps = serve(scheduler(0.04), formula, arrivals, 45)
+        chunks = _chunks_beside_decodes(steps, "long")
+        assert chunks, pooling
+        assert all(t <= 0.04 * (1 + EXACT) for _, t in chunks) == within, (pooling, chunks)
+        if pooling:
+            assert all(0 < n < PREFILL_FLOOR_TOKENS for n, _ in chunks), chunks
+
+
+def test_an_embedding_prompt_is_not_starved_by_decodes_over_the_target():
+    """Decodes alone over the target (the 1B-like model above): an embedding's prompt takes
+    the floor, as a generation prompt does, rather than wait for the decodes to end."""
+    formula = Formula(0.1, 0.0005, 0.012, 0.00001)
+    arrivals = dict(STREAMS)
+    arrivals[30] = [("long", [5] * 300, 2, "mean")]
+    steps = serve(scheduler(0.15), formula, arrivals, 45)
+    chunks = [n for n, _ in _chunks_beside_decodes(steps, "long")]
+    assert sum(chunks) == 300 and set(chunks[:-1]) == {PREFILL_FLOOR_TOKENS}  # then the rest
 
 
 @pytest.mark.parametrize("change", [

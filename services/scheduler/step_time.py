@@ -35,6 +35,9 @@ WINDOW = 16  # observations kept per kind (steps with prompt tokens, steps of de
 DECAY = 0.8  # an observation's weight is multiplied by this with every step observed after it
 STALE_WEIGHT = 0.01  # ... but never below this
 PREFILL_FLOOR_TOKENS = 32  # prompt tokens a step with decodes always takes, if any wait
+# An embedding's prompt beside decodes may make their step at most this much longer than the
+# decodes alone: no one streams an embedding, the streams' tokens should not wait for it.
+YIELD_STRETCH = 1.4
 NUM_FEATURES = 4
 
 
@@ -155,15 +158,16 @@ class StepBudget:
 
     def prompt_chunk(self, start: int, wanted: int, yielding: bool = False) -> int:
         """How many of `wanted` prompt tokens of a sequence at `start` this step may take.
-        `yielding` (an embedding's prompt, which no one streams): only the time left under
-        the target, with the floor only where the decodes alone take it all (else it would
-        wait for them forever)."""
+        `yielding` (an embedding's prompt, which no one streams): only what keeps the step
+        within the target and within YIELD_STRETCH of the decodes' own time, with the floor
+        only where the decodes alone take the target (else it would wait for them forever)."""
         if not (self.seconds and self.decoding):
             return wanted
-        fit = self.model.most_tokens(self.shape, start, wanted, self.seconds)
         decodes = self.model.predict(self.decodes)
         if yielding and decodes is not None and decodes < self.seconds:
-            return fit
+            seconds = min(self.seconds, YIELD_STRETCH * decodes)
+            return self.model.most_tokens(self.shape, start, wanted, seconds)
+        fit = self.model.most_tokens(self.shape, start, wanted, self.seconds)
         return max(fit, min(wanted, PREFILL_FLOOR_TOKENS - self.prompt_tokens))
 
     def take(self, start: int, num_tokens: int) -> None:

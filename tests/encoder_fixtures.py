@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.gguf_fixtures import write_tensors
+
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PUNCTUATION = list("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
 LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
@@ -145,16 +147,7 @@ def write_encoder_gguf(path: Path, spec: EncoderSpec, weights: dict[str, np.ndar
             writer.add_string(key, value)
     writer.add_array("tokenizer.ggml.tokens", tokens)
     writer.add_array("tokenizer.ggml.token_type", types)
-    qtype = gguf.GGMLQuantizationType[matrix_type]
-    for name, array in weights.items():
-        if array.ndim == 2 and matrix_type != "F32":
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tensors(writer, weights, None if matrix_type == "F32" else matrix_type)
     return path
 
 

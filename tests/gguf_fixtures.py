@@ -1,3 +1,5 @@
+# Over 300 lines: the tiny models' writers (every family, K-quant blocks) and the driver that
+# runs them through ModelRunner share TinySpec and its weights.
 """Helpers shared by the executor tests: a tiny random llama GGUF, and a stand-in scheduler."""
 
 from __future__ import annotations
@@ -160,6 +162,29 @@ def _add_hyperparameters(writer, spec: TinySpec) -> None:
         writer.add_expert_feed_forward_length(spec.expert_size)
 
 
+def write_tensors(writer, tensors: dict[str, np.ndarray], matrix_type: str | None) -> None:
+    """Add `tensors` to a gguf.GGUFWriter (its matrices stored as `matrix_type`, e.g. "Q8_0";
+    None: float32) and write the file."""
+    import gguf
+
+    for name, array in tensors.items():
+        array = np.asarray(array, np.float32)
+        if array.ndim == 2 and matrix_type is not None:
+            kind = gguf.GGMLQuantizationType[matrix_type]
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, array)
+    write_file(writer)
+
+
+def write_file(writer) -> None:
+    """A gguf.GGUFWriter's header, metadata and tensors to its file, then closed."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
                      quantized: str | None = None, rope_freqs: np.ndarray | None = None,
                      rope_scaling: tuple[str, float] | None = None,
@@ -223,10 +248,7 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
                 .reshape(hf_array.shape)
         else:
             writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_file(writer)
     return weights
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from llmbus.services.gguf_metadata import read_metadata
 from llmbus.services.gguf_tokenizer import GGUFTokenizer
 from llmbus.services.model_files import default_model_path
+from tests.gguf_fixtures import write_tensors
 
 USER_DEFINED = 4  # llama.cpp's token type of added, non-special tokens (<think> in Qwen3)
 # Qwen3's chat template as it ends a conversation: thinking off writes an empty think block;
@@ -80,17 +81,7 @@ def write_thinking_qwen3(path) -> None:
                "blk.0.ffn_gate.weight": 0.1 * rng.standard_normal((128, HIDDEN)),
                "blk.0.ffn_up.weight": 0.1 * rng.standard_normal((128, HIDDEN)),
                "blk.0.ffn_down.weight": zeros((HIDDEN, 128), np.float32)}
-    for name, array in tensors.items():
-        array = np.asarray(array, np.float32)
-        if array.ndim == 2:
-            kind = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tensors(writer, tensors, "Q8_0")
 
 
 def script_ids(tokens, types, meta) -> list[int]:

@@ -18,10 +18,9 @@ from typing import Any
 import torch
 
 from llmbus.bus.messages import PooledEmbedding, ScheduledRequest
+from llmbus.services.executor.weights.encoder_config import POOLING_TYPES
 
 POOLING_KINDS = ("mean", "cls", "last")
-# llama.cpp's `<arch>.pooling_type`: 0 none, 1 mean, 2 cls, 3 last, 4 rank.
-GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 
 
 def model_pooling(metadata: dict[str, Any], override: str | None = None) -> str:
@@ -30,7 +29,9 @@ def model_pooling(metadata: dict[str, Any], override: str | None = None) -> str:
     if override:
         return override
     arch = metadata.get("general.architecture", "")
-    return GGUF_POOLING.get(int(metadata.get(f"{arch}.pooling_type", 1)), "mean")
+    index = int(metadata.get(f"{arch}.pooling_type", 1))
+    kind = POOLING_TYPES[index] if 0 <= index < len(POOLING_TYPES) else "mean"
+    return kind if kind in POOLING_KINDS else "mean"  # none, rank: not served
 
 
 def resolve_pooling(asked: str, default: str) -> str:

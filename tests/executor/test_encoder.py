@@ -2,7 +2,8 @@
 # set and one derived tolerance.
 """BERT-family encoders from GGUF: the WordPiece tokenizer against HF's BertTokenizer, the
 `bert` forward against transformers' BertModel, `nomic-bert` against a float64 reference
-written here from the architecture's definition, pooling and the config's refusals.
+written here from the architecture's definition, the executor's pooling of an encoder's rows,
+and the config's refusals.
 
 Tolerance (hidden states). Ours and transformers' are both float32 evaluations of the same
 function that differ only in the order of their roundings (SDPA vs eager softmax·V, one flat
@@ -30,9 +31,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmbus.bus.messages import ScheduledRequest
 from llmbus.services.executor.backends import torch_encoder
 from llmbus.services.executor.backends.torch_encoder import EncoderModel
-from llmbus.services.executor.pooling import normalize, pool
+from llmbus.services.executor.embedding_pooling import Pooling
 from llmbus.services.executor.weights.encoder_config import read_encoder_config
 from llmbus.services.executor.weights.model_config import UnsupportedModelError
 from llmbus.services.gguf_metadata import read_layout
@@ -155,13 +157,25 @@ def test_quantized_files_load_dense(tmp_path: Path, batch: list[list[int]], matr
     assert (ours.double() - hf64).abs().max().item() <= _tolerance(hf32, hf64)
 
 
+def _pooled(hidden: torch.Tensor, seq_lens: list[int], kind: str) -> torch.Tensor:
+    """Each sequence's rows pooled as the executor pools them (embedding_pooling.Pooling, the
+    whole prompt in one chunk, as an encoder takes it), normalised as the api does."""
+    vectors, first = [], 0
+    for i, n in enumerate(seq_lens):
+        pooled = Pooling(kind, n).fold(ScheduledRequest(f"s{i}", 0, n), first, hidden)
+        assert pooled is not None
+        vectors.append(torch.frombuffer(bytearray(pooled.vector), dtype=torch.float32))
+        first += n
+    return F.normalize(torch.stack(vectors), dim=-1)
+
+
 @pytest.mark.parametrize("kind", ["mean", "cls"])
 def test_bert_pooled_embeddings_equal_transformers(bert_file: tuple[Path, dict],
                                                    batch: list[list[int]], kind: str):
     path, weights = bert_file
     seq_lens = [len(s) for s in batch]
     hf32, _ = _references(weights, batch)
-    ours = normalize(pool(_forward(EncoderModel.load(path), batch), seq_lens, kind))
+    ours = _pooled(_forward(EncoderModel.load(path), batch), seq_lens, kind)
     rows = hf32.split(seq_lens)
     theirs = torch.stack([r.mean(0) if kind == "mean" else r[0] for r in rows])
     cosine = (ours.double() * F.normalize(theirs.double(), dim=-1)).sum(-1)
@@ -266,7 +280,7 @@ def test_config_reads_llama_cpp_keys(bert_file: tuple[Path, dict]):
             config.intermediate_size, config.context_length, config.vocab_size) == (
         "bert", SPEC.num_layers, SPEC.hidden_size, SPEC.num_heads, SPEC.intermediate_size,
         SPEC.context_length, len(VOCAB))
-    assert config.pooling == "mean" and config.has_token_types and not config.rotary
+    assert config.pooling_type == 1 and config.has_token_types and not config.rotary
     assert config.layer_norm_eps == pytest.approx(SPEC.layer_norm_eps)
 
 
@@ -289,23 +303,3 @@ def test_config_refuses_with_one_line(tmp_path: Path, change: dict, message: str
     with pytest.raises(UnsupportedModelError, match=message) as refusal:
         read_encoder_config(metadata, shapes)
     assert "\n" not in str(refusal.value)
-
-
-# --- pooling ---------------------------------------------------------------------------------
-
-def test_pool_takes_each_sequences_rows():
-    hidden = torch.arange(12, dtype=torch.float32).reshape(6, 2)  # rows [0,1], [2,3], ...
-    seq_lens = [1, 3, 2]
-    assert pool(hidden, seq_lens, "cls").tolist() == [[0, 1], [2, 3], [8, 9]]
-    assert pool(hidden, seq_lens, "last").tolist() == [[0, 1], [6, 7], [10, 11]]
-    assert pool(hidden, seq_lens, "mean").tolist() == [[0, 1], [4, 5], [9, 10]]
-    assert pool(hidden.half(), seq_lens, "mean").dtype == torch.float16
-    with pytest.raises(ValueError, match="does not hold sequences"):
-        pool(hidden, [2, 3], "mean")
-    with pytest.raises(ValueError, match="does not hold sequences"):
-        pool(hidden, [6, 0], "mean")
-
-
-def test_normalize_gives_unit_rows():
-    rows = normalize(torch.tensor([[3.0, 4.0], [0.0, 0.0]]))
-    assert torch.equal(rows, torch.tensor([[0.6, 0.8], [0.0, 0.0]]))

@@ -41,11 +41,6 @@ class EncoderConfig:
         return self.hidden_size // self.num_heads
 
     @property
-    def pooling(self) -> str | None:
-        """The file's pooling by name ("mean", "cls", ...), or None when it names none."""
-        return None if self.pooling_type is None else POOLING_TYPES[self.pooling_type]
-
-    @property
     def rotary(self) -> bool:
         return self.rope_theta is not None
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import msgspec
 
 from llmbus.bus.messages import ResumedCompletion, SamplingParams
 from llmbus.services.scheduler.config import SchedulerConfig
+from llmbus.services.scheduler.request import Request
 
 
 class AdmissionError(ValueError):
@@ -96,3 +98,18 @@ def sequences(request_id: str, attempt: int, n: int, num_prompt_tokens: int,
     if num_prompt_tokens == 1:
         return [(f"{base}#{i}", i, 1, []) for i in range(n)]
     return [(f"{base}#prompt", 0, n, [])]
+
+
+def enqueue(waiting: deque[Request], request: Request) -> None:
+    """Queue an admitted request. A generation goes ahead of the embedding requests still
+    waiting (in arrival order among generations): someone watches its stream start, while
+    an embedding client's batch of 32 inputs is thousands of prompt tokens that no one reads
+    until all are done (behind them a chat's first token waited ~3 s more, issue 43)."""
+    if request.embeds:
+        waiting.append(request)
+        return
+    for position, queued in enumerate(waiting):
+        if queued.embeds:
+            waiting.insert(position, request)
+            return
+    waiting.append(request)

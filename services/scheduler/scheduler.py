@@ -1,31 +1,30 @@
-# Over 300 lines: one class for the life of a request, from admission through its results to
-# every way it ends (planning is planner.py's, blocks block_tables.py's, books
-# request_table.py's, what goes out outputs.py's).
+# Over 300 lines: one class for a request's life, from admission through its results to every
+# way it ends (plans: planner.py, blocks: block_tables.py, books: request_table.py, out: outputs).
 """Continuous batching over paged KV blocks with a prefix cache: the scheduler's pure core.
 
-There is no prefill phase and no decode phase. Each request has tokens (prompt + sampled
-output) and computed tokens (whose KV is in the cache); every step, computed tokens catch up
-with tokens under a token budget. Running requests go first, oldest first, so decodes never
-stall behind a long prompt; then waiting requests are admitted, a long prompt taking several
-steps (chunked prefill); while anything decodes, prompt chunks take only what keeps the
-step within its time target (step_time.py), so a long prompt is spread over as many steps as
-it takes and decodes keep their cadence. A new request first reuses the longest cached
-prefix of full blocks. When a running request needs a block and none is free or evictable,
-the newest running request is preempted: its blocks are freed and it returns to the front of
-the queue, to be recomputed later (cheaply, thanks to the prefix cache).
+There is no prefill phase and no decode phase. Each request has tokens (prompt + sampled output)
+and computed tokens (whose KV is in the cache); every step, computed tokens catch up with tokens
+under a token budget. Running requests go first, oldest first, so decodes never stall behind a
+long prompt; then waiting requests are admitted (generations ahead of embeddings), a long prompt
+taking several steps (chunked prefill); while anything decodes, prompt chunks take only what
+keeps the step within its time target (step_time.py), so a long prompt is spread over as many
+steps as it takes and decodes keep their cadence. A new request first reuses the longest cached
+prefix of full blocks. When a running request needs a block and none is free or evictable, the
+newest running request is preempted: its blocks are freed and it returns to the front of the
+queue, to be recomputed later (cheaply: the prefix cache).
 
 The scheduler plans ahead: `schedule()` counts every token it asks the executor to sample as
-already there (pending), so step N+1 can be planned and sent while step N runs. `update()`
-fills in the sampled values; a request that turns out to have finished at step N simply drops
-what step N+1 computed for it.
+already there (pending), so step N+1 can be planned and sent while step N runs. `update()` fills
+in the sampled values; a request that turns out to have finished at step N simply drops what
+step N+1 computed for it.
 
-n > 1: one parent request prefills the prompt but its last token, then forks into n
-completions that share the parent's blocks (copy-on-write of the shared partial block). An
-embedding request computes its prompt and ends with the executor's pooled vector.
+n > 1: a parent request prefills the prompt but its last token, then forks into n completions
+sharing its blocks (copy-on-write of the shared partial block). An embedding request computes
+its prompt and ends with the executor's pooled vector.
 
 Here: what the engine holds, and each request's life (admitted, results, ended); each step's
-plan is planner.py's, each request's blocks block_tables.py's, the prompts other engines
-prefill disaggregation/'s. No I/O, no clock, no torch.
+plan is planner.py's, each request's blocks block_tables.py's, the prompts other engines prefill
+disaggregation/'s. No I/O, no clock, no torch.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from llmbus.bus.messages import (
 )
 from llmbus.services.scheduler.admission import (
     AdmissionError,
+    enqueue,
     params_for,
     refuse_task,
     resolve_max_tokens,
@@ -142,7 +142,7 @@ class Scheduler:
             reason = (stop_reason(request, last[0], self.config.eos_token_ids) if last
                       else FinishReason.NONE)
             if reason is FinishReason.NONE:
-                self.waiting.append(request)
+                enqueue(self.waiting, request)
             else:  # it had ended, and only the message saying so was lost
                 self._finish(request, reason)
                 self._ended_updates.extend(end_updates(request, self.num_steps))

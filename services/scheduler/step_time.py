@@ -20,7 +20,11 @@ the last `WINDOW` steps of decodes only, each weighted by its age in steps (`DEC
 never below `STALE_WEIGHT`), so the model follows a change (a bigger model, a busier machine)
 within a few steps. Two windows, and a weight that never reaches 0, because during a long run
 of decodes tokens and rows are the same numbers: only the old prompt steps then tell what a
-prompt token costs apart from a decode row.
+prompt token costs apart from a decode row. For the same reason the widest prompt step seen
+(the most prompt tokens beyond its rows) is kept beside the windows until one about as wide
+replaces it: a long run of decodes with small chunks (a few tokens beyond the rows, within the
+times' noise) fits a prompt token at ~0 as well as at its cost, and the next big chunk then
+took 5x its target (issue 43: a 228-token chunk beside 7 decodes, predicted 40 ms, took 189).
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ PREFILL_FLOOR_TOKENS = 32  # prompt tokens a step with decodes always takes, if 
 # decodes alone: no one streams an embedding, the streams' tokens should not wait for it.
 YIELD_STRETCH = 1.4
 NUM_FEATURES = 4
+# The widest prompt step is replaced by a newer one at least this wide (a fresher measure of
+# about the same leverage).
+WIDEST_KEPT = 0.75
+WIDEST_WEIGHT = 0.25  # its weight never falls below this: it is the one measure of its kind
 
 
 @dataclass
@@ -79,6 +87,7 @@ class StepTimeModel:
         # (features, seconds of one forward, when: the number of steps observed before it)
         self.prefill_steps: deque[tuple[tuple[float, ...], float, int]] = deque(maxlen=WINDOW)
         self.decode_steps: deque[tuple[tuple[float, ...], float, int]] = deque(maxlen=WINDOW)
+        self.widest: tuple[tuple[float, ...], float, int] | None = None  # see the docstring
         self.num_observed = 0
         self.longest_context = 0  # the most keys one query of an observed step attended to
         self._coefficients: tuple[float, ...] | None = None
@@ -98,7 +107,11 @@ class StepTimeModel:
         self.longest_context = max(self.longest_context,
                                    max(i.start + i.num_tokens for i in items))
         window = self.decode_steps if shape.tokens == shape.rows else self.prefill_steps
-        window.append((shape.features(), forward_seconds / steps, self.num_observed))
+        observation = (shape.features(), forward_seconds / steps, self.num_observed)
+        window.append(observation)
+        if window is self.prefill_steps and (
+                self.widest is None or _width(observation) >= WIDEST_KEPT * _width(self.widest)):
+            self.widest = observation
         self.num_observed += 1
         self._stale = True
 
@@ -127,9 +140,14 @@ class StepTimeModel:
         return self._coefficients if self.predict(StepShape()) is not None else None
 
     def _weighted(self) -> list[tuple[tuple[float, ...], float, float]]:
-        return [(features, seconds, max(DECAY ** (self.num_observed - 1 - when), STALE_WEIGHT))
-                for window in (self.prefill_steps, self.decode_steps)
-                for features, seconds, when in window]
+        weighted = [(features, seconds, max(DECAY ** (self.num_observed - 1 - when), STALE_WEIGHT))
+                    for window in (self.prefill_steps, self.decode_steps)
+                    for features, seconds, when in window]
+        if self.widest is not None and self.widest not in self.prefill_steps:
+            features, seconds, when = self.widest
+            weighted.append((features, seconds,
+                             max(DECAY ** (self.num_observed - 1 - when), WIDEST_WEIGHT)))
+        return weighted
 
     def most_tokens(self, shape: StepShape, start: int, limit: int, seconds: float) -> int:
         """The most tokens, up to `limit`, of a sequence at `start` that this step can add and
@@ -178,6 +196,12 @@ class StepBudget:
     def add_drafts(self, start: int, num_drafts: int) -> None:
         """A decode (counted at the start as one token) verifies drafts too."""
         self.shape.add(start + 1, num_drafts, new_row=False)
+
+
+def _width(observation: tuple[tuple[float, ...], float, int]) -> float:
+    """Prompt tokens beyond the rows: what tells a prompt token's cost from a row's."""
+    _, rows, tokens, _ = observation[0]
+    return tokens - rows
 
 
 def fit_non_negative(rows: list[tuple[tuple[float, ...], float, float]]) -> tuple[float, ...]:

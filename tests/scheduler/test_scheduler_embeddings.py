@@ -48,6 +48,21 @@ def test_an_embedding_prompt_goes_in_chunks_beside_a_decode_and_ends_with_its_ve
     s.check_invariants()  # its blocks are back (the decode still holds its own)
 
 
+def test_a_chat_goes_ahead_of_embedding_inputs_still_waiting():
+    """Generations keep their order among themselves; embeddings wait behind all of them,
+    in their own order, whether they arrived before or after."""
+    s = make(num_blocks=64, max_num_batched_tokens=4)
+    add(s, "gen0", 3, max_tokens=4)
+    for name in ("emb0", "emb1"):
+        add(s, name, 12, max_tokens=1, pooling="mean")
+    add(s, "gen1", 3, max_tokens=4)
+    add(s, "emb2", 12, max_tokens=1, pooling="mean")
+    add(s, "gen2", 3, max_tokens=4)
+    assert [r.request_id for r in s.waiting] == ["gen0", "gen1", "gen2", "emb0", "emb1", "emb2"]
+    first = s.schedule()  # 4 tokens: gen0's prompt and the first of gen1's
+    assert [(i.sequence_id, i.num_tokens) for i in first.scheduled] == [("gen0", 3), ("gen1", 1)]
+
+
 def test_an_embedding_prompt_reuses_no_cached_prefix():
     s = make(num_blocks=16, prefix_caching=True)
     add(s, "first", 12, max_tokens=1)

@@ -1,3 +1,5 @@
+# Over 300 lines: the model's fit, then the scheduler's budget on a simulated clock, share
+# the Formula and the simulated executor.
 """Steps sized by time (services/scheduler/step_time.py): the step-time model alone, then the
 scheduler against a fake executor (real KV contents, tests/scheduler/sim.py) whose forward
 takes exactly `Formula` seconds, on a fake clock. The formula is linear in the model's features,
@@ -6,9 +8,11 @@ the budget is met exactly; where a bound is looser, its docstring says why."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +22,7 @@ from llmbus.services.scheduler.step_time import (
     PREFILL_FLOOR_TOKENS,
     STALE_WEIGHT,
     YIELD_STRETCH,
+    StepBudget,
     StepShape,
     StepTimeModel,
     fit_non_negative,
@@ -90,6 +95,27 @@ def test_decodes_alone_never_make_it_forget_what_a_prompt_token_costs():
         model.observe(plan, formula(plan))
     prompt = StepShape.of(plan_of((0, 200), (300, 1)))
     assert model.predict(prompt) == pytest.approx(formula.one(prompt), rel=EXACT)
+
+
+def recorded_plan(items: list[list[int]]) -> StepPlan:
+    return StepPlan(step_id=0, scheduled=[ScheduledRequest(f"s{i}", start, num, num_steps=steps)
+                                          for i, (start, num, steps) in enumerate(items)])
+
+
+def test_small_chunks_beside_decodes_never_make_it_forget_what_a_prompt_token_costs():
+    """Recorded (data/mixed_load_steps.json): chats decoding beside an embedding client's
+    prompts, chunks of 10-40 tokens for 180 steps, the times' noise as large as those chunks'
+    cost. The window then fitted a prompt token at 0 and planned 228 tokens beside 7 decodes
+    as 40 ms; they took 189. The widest prompt step kept beside the window still tells."""
+    trace = json.loads((Path(__file__).parent / "data" / "mixed_load_steps.json").read_text())
+    model = StepTimeModel()
+    for items, seconds in trace["observed"]:
+        model.observe(recorded_plan(items), seconds)
+    planned = StepShape.of(recorded_plan(trace["next"]))
+    assert model.predict(planned) >= 0.5 * trace["next_seconds"]
+    decodes = StepShape.of(recorded_plan([item for item in trace["next"] if item[1] == 1]))
+    chunk = StepBudget(model, decodes, 0.06).prompt_chunk(0, 128, yielding=True)
+    assert chunk <= PREFILL_FLOOR_TOKENS  # the 7 decodes take ~25 ms: a stretch of ~10 ms
 
 
 def test_the_fit_never_gives_a_negative_coefficient():

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_BYTES = {"Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator,
@@ -37,6 +37,8 @@ def random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator,
         .view(np.uint8)
     if kind == "Q6_K":  # ql, qh, 16 int8 scales, then float16 d
         blocks[..., 208:210] = d
+    elif kind == "Q3_K":  # high bits, low pairs, 12 bytes of 6-bit scales, then float16 d
+        blocks[..., 108:110] = d
     else:  # float16 d and dmin first
         blocks[..., 0:2] = d
         blocks[..., 2:4] = d

@@ -34,7 +34,11 @@ import torch
 
 from llmbus.services.executor.backends.torch_llama import LlamaModel
 from llmbus.services.executor.weights.gguf_loader import load_gguf
-from llmbus.services.executor.weights.gguf_quants import Q4_1Weight
+from llmbus.services.executor.weights.gguf_quants import (
+    Q4_1Weight,
+    requantize_q8_0,
+)
+from llmbus.services.executor.weights.k_quants import KQuantWeight
 
 GROUP = 32  # activations are rounded per block of this many values
 NUM_DRAWS = 16
@@ -47,24 +51,31 @@ Z_RMS = 6.0
 Z_TIE = 8.0
 
 
+def _fast_values(weight, graphs: bool) -> torch.Tensor:
+    """A native form's values as the fast mode computes with them: ONNX Runtime's graphs
+    take a K-quant with 16-weight sub-blocks requantized to Q8_0 (cpu_llama._build_graphs)."""
+    if graphs and isinstance(weight, KQuantWeight):
+        return requantize_q8_0(weight.dequantize().numpy()).dequantize()
+    return weight.dequantize()
+
+
 def fast_mode_model(path: Path, *, graphs: bool, max_positions: int = 128,
                     ) -> tuple[LlamaModel, dict[int, torch.Tensor]]:
     """The torch model of the fast mode's arithmetic on this file, and what each matmul's
     rounding meets (`noise` for rounding_linear), for the integer kernel or (`graphs`) ONNX
     Runtime's graphs.
 
-    The weights are the fast mode's values: Q5_1, Q5_K and Q6_K requantized to Q8_0, the rest
-    the file's. The integer kernel rounds every input to int8 but a 4-bit QKV part's, to int16
-    (a step 32767 / 127 times finer), and takes Q4's minimums on the rounded block sums, so the
-    noise meets the whole weight. ONNX Runtime's graphs give a 4-bit QKV part float32 inputs
-    (no noise), and add Q4's minimums on the float block sums, so the noise meets scale x code
-    alone. A float32 matrix takes float32 inputs in both. Experts (loaded one by one in the
-    fast mode) keep the file's values and the default noise, the whole weight: right for the
-    kernel's 8-bit experts.
-    """
+    The weights are the fast mode's values: Q5_1 and Q5_K requantized to Q8_0 (and Q3_K, Q6_K
+    for the graphs), the rest the file's. The integer kernel rounds every input to int8 but a
+    4-bit QKV part's, to int16 (a step 32767 / 127 times finer), and takes Q4's minimums on the
+    rounded block sums, so the noise meets the whole weight. ONNX Runtime's graphs give a 4-bit
+    QKV part float32 inputs (no noise), and add Q4's minimums on the float block sums, so the
+    noise meets scale x code alone. A float32 matrix takes float32 inputs in both. Experts
+    (loaded one by one in the fast mode) keep the file's values and the default noise, the whole
+    weight: right for the kernel's 8-bit experts."""
     config, weights, _ = load_gguf(path)  # the file's values
     _, _, native = load_gguf(path, keep_native=True, dense_for_native=False)  # the fast mode's
-    weights.update({n: w.dequantize() for n, w in native.items() if n in weights})
+    weights.update({n: _fast_values(w, graphs) for n, w in native.items() if n in weights})
     model = LlamaModel(config, weights, max_positions=max_positions)
 
     def rounded(name: str, qkv: bool) -> torch.Tensor:  # what one part's noise meets

@@ -40,7 +40,13 @@ from llmbus.services.executor.backends.torch_llama import rms_norm
 from llmbus.services.executor.kernels.cpu.library import load_library
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import qk_norm_weights, qkv_bias
-from llmbus.services.executor.weights.gguf_quants import QUANT_GROUP, NativeWeight, Q8_0Weight
+from llmbus.services.executor.weights.gguf_quants import (
+    QUANT_GROUP,
+    NativeWeight,
+    Q8_0Weight,
+    requantize_q8_0,
+)
+from llmbus.services.executor.weights.k_quants import KQuantWeight
 from llmbus.services.executor.weights.matrices import LAYER_MATRICES
 from llmbus.services.executor.weights.model_config import LlamaConfig
 from llmbus.services.executor.weights.quant_parts import (
@@ -95,7 +101,7 @@ def _return_freed_memory() -> None:
 class _Embedding:
     """Token rows from a quantized table (Q8_0: scale * code; Q4_0/Q4_1/Q4_K in Q4_1 form:
     scale * code + minimum, its codes packed two a byte where loaded for the integer kernel;
-    as llama.cpp computes them) or a dense one."""
+    Q3_K/Q6_K: d * scale * value; as llama.cpp computes them) or a dense one."""
 
     def __init__(self, native: NativeWeight | PackedRows | None,
                  dense: torch.Tensor | None) -> None:
@@ -108,7 +114,7 @@ class _Embedding:
         if self.dense is not None:
             return self.dense[ids]
         q = self.native
-        if isinstance(q, PackedRows):
+        if isinstance(q, PackedRows | KQuantWeight):
             return q.rows(ids)
         codes = q.codes[ids].view(len(ids), -1, QUANT_GROUP).float()  # [T, D/32, 32]
         rows = codes * q.scales[ids][..., None]
@@ -207,8 +213,11 @@ class CpuLlamaModel:
             raise ValueError("the ONNX Runtime graphs need the matrices as loaded, not tiled "
                              "for the integer kernel (load without tile_as_loaded)")
         def matrix(name: str) -> MatrixSource:
-            if name in native:
-                return MatrixSource(native[name], None)
+            weight = native.get(name)
+            if isinstance(weight, KQuantWeight):  # no graph takes 16-weight sub-blocks
+                return MatrixSource(requantize_q8_0(weight.dequantize().numpy()), None)
+            if weight is not None:
+                return MatrixSource(weight, None)
             return MatrixSource(None, dense[name].float().numpy())
 
         names = [f"blk.{i}.{n}.weight" for i in range(config.num_layers) for n in LAYER_MATRICES]

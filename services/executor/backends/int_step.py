@@ -27,7 +27,7 @@ from llmbus.services.executor.weights.quant_parts import LayerParts, QuantPart
 # 4-bit QKV projections take int16 activations in steps of any size (wide_rows=ALWAYS): int8
 # ones there double the fast mode's perplexity cost (see IntStep).
 ALWAYS = 1 << 62
-_KINDS = {"q4": 1, "q8": 2}
+_KINDS = {"q4": 1, "q8": 2, "kq": 3}
 _MAX_PARTS = 3
 
 
@@ -35,7 +35,9 @@ class IntMatrix(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("pad", ctypes.c_int32), ("wide_rows", ctypes.c_int64),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("codes", ctypes.c_void_p),
                 ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
-                ("sub_scales", ctypes.c_void_p), ("sub_mins", ctypes.c_void_p)]
+                ("sub_scales", ctypes.c_void_p), ("sub_mins", ctypes.c_void_p),
+                ("high_codes", ctypes.c_void_p), ("low_bits", ctypes.c_int32),
+                ("high_bits", ctypes.c_int32)]
 
 
 class IntLinear(ctypes.Structure):
@@ -53,7 +55,10 @@ class IntLinear(ctypes.Structure):
             slot.wide_rows = wide_rows if q.kind == "q4" else 0
             slot.codes, slot.scales = q.codes.data_ptr(), q.scales.data_ptr()
             slot.mins = q.mins.data_ptr() if q.mins is not None else None
-            if q.sub_scales is not None:  # Q4_K kept factored
+            if q.kind == "kq":  # Q3_K, Q6_K: two bit planes, int8 scales per 16 weights
+                slot.sub_scales, slot.high_codes = q.sub_scales.data_ptr(), q.high_codes.data_ptr()
+                slot.low_bits, slot.high_bits = q.low_bits, q.high_bits
+            elif q.sub_scales is not None:  # Q4_K kept factored
                 slot.sub_scales, slot.sub_mins = q.sub_scales.data_ptr(), q.sub_mins.data_ptr()
         return linear
 

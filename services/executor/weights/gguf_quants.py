@@ -1,9 +1,11 @@
 """GGUF quantized block formats -> the native forms llmbus's quantized kernels take.
 
-Two forms serve every format: Q4_1Weight (4-bit codes, a scale and a minimum per 32 weights)
-and Q8_0Weight (int8 codes, a scale per 32). Q4_1 and Q8_0 are those forms; Q4_0 and Q4_K
-convert to Q4_1 exactly, Q5_0 to Q8_0 exactly; Q5_1, Q5_K and Q6_K are requantized to Q8_0,
-in the fast mode only (`native_parsers(exact=True)` leaves them to be dequantized exactly).
+Q4_1Weight (4-bit codes, a scale and a minimum per 32 weights) and Q8_0Weight (int8 codes, a
+scale per 32) serve the formats of 32-weight blocks: Q4_1 and Q8_0 are those forms; Q4_0 and
+Q4_K convert to Q4_1 exactly, Q5_0 to Q8_0 exactly. Q3_K and Q6_K keep their own form
+(k_quants.KQuantWeight, the fast mode's). Q5_1 and Q5_K are requantized to Q8_0, in the fast
+mode only (`native_parsers(exact=True)` leaves them, and the K-quants, to be dequantized
+exactly).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from llmbus.services.executor.weights.k_quants import KQuantWeight, parse_q3_k, parse_q6_k
 
 QUANT_GROUP = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
 Q4_1_GROUP = QUANT_GROUP  # one float16 scale and one float16 minimum, 4-bit codes
@@ -137,8 +141,8 @@ def parse_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
 
 def requantize_q8_0(values: np.ndarray) -> Q8_0Weight:
     """float32 [out, in] -> Q8_0 form with float32 scales (amax / 127 per 32 weights): for
-    Q5_1, Q5_K and Q6_K, whose minimums or 16-weight sub-blocks no 8-bit kernel here takes
-    exactly. Each
+    Q5_1 and Q5_K, whose minimums no 8-bit kernel here takes exactly, and the K-quants in ONNX
+    Runtime's graphs. Each
     weight moves by at most half a step of 1/254 of its block's range."""
     out, inp = values.shape
     groups = values.reshape(out, inp // QUANT_GROUP, QUANT_GROUP)
@@ -188,7 +192,7 @@ def parse_q5_0(raw: np.ndarray, shape: tuple[int, int]) -> Q8_0Weight:
     return Q8_0Weight(torch.from_numpy(signed), torch.from_numpy(_float16_field(blocks, 0)))
 
 
-NativeWeight = Q4_1Weight | Q8_0Weight
+NativeWeight = Q4_1Weight | Q8_0Weight | KQuantWeight
 
 
 REQUANTIZE_ROWS = 1024
@@ -218,4 +222,5 @@ def native_parsers(gguf: Any, exact: bool = False) -> dict[Any, Any]:
                kinds.Q4_K: parse_q4_k, kinds.Q5_0: parse_q5_0}
     if exact:
         return exactly
-    return exactly | {kind: requantized(kind) for kind in (kinds.Q5_1, kinds.Q5_K, kinds.Q6_K)}
+    return exactly | {kinds.Q3_K: parse_q3_k, kinds.Q6_K: parse_q6_k} | {
+        kind: requantized(kind) for kind in (kinds.Q5_1, kinds.Q5_K)}

@@ -14,7 +14,7 @@ MOE_LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_exp
                       "ffn_up_exps", "ffn_down_exps")
 COLUMNS = 8  # output columns per column group: one 8-lane vector of the kernels
 # The GGML types with a native form (gguf_quants.native_parsers; a test keeps them equal).
-NATIVE_GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+NATIVE_GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K")
 
 
 # The architectures whose layers the integer kernel computes (Gemma 3's norms after the

@@ -14,6 +14,7 @@ from llmbus.services.executor.weights.gguf_quants import (
     NativeWeight,
     Q4_1Weight,
 )
+from llmbus.services.executor.weights.k_quants import KQuantWeight, tile_planes
 from llmbus.services.executor.weights.matrices import COLUMNS, LAYER_MATRICES, expert_matrix
 from llmbus.services.executor.weights.model_config import LlamaConfig
 
@@ -27,15 +28,21 @@ class QuantPart:
     32-bit lane of a 32-byte load is one column's four consecutive codes (the layouts are
     spelled out in kernels/cpu/int_step.cpp)."""
 
-    kind: str  # "q4" (Q4_1, and Q4_0 and Q4_K in Q4_1 form) or "q8" (Q8_0)
+    kind: str  # "q4" (Q4_1, and Q4_0 and Q4_K in Q4_1 form), "q8" (Q8_0), "kq" (Q3_K, Q6_K)
     n: int
     k: int
-    codes: torch.Tensor  # q4: [N/8, K/32, 4, 32] uint8 (two codes a byte); q8: [N/8, K/32, 8, 32]
+    # q4: [N/8, K/32, 4, 32] uint8 (two codes a byte); q8: [N/8, K/32, 8, 32]; kq: the low
+    # plane [N/8, K/32, low_bits, 32] (k_quants.tile_planes)
+    codes: torch.Tensor
     scales: torch.Tensor  # [N/8, K/32, 8] float32; with sub_scales [N/8, K/256, 8]
     mins: torch.Tensor | None = None  # q4 only, as scales
-    # Q4_K kept factored: a block's scale is its super-block's times these (see KFactors)
+    # Q4_K kept factored: a block's scale is its super-block's times these (see KFactors);
+    # kq: [N/8, K/16, 8] int8, one a 16-weight sub-block
     sub_scales: torch.Tensor | None = None  # [N/8, K/32, 8] uint8
     sub_mins: torch.Tensor | None = None
+    high_codes: torch.Tensor | None = None  # kq: the high plane [N/8, K/32, high_bits, 32]
+    low_bits: int = 0
+    high_bits: int = 0
 
     def block_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Scales and minimums per block, [N/8, K/32, 8] float32, multiplied out if factored
@@ -47,8 +54,8 @@ class QuantPart:
                 self.mins.repeat_interleave(8, dim=1) * self.sub_mins.float())
 
     @classmethod
-    def of(cls, native: NativeWeight | QuantPart | PackedRows, consume: bool = False,
-           ) -> QuantPart:
+    def of(cls, native: NativeWeight | KQuantWeight | QuantPart | PackedRows,
+           consume: bool = False) -> QuantPart:
         """The tiled form of `native`. With `consume` (nothing else holds `native`), 8-bit
         codes are tiled in their own memory, so that tiling a big matrix (a vocabulary head)
         never holds it twice."""
@@ -56,11 +63,16 @@ class QuantPart:
             return native
         if isinstance(native, PackedRows):  # a tied embedding, also the vocabulary head
             native = native.unpacked()
-        n, k = native.codes.shape
+        n, k = (native.values if isinstance(native, KQuantWeight) else native.codes).shape
         if n % COLUMNS or k % QUANT_GROUP:
             raise ValueError(f"a [{n}, {k}] matrix: the kernels take N % {COLUMNS} == 0 and "
                              f"K % {QUANT_GROUP} == 0")
         groups, blocks = n // COLUMNS, k // QUANT_GROUP
+        if isinstance(native, KQuantWeight):
+            low, high = tile_planes(native.values, native.low_bits, native.high_bits, COLUMNS)
+            return cls("kq", n, k, low, _tile_scales(native.d), sub_scales=_tile_scales(
+                native.sub_scales), high_codes=high, low_bits=native.low_bits,
+                high_bits=native.high_bits)
         codes = native.codes.numpy()
         if isinstance(native, Q4_1Weight):
             # k = 32 g + 8 h + 4 half + i; the byte of (h, j, i) holds half 0 low, half 1 high
@@ -115,9 +127,9 @@ class PackedRows:
 
 
 def _tile_scales(per_block: torch.Tensor) -> torch.Tensor:
-    """[N, B] -> [N/8, B, 8] (float32 stays float32, uint8 sub-scales uint8)."""
+    """[N, B] -> [N/8, B, 8] (float32 stays float32, integer sub-scales keep their type)."""
     n, blocks = per_block.shape
-    if per_block.dtype != torch.uint8:
+    if per_block.dtype not in (torch.uint8, torch.int8):
         per_block = per_block.float()
     return per_block.reshape(n // COLUMNS, COLUMNS, blocks).transpose(1, 2).contiguous()
 
@@ -128,7 +140,9 @@ LayerParts = dict[str, list[QuantPart]]
 
 
 def rows(weight: NativeWeight | QuantPart | PackedRows) -> int:
-    return weight.n if isinstance(weight, QuantPart) else weight.codes.shape[0]
+    if isinstance(weight, QuantPart):
+        return weight.n
+    return (weight.values if isinstance(weight, KQuantWeight) else weight.codes).shape[0]
 
 
 def covers(config: LlamaConfig, native: dict[str, NativeWeight | QuantPart]) -> bool:

@@ -1,8 +1,9 @@
-"""K-quants (Q4_K, Q5_K, Q6_K: what most GGUF downloads are) and the Q5_0/Q5_1 that Q4_K_M
-files mix in, kept quantized: Q4_K exactly in the Q4_1 form every quantized kernel takes, Q5_0
-exactly in the Q8_0 form, Q5_1, Q5_K and Q6_K requantized to Q8_0 within half a step in the
-fast mode only; no dense copy of them in memory; a model of them against its dequantized
-reference, and in the exact mode against HF transformers on the same file."""
+"""K-quants (Q3_K, Q4_K, Q5_K, Q6_K: what most GGUF downloads are) and the Q5_0/Q5_1 that
+Q4_K_M files mix in, kept quantized: Q4_K exactly in the Q4_1 form every quantized kernel
+takes, Q5_0 exactly in the Q8_0 form, Q3_K and Q6_K in their own (k_quants.py), Q5_1 and Q5_K
+requantized to Q8_0 within half a step in the fast mode only; no dense copy of them in memory;
+a model of them against its dequantized reference, and in the exact mode against HF
+transformers on the same file."""
 
 from __future__ import annotations
 
@@ -124,10 +125,30 @@ def test_requantizing_in_row_chunks_is_requantizing_whole():
     from llmbus.services.executor.weights.gguf_quants import REQUANTIZE_ROWS, native_parsers
 
     rows = 2 * REQUANTIZE_ROWS + 100
-    raw = random_k_quant(KINDS.Q6_K, rows, 256, seed=3)
-    chunked = native_parsers(gguf)[KINDS.Q6_K](raw, (rows, 256))
-    whole = requantize_q8_0(dequantized(raw, KINDS.Q6_K, (rows, 256)))
+    raw = random_k_quant(KINDS.Q5_K, rows, 256, seed=3)
+    chunked = native_parsers(gguf)[KINDS.Q5_K](raw, (rows, 256))
+    whole = requantize_q8_0(dequantized(raw, KINDS.Q5_K, (rows, 256)))
     assert torch.equal(chunked.codes, whole.codes) and torch.equal(chunked.scales, whole.scales)
+
+
+@pytest.mark.parametrize("kind", [KINDS.Q3_K, KINDS.Q6_K], ids=lambda k: k.name)
+def test_k_quants_parse_and_tile_in_row_chunks_as_whole(kind, monkeypatch):
+    """Q3_K and Q6_K unpack and tile CHUNK_ROWS rows at a time (a vocabulary head's
+    temporaries stay small): the values are gguf-py's, the tiles those of one chunk."""
+    from llmbus.services.executor.weights import k_quants
+    from llmbus.services.executor.weights.gguf_quants import native_parsers
+    from llmbus.services.executor.weights.quant_parts import QuantPart
+
+    rows = 2 * k_quants.CHUNK_ROWS + 16
+    raw = random_k_quant(kind, rows, 256, seed=7)
+    weight = native_parsers(gguf)[kind](raw, (rows, 256))
+    assert torch.equal(weight.dequantize(),
+                       torch.from_numpy(dequantized(raw, kind, (rows, 256))))
+    chunked = QuantPart.of(weight)
+    monkeypatch.setattr(k_quants, "CHUNK_ROWS", 4 * rows)
+    whole = QuantPart.of(weight)
+    assert torch.equal(chunked.codes, whole.codes)
+    assert torch.equal(chunked.high_codes, whole.high_codes)
 
 
 def test_a_model_that_may_release_the_native_forms_keeps_only_the_embedding(reference):
@@ -144,14 +165,14 @@ def test_a_model_that_may_release_the_native_forms_keeps_only_the_embedding(refe
                                _forward(kept, config, torch.float16))
 
 
-# As a Q4_K_M file mixes them: Q4_K, Q5_0 where rows are not multiples of 256 (here: every
-# matrix left), Q6_K for ffn_down and the head, Q5_K, and a Q8_0 embedding. The K-quants'
-# random weights are kept within ±0.1 (1/√256 is 0.06), so the logits have a trained model's
-# scale (|logit| < 20) and float32 rounding stays far below the 1e-4 asked of them.
+# As Q4_K_M and Q3_K_M files mix them: Q4_K, Q5_0 where rows are not multiples of 256 (here:
+# every matrix left), Q6_K for ffn_down and the head, Q5_K, Q3_K, and a Q8_0 embedding. The
+# K-quants' random weights are kept within ±0.1 (1/√256 is 0.06), so the logits have a trained
+# model's scale (|logit| < 20) and float32 rounding stays far below the 1e-4 asked of them.
 K_QUANT_SCALE = 0.1
 MIXED = {"attn_q.weight": KINDS.Q4_K, "ffn_gate.weight": KINDS.Q4_K,
          "ffn_down.weight": KINDS.Q6_K, "output.weight": KINDS.Q6_K,
-         "attn_v.weight": KINDS.Q5_K}
+         "attn_v.weight": KINDS.Q5_K, "ffn_up.weight": KINDS.Q3_K}
 
 
 def _hf_logits(path) -> torch.Tensor:
@@ -171,8 +192,8 @@ def test_a_mixed_file_in_the_exact_mode_equals_transformers(tmp_path, rest):
                      k_quant_scale=K_QUANT_SCALE)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
     assert {types["blk.0.attn_k.weight"], types["blk.0.attn_q.weight"],
-            types["blk.0.ffn_down.weight"], types["token_embd.weight"]} == {
-        rest, "Q4_K", "Q6_K", "Q8_0"}
+            types["blk.0.ffn_down.weight"], types["blk.0.ffn_up.weight"],
+            types["token_embd.weight"]} == {rest, "Q4_K", "Q6_K", "Q3_K", "Q8_0"}
     config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False,
                                       exact=True)
     # Nothing requantized: what has no exact native form loads dense, with the file's values.
@@ -194,8 +215,25 @@ def test_a_mixed_file_in_the_fast_kernel_takes_every_type(tmp_path):
     exact = CpuLlamaModel(config, *load_gguf(path, keep_native=True, dense_for_native=False,
                                              exact=True)[1:], max_positions=64, exact=True)
     want = _forward(exact, config)
+    assert {type(native[f"blk.0.{n}"]).__name__ for n in ("ffn_up.weight", "ffn_down.weight")
+            } == {"KQuantWeight"}  # Q3_K and Q6_K at their own bits
     fast = CpuLlamaModel(config, dense, native, max_positions=64, num_threads=2)
     if fast.int_step is None:
         pytest.skip("no C++ compiler: the integer kernel was not built")
     got = _forward(fast, config, torch.float16)
     assert_within_rounding_noise(got, want, _dithered(path, graphs=False))
+
+
+def test_a_mixed_file_in_onnx_runtime_graphs_takes_the_k_quants_requantized(tmp_path):
+    """Where the integer kernel is not built, the fast mode's graphs take Q3_K and Q6_K as
+    Q8_0 (no graph has 16-weight sub-blocks)."""
+    path = tmp_path / "mixed-graphs.gguf"
+    write_tiny_llama(path, SPEC, seed=6, quantized="Q5_0", k_quants=MIXED,
+                     k_quant_scale=K_QUANT_SCALE)
+    config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)
+    exact = CpuLlamaModel(config, *load_gguf(path, keep_native=True, dense_for_native=False,
+                                             exact=True)[1:], max_positions=64, exact=True)
+    graphs = CpuLlamaModel(config, dense, native, max_positions=64, num_threads=2,
+                           integer_kernel=False)
+    got = _forward(graphs, config, torch.float16)
+    assert_within_rounding_noise(got, _forward(exact, config), _dithered(path, graphs=True))

@@ -18,6 +18,7 @@ from llmbus.services.executor.kernels.cpu.library import load_library
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import load_gguf
 from llmbus.services.executor.weights.gguf_quants import Q4_1Weight, Q8_0Weight, parse_q4_k
+from llmbus.services.executor.weights.k_quants import KQuantWeight, parse_q3_k, parse_q6_k
 from llmbus.services.executor.weights.quant_parts import QuantPart
 from llmbus.services.model_files import default_model_path
 from tests.cpu_isas import ISAS
@@ -39,15 +40,19 @@ def _weight(kind: str, n: int, k: int, gen: torch.Generator) -> Q4_1Weight | Q8_
                       mins)
 
 
-def _reference(weight: Q4_1Weight | Q8_0Weight, x: torch.Tensor, wide: bool) -> torch.Tensor:
+def _reference(weight: Q4_1Weight | Q8_0Weight | KQuantWeight, x: torch.Tensor,
+               wide: bool) -> torch.Tensor:
     """The kernel's arithmetic in float64: x quantized per block of 32 (d = max|x| / 127 for
     int8, / 32767 for the int16 of `wide` Q4 inputs; round half to even); Q4's minimums times
-    the block's sum of quantized x, d * sum(q)."""
+    the block's sum of quantized x, d * sum(q); a K-quant's weights as dequantized (their
+    scales the same float32 products as the kernel's)."""
     t, k = x.shape
     blocks = x.double().view(t, k // GROUP, GROUP)
     top = 32767 if wide and isinstance(weight, Q4_1Weight) else 127
     d = blocks.abs().amax(-1, keepdim=True) / top
     xq = torch.where(d > 0, torch.round(blocks / d), 0) * d
+    if isinstance(weight, KQuantWeight):
+        return (xq.view(t, k) @ weight.dequantize().double().T).float()
     codes = weight.codes.double().view(-1, k // GROUP, GROUP)  # [N, G, 32]
     y = torch.einsum("tgi,ngi,ng->tn", xq, codes, weight.scales.double())
     if isinstance(weight, Q4_1Weight):
@@ -74,6 +79,34 @@ def test_matmul_matches_reference(isa, kind, wide, tokens, k):
     for threads in (1, 2):
         got = int_linear(lib, [QuantPart.of(w) for w in weights], x, tokens if wide else 0,
                            threads)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@needs_compiler
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K"])
+@pytest.mark.parametrize("tokens", [1, 3, 9, 19])
+def test_k_quants_with_16_weight_sub_blocks_match_their_reference(isa, kind, tokens):
+    """Q6_K and Q3_K at the file's bits (two bit planes, a scale per 16 weights): the values
+    are gguf-py's exactly, and the matmul is the int8 arithmetic's, for every row tile."""
+    lib = load_library(isa)
+    k = 512
+    parse = {"Q6_K": parse_q6_k, "Q3_K": parse_q3_k}[kind]
+    qtype = gguf.GGMLQuantizationType[kind]
+    weights = []
+    for seed, n in enumerate((40, 24)):
+        raw = random_k_quant(qtype, n, k, seed=seed + tokens, scale=0.05)
+        weight = parse(raw, (n, k))
+        expected = gguf.quants.dequantize(raw, qtype).reshape(n, k)
+        assert torch.equal(weight.dequantize(), torch.from_numpy(expected))
+        weights.append(weight)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, k, generator=gen)
+    x[:, 5] *= 30
+    x[0, :GROUP] = 0
+    expected = torch.cat([_reference(w, x, False) for w in weights], dim=1)
+    for threads in (1, 2):
+        got = int_linear(lib, [QuantPart.of(w) for w in weights], x, 0, threads)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 

@@ -25,23 +25,24 @@ from pathlib import Path
 
 import numpy as np
 
-BLOCK_BYTES = {"Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+# Per type: (bytes a block, weights a block, where its float16 scales d (and dmin) are)
+BLOCKS = {"Q2_K": (84, 256, (80, 82)), "Q3_K": (110, 256, (108,)), "Q4_K": (144, 256, (0, 2)),
+          "Q5_K": (176, 256, (0, 2)), "Q6_K": (210, 256, (208,)), "IQ4_NL": (18, 32, (0,)),
+          "IQ4_XS": (136, 256, (0,))}
 
 
 def random_k_quant(kind: str, rows: int, cols: int, rng: np.random.Generator,
                    scale: float = 1.0) -> np.ndarray:
-    """Valid blocks of K-quant `kind` (gguf-py has no K-quant quantizer) with random codes and
-    sub-block scales, weights within about ±`scale`: [rows, bytes per row]."""
-    blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
-    d = rng.uniform(2e-4 * scale, 1e-3 * scale, (rows, cols // 256, 1)).astype(np.float16) \
+    """Valid blocks of K-quant or IQ4 `kind` (gguf-py has no quantizer for them) with random
+    codes and sub-block scales, weights within about ±`scale`: [rows, bytes per row]."""
+    block_bytes, weights, at = BLOCKS[kind]
+    blocks = rng.integers(0, 256, (rows, cols // weights, block_bytes), dtype=np.uint8)
+    if kind == "IQ4_NL":  # no sub-scales (the others' average ~16): d alone carries them
+        scale *= 16
+    d = rng.uniform(2e-4 * scale, 1e-3 * scale, (rows, cols // weights, 1)).astype(np.float16) \
         .view(np.uint8)
-    if kind == "Q6_K":  # ql, qh, 16 int8 scales, then float16 d
-        blocks[..., 208:210] = d
-    elif kind == "Q3_K":  # high bits, low pairs, 12 bytes of 6-bit scales, then float16 d
-        blocks[..., 108:110] = d
-    else:  # float16 d and dmin first
-        blocks[..., 0:2] = d
-        blocks[..., 2:4] = d
+    for offset in at:
+        blocks[..., offset:offset + 2] = d
     return blocks.reshape(rows, -1)
 
 

@@ -203,8 +203,8 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
     per head instead of biases, rows in HF's order. `vocab_from`: a GGUF whose
     tokenizer (vocabulary, merges, chat template; spec.vocab_size must match) this file takes,
     so that the whole stack can serve it. `k_quants`: matrices whose name ends with a key take
-    that type instead: random blocks of a K-quant (returned dequantized, as the file holds
-    them, within about ±`k_quant_scale`), or the weights quantized by gguf-py.
+    that type instead: random blocks of a K-quant or IQ4 (returned dequantized, as the file
+    holds them, within about ±`k_quant_scale`), or the weights quantized by gguf-py.
     """
     import gguf
 
@@ -234,7 +234,7 @@ def write_tiny_llama(path: Path, spec: TinySpec = TinySpec(), seed: int = 0,
         kind = next((k for suffix, k in (k_quants or {}).items() if name.endswith(suffix)), None)
         if kind is None and quantized and array.ndim >= 2 and not name.endswith("_inp.weight"):
             kind = gguf.GGMLQuantizationType[quantized if name.startswith("blk.") else "Q8_0"]
-        if kind is not None and array.ndim == 2 and kind.name.endswith("_K"):
+        if kind is not None and array.ndim == 2 and kind.name.endswith(("_K", "_NL", "_XS")):
             raw = random_k_quant(kind, *array.shape, seed=seed * 7919 + zlib.crc32(name.encode()),
                                  scale=k_quant_scale)
             writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)

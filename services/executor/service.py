@@ -39,6 +39,7 @@ from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.executor.backend_choice import BACKENDS, DTYPES, BackendChoice, choose_backend
 from llmbus.services.executor.kernels.cpu.library import configure_openmp
 from llmbus.services.executor.step_traces import StepTraces
+from llmbus.services.executor.weights.matrices import matrix_types
 from llmbus.services.model_files import model_name_for, resolve_model
 
 if TYPE_CHECKING:
@@ -138,6 +139,7 @@ async def main(args: argparse.Namespace) -> None:
     except (ValueError, FileNotFoundError) as exc:  # options, file: one line, no traceback
         raise SystemExit(f"llmbus executor: {exc}") from None
     log.info(f"executor backend: {choice.describe()}")
+    log.info(f"executor weights: {matrix_types(resolve_model(args.model))}")
     if choice.backend != "torch":
         configure_openmp()  # before torch loads OpenMP
     async with ServiceRuntime("executor", args.nats_url, args.instance_id) as runtime:

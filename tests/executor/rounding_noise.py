@@ -65,14 +65,14 @@ def fast_mode_model(path: Path, *, graphs: bool, max_positions: int = 128,
     rounding meets (`noise` for rounding_linear), for the integer kernel or (`graphs`) ONNX
     Runtime's graphs.
 
-    The weights are the fast mode's values: Q5_1 and Q5_K requantized to Q8_0 (and Q3_K, Q6_K
-    for the graphs), the rest the file's. The integer kernel rounds every input to int8 but a
-    4-bit QKV part's, to int16 (a step 32767 / 127 times finer), and takes Q4's minimums on the
-    rounded block sums, so the noise meets the whole weight. ONNX Runtime's graphs give a 4-bit
-    QKV part float32 inputs (no noise), and add Q4's minimums on the float block sums, so the
-    noise meets scale x code alone. A float32 matrix takes float32 inputs in both. Experts
-    (loaded one by one in the fast mode) keep the file's values and the default noise, the whole
-    weight: right for the kernel's 8-bit experts."""
+    The weights are the fast mode's values: Q5_1 requantized to Q8_0 (and the K-quants of
+    k_quants.py for the graphs), the rest the file's. The integer kernel rounds every input to
+    int8 but a 4-bit QKV part's, to int16 (a step 32767 / 127 times finer), and takes Q4's
+    minimums on the rounded block sums, so the noise meets the whole weight. ONNX Runtime's
+    graphs give a 4-bit QKV part float32 inputs (no noise), and add Q4's minimums on the float
+    block sums, so the noise meets scale x code alone. A float32 matrix takes float32 inputs in
+    both. Experts (loaded one by one in the fast mode) keep the file's values and the default
+    noise, the whole weight: right for the kernel's 8-bit experts."""
     config, weights, _ = load_gguf(path)  # the file's values
     _, _, native = load_gguf(path, keep_native=True, dense_for_native=False)  # the fast mode's
     weights.update({n: _fast_values(w, graphs) for n, w in native.items() if n in weights})

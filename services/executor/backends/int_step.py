@@ -21,6 +21,7 @@ import torch
 from llmbus.services.executor.attention.cpu_paged import KERNEL_MAX_QUERY_LEN, KV_DTYPES
 from llmbus.services.executor.attention.metadata import AttentionMetadata
 from llmbus.services.executor.kv_cache import KVCache
+from llmbus.services.executor.weights.k_quants import FORMATS
 from llmbus.services.executor.weights.model_config import LlamaConfig
 from llmbus.services.executor.weights.quant_parts import LayerParts, QuantPart
 
@@ -36,8 +37,8 @@ class IntMatrix(ctypes.Structure):
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("codes", ctypes.c_void_p),
                 ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
                 ("sub_scales", ctypes.c_void_p), ("sub_mins", ctypes.c_void_p),
-                ("high_codes", ctypes.c_void_p), ("low_bits", ctypes.c_int32),
-                ("high_bits", ctypes.c_int32)]
+                ("high_codes", ctypes.c_void_p), ("format", ctypes.c_int32),
+                ("pad2", ctypes.c_int32)]
 
 
 class IntLinear(ctypes.Structure):
@@ -55,9 +56,11 @@ class IntLinear(ctypes.Structure):
             slot.wide_rows = wide_rows if q.kind == "q4" else 0
             slot.codes, slot.scales = q.codes.data_ptr(), q.scales.data_ptr()
             slot.mins = q.mins.data_ptr() if q.mins is not None else None
-            if q.kind == "kq":  # Q3_K, Q6_K: two bit planes, int8 scales per 16 weights
-                slot.sub_scales, slot.high_codes = q.sub_scales.data_ptr(), q.high_codes.data_ptr()
-                slot.low_bits, slot.high_bits = q.low_bits, q.high_bits
+            if q.kind == "kq":  # k_quant_tiles.h: its format says which of these it has
+                slot.format = FORMATS[q.format].kernel_id
+                for field in ("sub_scales", "sub_mins", "high_codes"):
+                    tensor = getattr(q, field)
+                    setattr(slot, field, None if tensor is None else tensor.data_ptr())
             elif q.sub_scales is not None:  # Q4_K kept factored
                 slot.sub_scales, slot.sub_mins = q.sub_scales.data_ptr(), q.sub_mins.data_ptr()
         return linear

@@ -2,10 +2,9 @@
 
 Q4_1Weight (4-bit codes, a scale and a minimum per 32 weights) and Q8_0Weight (int8 codes, a
 scale per 32) serve the formats of 32-weight blocks: Q4_1 and Q8_0 are those forms; Q4_0 and
-Q4_K convert to Q4_1 exactly, Q5_0 to Q8_0 exactly. Q3_K and Q6_K keep their own form
-(k_quants.KQuantWeight, the fast mode's). Q5_1 and Q5_K are requantized to Q8_0, in the fast
-mode only (`native_parsers(exact=True)` leaves them, and the K-quants, to be dequantized
-exactly).
+Q4_K convert to Q4_1 exactly, Q5_0 to Q8_0 exactly. Q2_K, Q3_K, Q5_K, Q6_K, IQ4_NL and
+IQ4_XS keep their own form (k_quants.KQuantWeight), and Q5_1 is requantized to Q8_0, in the
+fast mode only (`native_parsers(exact=True)` leaves them to be dequantized exactly).
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmbus.services.executor.weights.k_quants import KQuantWeight, parse_q3_k, parse_q6_k
+from llmbus.services.executor.weights import k_quants
+from llmbus.services.executor.weights.k_quants import KQuantWeight, k_scales_and_mins
 
 QUANT_GROUP = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
 Q4_1_GROUP = QUANT_GROUP  # one float16 scale and one float16 minimum, 4-bit codes
@@ -103,18 +103,6 @@ _K_BLOCK = 256  # weights per K-quant super-block
 _Q4_K_BLOCK_BYTES = 2 + 2 + 12 + _K_BLOCK // 2  # d, dmin, 8 packed 6-bit (scale, min), codes
 
 
-def _q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The 12 bytes of 6-bit sub-block scales and minimums [..., 12] -> two [..., 8] arrays:
-    sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 in the
-    nibbles of bytes 8-11, their top 2 bits in the top bits of bytes 0-7."""
-    p = packed.astype(np.uint16)
-    scales = np.concatenate([p[..., 0:4] & 63, (p[..., 8:12] & 0xF) | ((p[..., 0:4] >> 6) << 4)],
-                            axis=-1)
-    mins = np.concatenate([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)],
-                          axis=-1)
-    return scales.astype(np.float32), mins.astype(np.float32)
-
-
 def parse_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
     """Q4_K bytes -> the same weights in Q4_1 form, exactly: each 32-weight sub-block is
     d * scale * code - dmin * min, and both products are exact in float32 (an 11-bit float16
@@ -127,7 +115,7 @@ def parse_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
     out, inp = shape
     blocks = np.ascontiguousarray(raw).reshape(out, inp // _K_BLOCK, _Q4_K_BLOCK_BYTES)
     d, dmin = _float16_field(blocks, 0)[..., None], _float16_field(blocks, 2)[..., None]
-    scales, mins = _q4_k_scales_and_mins(blocks[..., 4:16])  # [out, blocks, 8]
+    scales, mins = k_scales_and_mins(blocks[..., 4:16])  # [out, blocks, 8]
     runs = blocks[..., 16:].reshape(out, inp // _K_BLOCK, 4, 32)
     codes = np.stack([runs & 0xF, runs >> 4], axis=3).reshape(out, inp)  # sub-block order
     sub_blocks = inp // QUANT_GROUP
@@ -141,8 +129,8 @@ def parse_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Q4_1Weight:
 
 def requantize_q8_0(values: np.ndarray) -> Q8_0Weight:
     """float32 [out, in] -> Q8_0 form with float32 scales (amax / 127 per 32 weights): for
-    Q5_1 and Q5_K, whose minimums no 8-bit kernel here takes exactly, and the K-quants in ONNX
-    Runtime's graphs. Each
+    Q5_1, whose minimums no 8-bit kernel here takes exactly, and the K-quants in ONNX Runtime's
+    graphs. Each
     weight moves by at most half a step of 1/254 of its block's range."""
     out, inp = values.shape
     groups = values.reshape(out, inp // QUANT_GROUP, QUANT_GROUP)
@@ -222,5 +210,4 @@ def native_parsers(gguf: Any, exact: bool = False) -> dict[Any, Any]:
                kinds.Q4_K: parse_q4_k, kinds.Q5_0: parse_q5_0}
     if exact:
         return exactly
-    return exactly | {kinds.Q3_K: parse_q3_k, kinds.Q6_K: parse_q6_k} | {
-        kind: requantized(kind) for kind in (kinds.Q5_1, kinds.Q5_K)}
+    return exactly | k_quants.parsers(kinds) | {kinds.Q5_1: requantized(kinds.Q5_1)}

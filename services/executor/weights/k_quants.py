@@ -1,12 +1,13 @@
-"""K-quants with 16-weight sub-blocks (Q3_K, Q6_K) kept at the file's bits, for the integer
-kernel (kernels/cpu/int_step.cpp, kind KQ).
+"""The K-quant and IQ4 formats kept at the file's bits, for the integer kernel's kind KQ
+(kernels/cpu/k_quant_tiles.h): Q2_K, Q3_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS.
 
-Both are, per super-block of 256 weights, a float16 d and 16 signed sub-block scales, and per
-weight a small signed integer: w = d * scale * q. Q6_K's q is 6 bits (-32..31), its scales
-int8; Q3_K's q is 3 bits (-4..3), its scales 6 bits (-32..31). Q4_1-style scales per 32 would
-need two floats per 16 weights and a Q8_0 copy 8.5 bits a weight (what the fast mode used to
-make of Q6_K, 1.3x the bytes); here each weight keeps its bits, split into two bit planes
-(Q6_K: 4 + 2, Q3_K: 2 + 1), and the kernel puts them together as it goes.
+Each weight is a small code and its block's scales: w = d * sub_scale * value (- dmin * sub_min
+for Q2_K and Q5_K), with d a float16 per super-block of 256 (IQ4_NL: per block of 32, and no
+sub-scale) and the sub-scales small integers per 16 or 32 weights. Converting them to Q4_1's
+float per 32 or to a Q8_0 copy costs bits (Q6_K as Q8_0 was 1.37x its bytes; Q2_K and Q3_K
+loaded dense float32, 9-12x), so the codes keep their bits, split into two bit planes (Q6_K
+4 + 2 bits, Q5_K 4 + 1, Q3_K 2 + 1, Q2_K 2, IQ4 4), and the scales their integers; the kernel
+puts them together as it goes. `FORMATS` says, per format, what the kernel's Spec says.
 """
 
 from __future__ import annotations
@@ -17,136 +18,241 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-SUPER_BLOCK = 256
 SUB_BLOCK = 16
-# Per type: (bytes a block, bits of the low plane, bits of the high plane)
-LAYOUTS = {"Q6_K": (210, 4, 2), "Q3_K": (110, 2, 1)}
+
+
+@dataclass(frozen=True)
+class Format:
+    kernel_id: int  # k_quant_tiles.h's Format
+    block_bytes: int
+    block_weights: int  # weights a block of the file (super-block, or IQ4_NL's 32)
+    low_bits: int
+    high_bits: int
+    sub: int  # weights a sub-scale
+    offset: int = 0  # value = code - offset
+    mins: bool = False  # a minimum per sub-block (then codes are the values)
+    codebook: bool = False  # value = IQ4_VALUES[code]
+
+
+FORMATS = {
+    "Q6_K": Format(1, 210, 256, 4, 2, 16, offset=32),
+    "Q3_K": Format(2, 110, 256, 2, 1, 16, offset=4),
+    "Q5_K": Format(3, 176, 256, 4, 1, 32, mins=True),
+    "Q2_K": Format(4, 84, 256, 2, 0, 16, mins=True),
+    "IQ4_NL": Format(5, 18, 32, 4, 0, 32, codebook=True),
+    "IQ4_XS": Format(6, 136, 256, 4, 0, 32, codebook=True),
+}
+# IQ4's non-linear 16 values, as llama.cpp defines them (kvalues_iq4nl).
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      dtype=np.int8)
+CHUNK_ROWS = 1024  # rows unpacked at a time: a vocabulary head's temporaries stay a few MiB
 
 
 @dataclass(frozen=True)
 class KQuantWeight:
-    """A Q3_K or Q6_K matrix [out, in]: weight = d * sub_scale * value."""
+    """One such matrix [out, in], its parts row-major (so rows can be permuted and cut)."""
 
-    values: torch.Tensor  # [out, in] int8: -32..31 (Q6_K), -4..3 (Q3_K)
-    sub_scales: torch.Tensor  # [out, in / 16] int8
-    d: torch.Tensor  # [out, in / 256] float32 (float16 values)
-    low_bits: int  # how the kernel stores value + 2^(bits - 1): a plane of these bits...
-    high_bits: int  # ... and one of these
+    format: str  # a key of FORMATS
+    codes: torch.Tensor  # [out, in] uint8: the stored code (see Format)
+    d: torch.Tensor  # [out, in / block_weights] float32 (float16 values)
+    sub_scales: torch.Tensor | None  # [out, in / sub] int8 (Q2_K, Q5_K: 0..15, 0..63)
+    neg_dmin: torch.Tensor | None = None  # [out, in / 256] float32: -dmin (Q2_K, Q5_K)
+    sub_mins: torch.Tensor | None = None  # [out, in / sub] int8 (Q2_K, Q5_K)
+
+    @property
+    def spec(self) -> Format:
+        return FORMATS[self.format]
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> KQuantWeight:
-        return KQuantWeight(fn(self.values), fn(self.sub_scales), fn(self.d), self.low_bits,
-                            self.high_bits)
+        def apply(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
 
-    def block_scales(self) -> torch.Tensor:
-        """[out, in / 16] float32: d * scale, the one float32 product the kernel makes."""
-        return self.d.repeat_interleave(SUPER_BLOCK // SUB_BLOCK, dim=1) * self.sub_scales.float()
+        return KQuantWeight(self.format, fn(self.codes), fn(self.d), apply(self.sub_scales),
+                            apply(self.neg_dmin), apply(self.sub_mins))
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """[T] token ids -> their rows [T, D] float32 (an embedding table's lookup)."""
-        values = self.values[ids].float().view(len(ids), -1, SUB_BLOCK)
-        scales = self.d[ids].repeat_interleave(SUPER_BLOCK // SUB_BLOCK, dim=1) \
-            * self.sub_scales[ids].float()
-        return (values * scales[..., None]).view(len(ids), -1)
+    def values(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes -> the integers they stand for, float32."""
+        f = self.spec
+        if f.codebook:
+            return torch.from_numpy(IQ4_VALUES)[codes.long()].float()
+        return codes.float() - f.offset
+
+    def _per_weight(self, t: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+        return t[rows].repeat_interleave(self.codes.shape[1] // t.shape[1], dim=1)
+
+    def rows(self, ids: torch.Tensor | slice) -> torch.Tensor:
+        """Rows [T, in] float32 (an embedding table's lookup; all: `slice(None)`), as llama.cpp
+        and gguf-py compute them: d * sub_scale first, one float32 product, then the value."""
+        scale = self._per_weight(self.d, ids)
+        if self.sub_scales is not None:
+            scale = scale * self._per_weight(self.sub_scales, ids).float()
+        weights = scale * self.values(self.codes[ids])
+        if self.neg_dmin is not None and self.sub_mins is not None:
+            weights = weights + self._per_weight(self.neg_dmin, ids) * self._per_weight(
+                self.sub_mins, ids).float()
+        return weights
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [out, in], as llama.cpp and gguf-py compute it."""
-        out, inp = self.values.shape
-        values = self.values.float().view(out, inp // SUB_BLOCK, SUB_BLOCK)
-        return (values * self.block_scales()[..., None]).view(out, inp)
+        """float32 [out, in]."""
+        return self.rows(slice(None))
 
 
-CHUNK_ROWS = 1024  # rows unpacked at a time: a vocabulary head's temporaries stay a few MiB
+def k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's 12 bytes of 6-bit sub-block scales and minimums [..., 12] -> two
+    [..., 8] uint8 arrays: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7
+    (minimums); 4-7 in the nibbles of bytes 8-11, their top 2 bits in the top bits of 0-7."""
+    p = packed.astype(np.uint16)
+    scales = np.concatenate([p[..., 0:4] & 63, (p[..., 8:12] & 0xF) | ((p[..., 0:4] >> 6) << 4)],
+                            axis=-1)
+    mins = np.concatenate([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)],
+                          axis=-1)
+    return scales.astype(np.uint8), mins.astype(np.uint8)
 
 
-def _parse(raw: np.ndarray, shape: tuple[int, int], kind: str,
-           unpack: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]],
-           ) -> KQuantWeight:
-    """`unpack(blocks)` -> (values [n, 256], scales [n, 16], d [n, 1]) for `n` blocks, run on
-    CHUNK_ROWS rows at a time into the weight's own tensors."""
-    out, inp = shape
-    if inp % SUPER_BLOCK:
-        raise ValueError(f"{kind}: {inp} inputs are not whole super-blocks of {SUPER_BLOCK}")
-    block_bytes, low, high = LAYOUTS[kind]
-    rows = np.ascontiguousarray(raw).reshape(out, (inp // SUPER_BLOCK) * block_bytes)
-    weight = KQuantWeight(torch.empty(out, inp, dtype=torch.int8),
-                          torch.empty(out, inp // SUB_BLOCK, dtype=torch.int8),
-                          torch.empty(out, inp // SUPER_BLOCK), low, high)
-    for first in range(0, out, CHUNK_ROWS):
-        chunk = rows[first:first + CHUNK_ROWS]
-        values, scales, d = unpack(chunk.reshape(-1, block_bytes))
-        n = len(chunk)
-        weight.values[first:first + n] = torch.from_numpy(values.astype(np.int8).reshape(n, inp))
-        weight.sub_scales[first:first + n] = torch.from_numpy(
-            scales.astype(np.int8).reshape(n, -1))
-        weight.d[first:first + n] = torch.from_numpy(d.astype(np.float32).reshape(n, -1))
-    return weight
+def _float16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)
 
 
-def parse_q6_k(raw: np.ndarray, shape: tuple[int, int]) -> KQuantWeight:
-    """Q6_K's 210-byte blocks: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales,
-    float16 d. Weight 128h + 32j + i (h < 2, j < 4, i < 32) has its low nibble in byte
-    64h + 32(j % 2) + i (low half for j < 2, high half else) and its high pair at bits 2j of
-    byte 128 + 32h + i; its value is those 6 bits less 32."""
-    return _parse(raw, shape, "Q6_K", _unpack_q6_k)
+# One chunk of blocks -> (codes [n, weights], d [n, 1], sub_scales [n, s] or None,
+# -dmin [n, 1] or None, sub_mins [n, s] or None)
+Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]
+SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
 
 
-def _unpack_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    n = len(blocks)
-    ql = blocks[:, :128].reshape(n, 2, 2, 32)  # [block, h, j % 2, i]
-    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)  # [block, h, -, i]
-    low = np.stack([ql & 0xF, ql >> 4], axis=2).reshape(n, 2, 4, 32)  # j = 2 * half + (j % 2)
-    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
-    values = (low | (high << 4)).astype(np.int16) - 32
-    return values, blocks[:, 192:208].view(np.int8), blocks[:, 208:210].copy().view(np.float16)
+def _unpack_q6_k(b: np.ndarray) -> Unpacked:
+    """210 bytes: 128 of low nibbles, 64 of high bit pairs, 16 int8 scales, float16 d. Weight
+    128h + 32j + i (h < 2, j < 4, i < 32): its low nibble in byte 64h + 32(j % 2) + i (the low
+    half for j < 2), its high pair at bits 2j of byte 128 + 32h + i."""
+    n = len(b)
+    ql = b[:, :128].reshape(n, 2, 2, 32)
+    low = np.stack([ql & 0xF, ql >> 4], axis=2).reshape(n, 2, 4, 32)
+    high = (b[:, 128:192].reshape(n, 2, 1, 32) >> SHIFTS) & 3
+    return low | (high << 4), _float16(b, 208), b[:, 192:208].view(np.int8), None, None
 
 
-def parse_q3_k(raw: np.ndarray, shape: tuple[int, int]) -> KQuantWeight:
-    """Q3_K's 110-byte blocks: 32 bytes of high bits, 64 of low bit pairs, 12 bytes of 6-bit
-    scales, float16 d. Weight 128h + 32j + i has its pair at bits 2j of byte 32 + 32h + i and
-    its high bit at bit 4h + j of byte i; the value is the pair, less 4 where that bit is 0.
-    Scale s (0..15) is the low or high nibble (s < 8, else) of byte 96 + s % 8 with bits
-    2(s // 4) of byte 104 + s % 4 above it, less 32."""
-    return _parse(raw, shape, "Q3_K", _unpack_q3_k)
-
-
-def _unpack_q3_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    n = len(blocks)
-    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
-    pairs = (blocks[:, 32:96].reshape(n, 2, 1, 32) >> shifts) & 3  # [block, h, j, i]
-    bits = (blocks[:, None, None, :32] >> (4 * np.arange(2, dtype=np.uint8)[None, :, None, None]
-                                           + shifts // 2)) & 1
-    values = pairs.astype(np.int16) - 4 * (1 - bits.astype(np.int16))
-    packed = blocks[:, 96:108]
-    low = np.concatenate([packed[:, :8] & 0xF, packed[:, :8] >> 4], axis=1)  # [block, s]
-    high = (packed[:, 8:12][:, None, :] >> (2 * np.arange(4, dtype=np.uint8))[None, :, None]) & 3
+def _unpack_q3_k(b: np.ndarray) -> Unpacked:
+    """110 bytes: 32 of high bits, 64 of low bit pairs, 12 of 6-bit scales, float16 d. Weight
+    128h + 32j + i: its pair at bits 2j of byte 32 + 32h + i, its high bit at bit 4h + j of
+    byte i; value = pair - 4 where that bit is 0 (code = pair + 4 * bit). Scale s is the low
+    (s < 8) or high nibble of byte 96 + s % 8 with bits 2(s // 4) of byte 104 + s % 4 above
+    it, less 32."""
+    n = len(b)
+    pairs = (b[:, 32:96].reshape(n, 2, 1, 32) >> SHIFTS) & 3
+    bits = (b[:, None, None, :32] >> (4 * np.arange(2, dtype=np.uint8)[None, :, None, None]
+                                      + SHIFTS // 2)) & 1
+    packed = b[:, 96:108]
+    low = np.concatenate([packed[:, :8] & 0xF, packed[:, :8] >> 4], axis=1)
+    high = (packed[:, None, 8:12] >> (2 * np.arange(4, dtype=np.uint8))[None, :, None]) & 3
     scales = (low | (high.reshape(n, 16) << 4)).astype(np.int16) - 32
-    return values, scales, blocks[:, 108:110].copy().view(np.float16)
+    return pairs | (bits << 2), _float16(b, 108), scales.astype(np.int8), None, None
 
 
-def tile_planes(values: torch.Tensor, low_bits: int, high_bits: int,
-                columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] values -> the kernel's two planes of value + 2^(bits - 1), per column group of
-    `columns` and block of 32 inputs: each eighth e of a block (inputs 4e .. 4e + 3 of the 8
-    columns, byte 4j + i: column j's input 4e + i, as Q8_0's tiles) is a 32-byte vector of
-    codes; a plane of b bits packs 8 / b such vectors into each of its b vectors a block,
-    eighth e in vector e // (8 / b), at bits b * (e % (8 / b)). [N/8, K/32, b, 32] uint8 each,
-    tiled CHUNK_ROWS rows at a time."""
-    n, k = values.shape
+def _unpack_q5_k(b: np.ndarray) -> Unpacked:
+    """176 bytes: float16 d and dmin, Q4_K's 12 bytes of scales and minimums, 32 bytes of high
+    bits, 128 of low nibbles. Weight 32s + i: its nibble in byte 48 + 32(s // 2) + i (low for
+    even s), its high bit at bit s of byte 16 + i."""
+    n = len(b)
+    scales, mins = k_scales_and_mins(b[:, 4:16])
+    runs = b[:, 48:176].reshape(n, 4, 1, 32)
+    low = np.concatenate([runs & 0xF, runs >> 4], axis=2).reshape(n, 8, 32)
+    high = (b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+    return (low | (high << 4), _float16(b, 0), scales.astype(np.int8), -_float16(b, 2),
+            mins.astype(np.int8))
+
+
+def _unpack_q2_k(b: np.ndarray) -> Unpacked:
+    """84 bytes: 16 of (scale | min << 4) per 16 weights, 64 of bit pairs, float16 d and
+    dmin. Weight 128h + 32j + i: its pair at bits 2j of byte 16 + 32h + i."""
+    n = len(b)
+    pairs = (b[:, 16:80].reshape(n, 2, 1, 32) >> SHIFTS) & 3
+    scales = b[:, :16]
+    return (pairs, _float16(b, 80), (scales & 0xF).astype(np.int8), -_float16(b, 82),
+            (scales >> 4).astype(np.int8))
+
+
+def _nibble_halves(qs: np.ndarray) -> np.ndarray:
+    """IQ4's 16 bytes a block of 32: weight i < 16 in byte i's low nibble, 16 + i its high."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+
+def _unpack_iq4_nl(b: np.ndarray) -> Unpacked:
+    """18 bytes: float16 d, then 16 bytes of 4-bit codebook indices."""
+    return _nibble_halves(b[:, 2:18]), _float16(b, 0), None, None, None
+
+
+def _unpack_iq4_xs(b: np.ndarray) -> Unpacked:
+    """136 bytes: float16 d, uint16 of the scales' high bit pairs, 4 bytes of their low
+    nibbles, 8 runs of 16 bytes of indices (one block of 32 each). Scale s (0..7): the
+    nibble s % 2 of byte 4 + s // 2, with bits 2s of the uint16 above it, less 32."""
+    n = len(b)
+    high = (b[:, 2:4].copy().view("<u2") >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    low = np.stack([b[:, 4:8] & 0xF, b[:, 4:8] >> 4], axis=-1).reshape(n, 8)
+    scales = (low | (high.astype(np.uint8) << 4)).astype(np.int16) - 32
+    codes = _nibble_halves(b[:, 8:136].reshape(n, 8, 16)).reshape(n, 256)
+    return codes, _float16(b, 0), scales.astype(np.int8), None, None
+
+
+_UNPACK: dict[str, Callable[[np.ndarray], Unpacked]] = {
+    "Q6_K": _unpack_q6_k, "Q3_K": _unpack_q3_k, "Q5_K": _unpack_q5_k, "Q2_K": _unpack_q2_k,
+    "IQ4_NL": _unpack_iq4_nl, "IQ4_XS": _unpack_iq4_xs}
+
+
+def parse(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> KQuantWeight:
+    """A file's blocks [out, bytes a row] -> the weight, CHUNK_ROWS rows at a time."""
+    out, inp = shape
+    f = FORMATS[kind]
+    if inp % f.block_weights:
+        raise ValueError(f"{kind}: {inp} inputs are not whole blocks of {f.block_weights}")
+    blocks_a_row = inp // f.block_weights
+    rows = np.ascontiguousarray(raw).reshape(out, blocks_a_row * f.block_bytes)
+    parts: list[list[torch.Tensor]] = [[] for _ in range(5)]
+    for first in range(0, out, CHUNK_ROWS):
+        n = len(rows[first:first + CHUNK_ROWS])
+        unpacked = _UNPACK[kind](rows[first:first + CHUNK_ROWS].reshape(-1, f.block_bytes))
+        for part, array in zip(parts, unpacked, strict=True):
+            if array is not None:
+                part.append(torch.from_numpy(np.ascontiguousarray(array).reshape(n, -1)))
+    codes, d, scales, neg_dmin, mins = (torch.cat(p) if p else None for p in parts)
+    assert codes is not None and d is not None
+    return KQuantWeight(kind, codes.to(torch.uint8), d, scales, neg_dmin, mins)
+
+
+def parsers(kinds: type) -> dict[object, Callable[[np.ndarray, tuple[int, int]], KQuantWeight]]:
+    """gguf.GGMLQuantizationType -> parse, for every format here."""
+    return {getattr(kinds, kind): _parser(kind) for kind in FORMATS}
+
+
+def _parser(kind: str) -> Callable[[np.ndarray, tuple[int, int]], KQuantWeight]:
+    def parse_kind(raw: np.ndarray, shape: tuple[int, int]) -> KQuantWeight:
+        return parse(kind, raw, shape)
+
+    return parse_kind
+
+
+def tile_planes(codes: torch.Tensor, low_bits: int, high_bits: int,
+                columns: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[N, K] codes -> the kernel's two planes, per column group of `columns` and block of 32
+    inputs: each eighth e of a block (inputs 4e .. 4e + 3 of the 8 columns, byte 4j + i:
+    column j's input 4e + i, as Q8_0's tiles) is a 32-byte vector of codes; a plane of b bits
+    packs 8 / b such vectors into each of its b vectors a block, eighth e in vector
+    e // (8 / b), at bits b * (e % (8 / b)). [N/8, K/32, b, 32] uint8 each (no high plane for
+    0 bits), tiled CHUNK_ROWS rows at a time."""
+    n, k = codes.shape
     groups, blocks = n // columns, k // 32
     planes = [torch.empty(groups, blocks, bits, 32, dtype=torch.uint8)
-              for bits in (low_bits, high_bits)]
+              for bits in (low_bits, high_bits) if bits]
     step = max(1, CHUNK_ROWS // columns)
     for first in range(0, groups, step):
-        chunk = values[first * columns:(first + step) * columns].numpy()
-        codes = (chunk.astype(np.int16) + (1 << (low_bits + high_bits - 1))).astype(np.uint8)
-        count = len(codes) // columns
-        eighths = codes.reshape(count, columns, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+        chunk = codes[first * columns:(first + step) * columns].numpy()
+        count = len(chunk) // columns
+        eighths = chunk.reshape(count, columns, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
         eighths = eighths.reshape(count, blocks, 8, 32)  # [group, block, e, byte]
-        for plane, shift, bits in ((planes[0], 0, low_bits), (planes[1], low_bits, high_bits)):
+        layout = [(0, low_bits), (low_bits, high_bits)][:len(planes)]  # (shift, bits)
+        for plane, (shift, bits) in zip(planes, layout, strict=True):
             per = 8 // bits
             part = ((eighths >> shift) & ((1 << bits) - 1)).reshape(count, blocks, bits, per, 32)
             packed = np.zeros((count, blocks, bits, 32), dtype=np.uint8)
             for s in range(per):
                 packed |= part[:, :, :, s] << (bits * s)
             plane[first:first + count] = torch.from_numpy(packed)
-    return planes[0], planes[1]
+    return planes[0], (planes[1] if high_bits else None)

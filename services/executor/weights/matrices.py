@@ -14,7 +14,8 @@ MOE_LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_exp
                       "ffn_up_exps", "ffn_down_exps")
 COLUMNS = 8  # output columns per column group: one 8-lane vector of the kernels
 # The GGML types with a native form (gguf_quants.native_parsers; a test keeps them equal).
-NATIVE_GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K")
+NATIVE_GGML_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K",
+                     "Q2_K", "IQ4_NL", "IQ4_XS")
 
 
 # The architectures whose layers the integer kernel computes (Gemma 3's norms after the
@@ -55,3 +56,17 @@ def kernel_takes_file(path: str | PathLike[str]) -> bool:
     return bool(layers) and all(
         n in infos and infos[n].ggml_type in native_types and len(infos[n].shape) in (2, 3)
         and infos[n].shape[-2] % COLUMNS == 0 for n in names)
+
+
+def matrix_types(path: str | PathLike[str]) -> str:
+    """The file's matrices by type, most first, for the executor's start-up line: "Q4_K 112,
+    Q6_K 17, Q8_0 1" (what a user checks a Q3_K_M or IQ4_XS download by)."""
+    import gguf
+
+    counts: dict[str, int] = {}
+    for info in read_tensor_infos(path).values():
+        if len(info.shape) >= 2:
+            name = gguf.GGMLQuantizationType(info.ggml_type).name
+            counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{name} {count}" for name, count in
+                     sorted(counts.items(), key=lambda item: (-item[1], item[0])))

@@ -28,21 +28,20 @@ class QuantPart:
     32-bit lane of a 32-byte load is one column's four consecutive codes (the layouts are
     spelled out in kernels/cpu/int_step.cpp)."""
 
-    kind: str  # "q4" (Q4_1, and Q4_0 and Q4_K in Q4_1 form), "q8" (Q8_0), "kq" (Q3_K, Q6_K)
+    kind: str  # "q4" (Q4_1, and Q4_0 and Q4_K in Q4_1 form), "q8" (Q8_0), "kq" (k_quants.py)
     n: int
     k: int
     # q4: [N/8, K/32, 4, 32] uint8 (two codes a byte); q8: [N/8, K/32, 8, 32]; kq: the low
     # plane [N/8, K/32, low_bits, 32] (k_quants.tile_planes)
     codes: torch.Tensor
     scales: torch.Tensor  # [N/8, K/32, 8] float32; with sub_scales [N/8, K/256, 8]
-    mins: torch.Tensor | None = None  # q4 only, as scales
+    mins: torch.Tensor | None = None  # q4 only, as scales (kq: -dmin, as its scales)
     # Q4_K kept factored: a block's scale is its super-block's times these (see KFactors);
-    # kq: [N/8, K/16, 8] int8, one a 16-weight sub-block
+    # kq: one a sub-block (kernels/cpu/k_quant_tiles.h)
     sub_scales: torch.Tensor | None = None  # [N/8, K/32, 8] uint8
     sub_mins: torch.Tensor | None = None
-    high_codes: torch.Tensor | None = None  # kq: the high plane [N/8, K/32, high_bits, 32]
-    low_bits: int = 0
-    high_bits: int = 0
+    high_codes: torch.Tensor | None = None  # kq: the high plane, if its format has one
+    format: str = ""  # kq: a key of k_quants.FORMATS
 
     def block_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Scales and minimums per block, [N/8, K/32, 8] float32, multiplied out if factored
@@ -63,16 +62,13 @@ class QuantPart:
             return native
         if isinstance(native, PackedRows):  # a tied embedding, also the vocabulary head
             native = native.unpacked()
-        n, k = (native.values if isinstance(native, KQuantWeight) else native.codes).shape
+        n, k = native.codes.shape
         if n % COLUMNS or k % QUANT_GROUP:
             raise ValueError(f"a [{n}, {k}] matrix: the kernels take N % {COLUMNS} == 0 and "
                              f"K % {QUANT_GROUP} == 0")
         groups, blocks = n // COLUMNS, k // QUANT_GROUP
         if isinstance(native, KQuantWeight):
-            low, high = tile_planes(native.values, native.low_bits, native.high_bits, COLUMNS)
-            return cls("kq", n, k, low, _tile_scales(native.d), sub_scales=_tile_scales(
-                native.sub_scales), high_codes=high, low_bits=native.low_bits,
-                high_bits=native.high_bits)
+            return _tiled_k_quant(native)
         codes = native.codes.numpy()
         if isinstance(native, Q4_1Weight):
             # k = 32 g + 8 h + 4 half + i; the byte of (h, j, i) holds half 0 low, half 1 high
@@ -126,6 +122,25 @@ class PackedRows:
         return Q4_1Weight(self._codes(self.codes), self.scales, self.minimums)
 
 
+def _tiled_k_quant(weight: KQuantWeight) -> QuantPart:
+    """A K-quant's planes and scales tiled; Q2_K's scale and minimum of a sub-block in one
+    byte (low and high nibble), as its file packs them."""
+    f = weight.spec
+    n, k = weight.codes.shape
+    low, high = tile_planes(weight.codes, f.low_bits, f.high_bits, COLUMNS)
+    sub_scales, sub_mins = weight.sub_scales, weight.sub_mins
+    if weight.format == "Q2_K":
+        assert sub_scales is not None and sub_mins is not None
+        sub_scales = sub_scales.view(torch.uint8) | (sub_mins.view(torch.uint8) << 4)
+        sub_mins = None
+
+    def tiled(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else _tile_scales(t)
+
+    return QuantPart("kq", n, k, low, _tile_scales(weight.d), tiled(weight.neg_dmin),
+                     tiled(sub_scales), tiled(sub_mins), high, weight.format)
+
+
 def _tile_scales(per_block: torch.Tensor) -> torch.Tensor:
     """[N, B] -> [N/8, B, 8] (float32 stays float32, integer sub-scales keep their type)."""
     n, blocks = per_block.shape
@@ -140,9 +155,7 @@ LayerParts = dict[str, list[QuantPart]]
 
 
 def rows(weight: NativeWeight | QuantPart | PackedRows) -> int:
-    if isinstance(weight, QuantPart):
-        return weight.n
-    return (weight.values if isinstance(weight, KQuantWeight) else weight.codes).shape[0]
+    return weight.n if isinstance(weight, QuantPart) else weight.codes.shape[0]
 
 
 def covers(config: LlamaConfig, native: dict[str, NativeWeight | QuantPart]) -> bool:

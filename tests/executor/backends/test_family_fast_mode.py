@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmbus.services.executor.attention.metadata import build_attention_metadata
 from llmbus.services.executor.backends.cpu_llama import CpuLlamaModel
 from llmbus.services.executor.backends.torch_llama import LlamaModel
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.perplexity import perplexity
 from llmbus.services.executor.weights.gguf_loader import load_gguf
+from tests.executor.own_text import BLOCKS, NUM_TOKENS, sampled_text
 from tests.gguf_fixtures import TinySpec, write_tiny_llama
 
 FAMILIES = {
@@ -24,24 +24,6 @@ FAMILIES = {
                        rope_theta=1e6, rms_norm_eps=1e-6, sliding_window=8),
     "qwen3moe": TinySpec(head_size=128, num_experts=8, num_experts_used=2, expert_size=96),
 }
-NUM_TOKENS, BLOCKS = 300, 24
-
-
-def _sampled_text(model, config, seed: int = 0) -> list[int]:
-    """NUM_TOKENS tokens sampled (temperature 1) from the model, one decode step at a time."""
-    generator = torch.Generator().manual_seed(seed)
-    cache, table, ids = KVCache(config, BLOCKS + 1, 16, torch.float32), list(
-        range(1, BLOCKS + 1)), [5]
-    with torch.inference_mode():
-        for _ in range(NUM_TOKENS - 1):
-            meta = build_attention_metadata([1], [len(ids)], [table], 16)
-            logits = model.forward(torch.tensor(ids[-1:]), meta.positions, meta, cache,
-                                   torch.tensor([0]))
-            ids.append(int(torch.multinomial(torch.softmax(logits[0], -1), 1,
-                                             generator=generator)))
-    return ids
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fast_mode_perplexity_is_within_one_percent_of_exact(tmp_path, family):
     path = tmp_path / f"{family}.gguf"
@@ -54,7 +36,7 @@ def test_fast_mode_perplexity_is_within_one_percent_of_exact(tmp_path, family):
                                           exact=True)
         exact = CpuLlamaModel(config, dense, native, max_positions=NUM_TOKENS, exact=True,
                               num_threads=2)
-    text = _sampled_text(exact, config)
+    text = sampled_text(exact, config)
     want = perplexity(exact, KVCache(config, BLOCKS + 1, 16, torch.float32), text,
                       chunk_size=64)
     config, dense, native = load_gguf(path, keep_native=True, dense_for_native=False)

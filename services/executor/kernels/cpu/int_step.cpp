@@ -35,12 +35,7 @@
 //      product, the same that loading it in Q4_1 form computes (so the results are too).
 //   Q8_0: codes [n/8, k/32, 8, 32] int8: in eighth e of block g, byte 4j + i is column
 //      8c + j's code of input 32g + 4e + i; scales [n/8, k/32, 8] float32; w = s * code.
-//   KQ (Q6_K, Q3_K: weights/k_quants.py): eighths as Q8_0's, of unsigned codes
-//      value + 2^(bits - 1) split in two bit planes (Q6_K 4 + 2 bits, Q3_K 2 + 1): a plane of
-//      b bits holds b vectors of 32 bytes a block, eighth e in vector e / (8 / b) at bits
-//      b * (e % (8 / b)); codes [n/8, k/32, low_bits, 32], high_codes [.., high_bits, 32].
-//      Scales per 16 weights: scales [n/8, k/256, 8] float32 (d), sub_scales [n/8, k/16, 8]
-//      int8; w = d * sub_scale * value.
+//   KQ (Q2_K, Q3_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS at the file's bits): see k_quant_tiles.h.
 // So each 32-bit lane of a 32-byte load is one column's four consecutive codes: a dot-product
 // instruction against four activations broadcast to every lane yields eight columns' sums.
 // Activations and outputs are float32 [T, width] rows.
@@ -89,10 +84,10 @@ struct IntMatrix {
     const uint8_t* codes;
     const float* scales;
     const float* mins;  // Q4 only
-    const uint8_t* sub_scales;  // Q4 with sub-scales and KQ (int8) only, else null
+    const uint8_t* sub_scales;  // Q4 with sub-scales and KQ only, else null
     const uint8_t* sub_mins;
-    const uint8_t* high_codes;  // KQ only: the high plane
-    int32_t low_bits, high_bits;  // KQ only: the planes' bits (4 and 2, or 2 and 1)
+    const uint8_t* high_codes;  // KQ only (k_quant_tiles.h), as its format and below
+    int32_t format, pad2;
 };
 
 // A row-stack of up to three matrices sharing k (QKV, gate + up): outputs side by side.
@@ -122,6 +117,7 @@ struct Quantized {
     std::vector<int8_t> q8;
     std::vector<int16_t> q16;
     std::vector<float> d8, d16, sum8, sum16;
+    std::vector<int32_t> half8;  // each int8 block's sum(q) over its two halves of 16
 };
 
 float block_amax(const float* v) {
@@ -150,17 +146,25 @@ float fixed_order_sum(const float* v, int64_t n, const float* w = nullptr) {
     return lanes[0];
 }
 
-// One block of 32 inputs to int8 codes; returns its scale, and d * sum(q) in `sum`.
-float quantize_int8(const float* v, int8_t* q, float& sum) {
+// One block of 32 inputs to int8 codes; returns its scale, d * sum(q) in `sum` and the sums of
+// q over each half in `halves`.
+float quantize_int8(const float* v, int8_t* q, float& sum, int32_t* halves) {
     const float amax = block_amax(v);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t total = 0;
-#pragma omp simd reduction(+ : total)
-    for (int i = 0; i < GROUP; ++i) {
+    int32_t first = 0, second = 0;
+#pragma omp simd reduction(+ : first)
+    for (int i = 0; i < GROUP / 2; ++i) {
         q[i] = int8_t(std::nearbyint(v[i] * inv));
-        total += q[i];
+        first += q[i];
     }
-    sum = float(total) * (amax / 127.f);
+#pragma omp simd reduction(+ : second)
+    for (int i = GROUP / 2; i < GROUP; ++i) {
+        q[i] = int8_t(std::nearbyint(v[i] * inv));
+        second += q[i];
+    }
+    halves[0] = first;
+    halves[1] = second;
+    sum = float(first + second) * (amax / 127.f);
     return amax / 127.f;
 }
 
@@ -321,57 +325,6 @@ void tile(const uint8_t* w, const float* s, const float* m, const uint8_t* ss, c
     }
 }
 
-// Eighth e's codes (4 inputs of the 8 columns) from a KQ plane of BITS bits, one block's.
-template <int BITS>
-inline __m256i plane_codes(const uint8_t* plane, int e) {
-    constexpr int PER = 8 / BITS;
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(plane + (e / PER) * 32));
-    const __m256i shifted = _mm256_srl_epi16(v, _mm_cvtsi32_si128(BITS * (e % PER)));
-    return _mm256_and_si256(shifted, _mm256_set1_epi8(char((1 << BITS) - 1)));
-}
-
-// KQ's tile: each eighth's signed values put together from the two planes, multiplied as
-// Q8_0's; a sum per 16 inputs (eighths 0-3 and 4-7), each times its sub-block's scale.
-template <int R, int LOW, int HIGH>
-void kq_tile(const uint8_t* lo, const uint8_t* hi, const float* d, const int8_t* ss, int64_t G,
-             const Inputs& in, int64_t row, float* y, int64_t ldy, bool accumulate) {
-    const Quantized& x = *in.x;
-    const float* dx = x.d8.data() + row * G;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const __m256i offset = _mm256_set1_epi8(char(1 << (LOW + HIGH - 1)));
-    for (int64_t g = 0; g < G; ++g) {
-        __m256i isum[2][R];
-        for (int r = 0; r < R; ++r) isum[0][r] = isum[1][r] = _mm256_setzero_si256();
-        const int8_t* a = x.q8.data() + row * in.k + g * GROUP;
-        for (int e = 0; e < 8; ++e) {
-            const __m256i code = _mm256_or_si256(
-                plane_codes<LOW>(lo + g * LOW * 32, e),
-                _mm256_slli_epi16(plane_codes<HIGH>(hi + g * HIGH * 32, e), LOW));
-            const __m256i c = _mm256_sub_epi8(code, offset);
-            const __m256i magnitude = _mm256_sign_epi8(c, c);
-            for (int r = 0; r < R; ++r) {
-                const __m256i v = _mm256_set1_epi32(four_bytes(a + r * in.k + 4 * e));
-                isum[e / 4][r] = dot_u8s8(isum[e / 4][r], magnitude, _mm256_sign_epi8(v, c));
-            }
-        }
-        const __m256 super = _mm256_loadu_ps(d + (g >> 3) * COLUMNS);
-        for (int h = 0; h < 2; ++h) {
-            const __m128i bytes = _mm_loadl_epi64((const __m128i*)(ss + (2 * g + h) * COLUMNS));
-            const __m256 scale =
-                _mm256_mul_ps(super, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
-            for (int r = 0; r < R; ++r)
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][r]),
-                                         _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * G + g])),
-                                         acc[r]);
-        }
-    }
-    for (int r = 0; r < R; ++r) {
-        float* out = y + (row + r) * ldy;
-        _mm256_storeu_ps(out, accumulate ? _mm256_add_ps(_mm256_loadu_ps(out), acc[r]) : acc[r]);
-    }
-}
-
 #else  // no AVX2: plain loops over the same layout (correct, not fast)
 
 // Block g's scale (or min) of column j: stored per block, or a super-block's times a sub-scale.
@@ -413,36 +366,6 @@ void tile(const uint8_t* w, const float* s, const float* m, const uint8_t* ss, c
     }
 }
 
-template <int R, int LOW, int HIGH>
-void kq_tile(const uint8_t* lo, const uint8_t* hi, const float* d, const int8_t* ss, int64_t G,
-             const Inputs& in, int64_t row, float* y, int64_t ldy, bool accumulate) {
-    const Quantized& x = *in.x;
-    constexpr int LOW_PER = 8 / LOW, HIGH_PER = 8 / HIGH;
-    for (int r = 0; r < R; ++r) {
-        for (int j = 0; j < COLUMNS; ++j) {
-            float total = 0.f;
-            for (int64_t g = 0; g < G; ++g) {
-                int32_t dot[2] = {0, 0};
-                for (int i = 0; i < GROUP; ++i) {
-                    const int e = i / 4, at = 4 * j + i % 4;
-                    const int low = (lo[(g * LOW + e / LOW_PER) * 32 + at]
-                                     >> (LOW * (e % LOW_PER))) & ((1 << LOW) - 1);
-                    const int high = (hi[(g * HIGH + e / HIGH_PER) * 32 + at]
-                                      >> (HIGH * (e % HIGH_PER))) & ((1 << HIGH) - 1);
-                    const int value = (low | (high << LOW)) - (1 << (LOW + HIGH - 1));
-                    dot[e / 4] += value * x.q8[(row + r) * in.k + g * GROUP + i];
-                }
-                const float super = d[(g >> 3) * COLUMNS + j];
-                for (int h = 0; h < 2; ++h)
-                    total += float(dot[h]) * (super * float(ss[(2 * g + h) * COLUMNS + j])
-                                              * x.d8[(row + r) * G + g]);
-            }
-            float& out = y[(row + r) * ldy + j];
-            out = accumulate ? out + total : total;
-        }
-    }
-}
-
 #endif
 
 template <Kind KIND, bool WIDE>
@@ -465,22 +388,7 @@ void column_group(const IntMatrix& w, int64_t c, const Inputs& in, float* y, int
     if (row < in.end) tile<1, KIND, WIDE>(codes, s, m, ss, sm, G, in, row, y, ldy, accumulate);
 }
 
-template <int LOW, int HIGH>
-void kq_column_group(const IntMatrix& w, int64_t c, const Inputs& in, float* y, int64_t ldy,
-                     bool accumulate) {
-    const int64_t G = w.k / GROUP;
-    const uint8_t* lo = w.codes + c * G * LOW * 32;
-    const uint8_t* hi = w.high_codes + c * G * HIGH * 32;
-    const float* d = w.scales + c * (G / 8) * COLUMNS;
-    const int8_t* ss = reinterpret_cast<const int8_t*>(w.sub_scales) + c * 2 * G * COLUMNS;
-    y += c * COLUMNS;
-    int64_t row = in.first;
-    for (; row + ROWS <= in.end; row += ROWS)
-        kq_tile<ROWS, LOW, HIGH>(lo, hi, d, ss, G, in, row, y, ldy, accumulate);
-    for (; row + 2 <= in.end; row += 2)
-        kq_tile<2, LOW, HIGH>(lo, hi, d, ss, G, in, row, y, ldy, accumulate);
-    if (row < in.end) kq_tile<1, LOW, HIGH>(lo, hi, d, ss, G, in, row, y, ldy, accumulate);
-}
+#include "k_quant_tiles.h"
 
 int64_t width(const IntLinear& l) {
     int64_t n = 0;
@@ -496,11 +404,7 @@ bool valid(const IntLinear& l) {
             w.k % GROUP || w.n % COLUMNS)
             return false;
         if (w.kind == KQ) {
-            const bool planes = (w.low_bits == 4 && w.high_bits == 2) ||
-                                (w.low_bits == 2 && w.high_bits == 1);
-            if (!planes || w.high_codes == nullptr || w.sub_scales == nullptr ||
-                w.k % (8 * GROUP))
-                return false;
+            if (!kq_valid(w)) return false;
         } else if (w.sub_scales != nullptr && (w.kind != Q4 || w.sub_mins == nullptr ||
                                                w.k % (8 * GROUP))) {
             return false;
@@ -531,6 +435,7 @@ void linear(const IntLinear& l, const float* x, int64_t T, float* y, bool accumu
         q.q8.resize(T * k);
         q.d8.resize(blocks);
         q.sum8.resize(blocks);
+        q.half8.resize(2 * blocks);
     }
     if (any_wide) {
         q.q16.resize(T * k);
@@ -545,7 +450,8 @@ void linear(const IntLinear& l, const float* x, int64_t T, float* y, bool accumu
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
             const float* v = x + b * GROUP;
-            if (any_int8) q.d8[b] = quantize_int8(v, q.q8.data() + b * GROUP, q.sum8[b]);
+            if (any_int8)
+                q.d8[b] = quantize_int8(v, q.q8.data() + b * GROUP, q.sum8[b], &q.half8[2 * b]);
             if (any_wide) q.d16[b] = quantize_int16(v, q.q16.data() + b * GROUP, q.sum16[b]);
         }
         for (int64_t first = 0; first < T; first += PANEL) {
@@ -562,10 +468,8 @@ void linear(const IntLinear& l, const float* x, int64_t T, float* y, bool accumu
                 float* out = y + offset;
                 if (w.kind == Q8)
                     column_group<Q8, false>(w, c, in, out, ldy, accumulate);
-                else if (w.kind == KQ && w.low_bits == 4)
-                    kq_column_group<4, 2>(w, c, in, out, ldy, accumulate);
                 else if (w.kind == KQ)
-                    kq_column_group<2, 1>(w, c, in, out, ldy, accumulate);
+                    kq_dispatch(w, c, in, out, ldy, accumulate);
                 else if (takes_wide(w, T))
                     column_group<Q4, true>(w, c, in, out, ldy, accumulate);
                 else

@@ -18,7 +18,8 @@ from llmbus.services.executor.kernels.cpu.library import load_library
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import load_gguf
 from llmbus.services.executor.weights.gguf_quants import Q4_1Weight, Q8_0Weight, parse_q4_k
-from llmbus.services.executor.weights.k_quants import KQuantWeight, parse_q3_k, parse_q6_k
+from llmbus.services.executor.weights.k_quants import FORMATS, KQuantWeight
+from llmbus.services.executor.weights.k_quants import parse as parse_k_quant
 from llmbus.services.executor.weights.quant_parts import QuantPart
 from llmbus.services.model_files import default_model_path
 from tests.cpu_isas import ISAS
@@ -84,19 +85,19 @@ def test_matmul_matches_reference(isa, kind, wide, tokens, k):
 
 @needs_compiler
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K"])
+@pytest.mark.parametrize("kind", list(FORMATS))
 @pytest.mark.parametrize("tokens", [1, 3, 9, 19])
-def test_k_quants_with_16_weight_sub_blocks_match_their_reference(isa, kind, tokens):
-    """Q6_K and Q3_K at the file's bits (two bit planes, a scale per 16 weights): the values
-    are gguf-py's exactly, and the matmul is the int8 arithmetic's, for every row tile."""
+def test_k_quants_at_their_bits_match_their_reference(isa, kind, tokens):
+    """Q2_K, Q3_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS at the file's bits (bit planes, integer
+    sub-scales, minimums or a codebook): the values are gguf-py's exactly, and the matmul is
+    the int8 arithmetic's, for every row tile."""
     lib = load_library(isa)
     k = 512
-    parse = {"Q6_K": parse_q6_k, "Q3_K": parse_q3_k}[kind]
     qtype = gguf.GGMLQuantizationType[kind]
     weights = []
     for seed, n in enumerate((40, 24)):
         raw = random_k_quant(qtype, n, k, seed=seed + tokens, scale=0.05)
-        weight = parse(raw, (n, k))
+        weight = parse_k_quant(kind, raw, (n, k))
         expected = gguf.quants.dequantize(raw, qtype).reshape(n, k)
         assert torch.equal(weight.dequantize(), torch.from_numpy(expected))
         weights.append(weight)

@@ -1,0 +1,244 @@
+// The integer kernel's tiles for the K-quant and IQ4 formats kept at the file's bits (kind
+// KQ, weights/k_quants.py): included by int_step.cpp inside its anonymous namespace, after
+// Quantized, Inputs and (with AVX2) four_bytes and dot_u8s8.
+//
+// Each format is a Spec: how a weight's code is stored (a plane of LOW bits and one of HIGH
+// bits, put together as code = low | high << LOW), what the code means (code - OFFSET; the
+// code itself, with a minimum subtracted per sub-block; or an entry of IQ4's codebook), and
+// how its scales go (a float per SUPER weights times an integer per SUB weights, or the float
+// alone where SUPER == SUB). Codes are eighths as Q8_0's tiles: an eighth e of a block of 32
+// (inputs 4e .. 4e + 3 of the 8 columns, byte 4j + i is column j's input 4e + i) is a 32-byte
+// vector; a plane of b bits holds b vectors a block, eighth e in vector e / (8 / b), at bits
+// b * (e % (8 / b)). Per column group c, for an [n, k] matrix:
+//   codes [n/8, k/32, LOW, 32], high_codes [n/8, k/32, HIGH, 32] (none where HIGH is 0);
+//   scales [n/8, k/SUPER, 8] float32 (d); sub_scales [n/8, k/SUB, 8] int8 (Q2_K: uint8, the
+//   scale in the low nibble and the minimum in the high one, as the file packs them);
+//   mins [n/8, k/SUPER, 8] float32 (-dmin), sub_mins [n/8, k/SUB, 8] uint8 (Q5_K).
+// w = d * sub_scale * value (+ -dmin * sub_min). The minimums meet the sum of the quantized
+// inputs of their sub-block: d * sum(q) per 32 (Quantized::sum8), or per 16 from the integer
+// half sums (Quantized::half8), so every integer sum stays exact, as for Q4's minimums.
+
+// IQ4_NL's and IQ4_XS's 16 values (llama.cpp's kvalues_iq4nl).
+constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
+
+template <int LOW_, int HIGH_, int SUB_, int SUPER_, int OFFSET_, bool MINS_, bool CODEBOOK_,
+          bool NIBBLES_>
+struct Spec {
+    static constexpr int LOW = LOW_, HIGH = HIGH_, SUB = SUB_, SUPER = SUPER_, OFFSET = OFFSET_;
+    static constexpr bool MINS = MINS_, CODEBOOK = CODEBOOK_, NIBBLES = NIBBLES_;
+    static constexpr bool SIGNED = OFFSET_ > 0 || CODEBOOK_;  // else codes are the values
+    static constexpr bool HAS_SUB = SUB_ != SUPER_;
+    static constexpr int HALVES = 32 / SUB_;  // sub-blocks a block of 32
+};
+//                 LOW HIGH SUB SUPER OFFSET MINS  CODEBOOK NIBBLES
+using Q6K = Spec<4, 2, 16, 256, 32, false, false, false>;
+using Q3K = Spec<2, 1, 16, 256, 4, false, false, false>;
+using Q5K = Spec<4, 1, 32, 256, 0, true, false, false>;
+using Q2K = Spec<2, 0, 16, 256, 0, true, false, true>;
+using IQ4NL = Spec<4, 0, 32, 32, 0, false, true, false>;
+using IQ4XS = Spec<4, 0, 32, 256, 0, false, true, false>;
+
+// IntMatrix::format; weights/k_quants.py FORMATS has the same ids.
+enum Format : int32_t { Q6_K = 1, Q3_K = 2, Q5_K = 3, Q2_K = 4, IQ4_NL = 5, IQ4_XS = 6 };
+
+// One column group's pointers into a KQ matrix.
+template <class F>
+struct KqGroup {
+    const uint8_t *lo, *hi;
+    const float *d, *neg_dmin;
+    const uint8_t *ss, *sm;
+
+    KqGroup(const IntMatrix& w, int64_t c) {
+        const int64_t G = w.k / GROUP, supers = w.k / F::SUPER, subs = w.k / F::SUB;
+        lo = w.codes + c * G * F::LOW * 32;
+        hi = F::HIGH ? w.high_codes + c * G * F::HIGH * 32 : nullptr;
+        d = w.scales + c * supers * COLUMNS;
+        neg_dmin = F::MINS ? w.mins + c * supers * COLUMNS : nullptr;
+        ss = F::HAS_SUB ? w.sub_scales + c * subs * COLUMNS : nullptr;
+        sm = F::MINS && !F::NIBBLES ? w.sub_mins + c * subs * COLUMNS : nullptr;
+    }
+};
+
+#if defined(__AVX2__)
+
+// Eighth e's codes from a plane of BITS bits (one block's).
+template <int BITS>
+inline __m256i plane_codes(const uint8_t* plane, int e) {
+    constexpr int PER = 8 / BITS;
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(plane + (e / PER) * 32));
+    const __m256i shifted = _mm256_srl_epi16(v, _mm_cvtsi32_si128(BITS * (e % PER)));
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(char((1 << BITS) - 1)));
+}
+
+// Eight columns' integer factors of sub-block s: the scale, or (`minimum`) the minimum.
+template <class F>
+inline __m256 sub_factors(const uint8_t* bytes, bool minimum) {
+    const __m128i b = _mm_loadl_epi64((const __m128i*)bytes);
+    if constexpr (!F::MINS) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));  // signed
+    __m256i v = _mm256_cvtepu8_epi32(b);
+    if constexpr (F::NIBBLES)
+        v = minimum ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
+    return _mm256_cvtepi32_ps(v);
+}
+
+template <int R, class F>
+void kq_tile(const KqGroup<F>& w, int64_t G, const Inputs& in, int64_t row, float* y,
+             int64_t ldy, bool accumulate) {
+    const Quantized& x = *in.x;
+    const float* dx = x.d8.data() + row * G;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i offset = _mm256_set1_epi8(char(F::OFFSET));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_VALUES));
+    for (int64_t g = 0; g < G; ++g) {
+        __m256i isum[F::HALVES][R];
+        for (int h = 0; h < F::HALVES; ++h)
+            for (int r = 0; r < R; ++r) isum[h][r] = _mm256_setzero_si256();
+        const int8_t* a = x.q8.data() + row * in.k + g * GROUP;
+        for (int e = 0; e < 8; ++e) {
+            __m256i code = plane_codes<F::LOW>(w.lo + g * F::LOW * 32, e);
+            if constexpr (F::HIGH > 0)
+                code = _mm256_or_si256(
+                    code, _mm256_slli_epi16(plane_codes<F::HIGH>(w.hi + g * F::HIGH * 32, e),
+                                            F::LOW));
+            const int h = e * F::HALVES / 8;
+            if constexpr (F::SIGNED) {
+                const __m256i c = F::CODEBOOK ? _mm256_shuffle_epi8(table, code)
+                                              : _mm256_sub_epi8(code, offset);
+                const __m256i magnitude = _mm256_sign_epi8(c, c);
+                for (int r = 0; r < R; ++r) {
+                    const __m256i v = _mm256_set1_epi32(four_bytes(a + r * in.k + 4 * e));
+                    isum[h][r] = dot_u8s8(isum[h][r], magnitude, _mm256_sign_epi8(v, c));
+                }
+            } else {
+                for (int r = 0; r < R; ++r)
+                    isum[h][r] = dot_u8s8(isum[h][r], code,
+                                          _mm256_set1_epi32(four_bytes(a + r * in.k + 4 * e)));
+            }
+        }
+        const int64_t super = g * GROUP / F::SUPER;
+        const __m256 d = _mm256_loadu_ps(w.d + super * COLUMNS);
+        for (int h = 0; h < F::HALVES; ++h) {
+            const int64_t sub = g * F::HALVES + h;
+            const __m256 scale =
+                F::HAS_SUB ? _mm256_mul_ps(d, sub_factors<F>(w.ss + sub * COLUMNS, false)) : d;
+            for (int r = 0; r < R; ++r)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][r]),
+                                         _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * G + g])),
+                                         acc[r]);
+            if constexpr (F::MINS) {
+                const uint8_t* m = F::NIBBLES ? w.ss : w.sm;
+                const __m256 mins = _mm256_mul_ps(_mm256_loadu_ps(w.neg_dmin + super * COLUMNS),
+                                                  sub_factors<F>(m + sub * COLUMNS, true));
+                for (int r = 0; r < R; ++r) {
+                    const float sum = F::HALVES == 1
+                        ? x.sum8[(row + r) * G + g]
+                        : dx[r * G + g] * float(x.half8[((row + r) * G + g) * 2 + h]);
+                    acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sum), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        float* out = y + (row + r) * ldy;
+        _mm256_storeu_ps(out, accumulate ? _mm256_add_ps(_mm256_loadu_ps(out), acc[r]) : acc[r]);
+    }
+}
+
+#else  // plain loops over the same layout (correct, not fast)
+
+template <int BITS>
+inline int plane_code(const uint8_t* plane, int e, int at) {
+    constexpr int PER = 8 / BITS;
+    return (plane[(e / PER) * 32 + at] >> (BITS * (e % PER))) & ((1 << BITS) - 1);
+}
+
+template <class F>
+inline float sub_factor(const uint8_t* byte, bool minimum) {
+    if (!F::MINS) return float(int8_t(*byte));
+    return float(F::NIBBLES ? (minimum ? *byte >> 4 : *byte & 15) : *byte);
+}
+
+template <int R, class F>
+void kq_tile(const KqGroup<F>& w, int64_t G, const Inputs& in, int64_t row, float* y,
+             int64_t ldy, bool accumulate) {
+    const Quantized& x = *in.x;
+    for (int r = 0; r < R; ++r) {
+        for (int j = 0; j < COLUMNS; ++j) {
+            float total = 0.f;
+            for (int64_t g = 0; g < G; ++g) {
+                int32_t dot[2] = {0, 0};
+                for (int i = 0; i < GROUP; ++i) {
+                    const int e = i / 4, at = 4 * j + i % 4;
+                    int code = plane_code<F::LOW>(w.lo + g * F::LOW * 32, e, at);
+                    if constexpr (F::HIGH > 0)
+                        code |= plane_code<F::HIGH>(w.hi + g * F::HIGH * 32, e, at) << F::LOW;
+                    const int value = F::CODEBOOK ? IQ4_VALUES[code] : code - F::OFFSET;
+                    dot[e * F::HALVES / 8] += value * x.q8[(row + r) * in.k + g * GROUP + i];
+                }
+                const int64_t super = g * GROUP / F::SUPER, b = (row + r) * G + g;
+                const float d = w.d[super * COLUMNS + j];
+                for (int h = 0; h < F::HALVES; ++h) {
+                    const int64_t sub = (g * F::HALVES + h) * COLUMNS + j;
+                    const float scale = F::HAS_SUB ? d * sub_factor<F>(w.ss + sub, false) : d;
+                    total += float(dot[h]) * (scale * x.d8[b]);
+                    if (F::MINS) {
+                        const float min = w.neg_dmin[super * COLUMNS + j] *
+                                          sub_factor<F>((F::NIBBLES ? w.ss : w.sm) + sub, true);
+                        total += min * (F::HALVES == 1 ? x.sum8[b]
+                                                       : x.d8[b] * float(x.half8[b * 2 + h]));
+                    }
+                }
+            }
+            float& out = y[(row + r) * ldy + j];
+            out = accumulate ? out + total : total;
+        }
+    }
+}
+
+#endif
+
+template <class F>
+void kq_column_group(const IntMatrix& w, int64_t c, const Inputs& in, float* y, int64_t ldy,
+                     bool accumulate) {
+    const KqGroup<F> group(w, c);
+    const int64_t G = w.k / GROUP;
+    y += c * COLUMNS;
+    int64_t row = in.first;
+    for (; row + ROWS <= in.end; row += ROWS)
+        kq_tile<ROWS, F>(group, G, in, row, y, ldy, accumulate);
+    for (; row + 2 <= in.end; row += 2) kq_tile<2, F>(group, G, in, row, y, ldy, accumulate);
+    if (row < in.end) kq_tile<1, F>(group, G, in, row, y, ldy, accumulate);
+}
+
+// Whether a KQ matrix has what its format needs.
+inline bool kq_valid(const IntMatrix& w) {
+    auto check = [&](auto spec) {
+        using F = decltype(spec);
+        return w.k % F::SUPER == 0 && (!F::HIGH || w.high_codes) && (!F::HAS_SUB || w.sub_scales)
+               && (!F::MINS || (w.mins && (F::NIBBLES || w.sub_mins)));
+    };
+    switch (w.format) {
+        case Q6_K: return check(Q6K{});
+        case Q3_K: return check(Q3K{});
+        case Q5_K: return check(Q5K{});
+        case Q2_K: return check(Q2K{});
+        case IQ4_NL: return check(IQ4NL{});
+        case IQ4_XS: return check(IQ4XS{});
+        default: return false;
+    }
+}
+
+inline void kq_dispatch(const IntMatrix& w, int64_t c, const Inputs& in, float* y, int64_t ldy,
+                        bool accumulate) {
+    switch (w.format) {
+        case Q6_K: return kq_column_group<Q6K>(w, c, in, y, ldy, accumulate);
+        case Q3_K: return kq_column_group<Q3K>(w, c, in, y, ldy, accumulate);
+        case Q5_K: return kq_column_group<Q5K>(w, c, in, y, ldy, accumulate);
+        case Q2_K: return kq_column_group<Q2K>(w, c, in, y, ldy, accumulate);
+        case IQ4_NL: return kq_column_group<IQ4NL>(w, c, in, y, ldy, accumulate);
+        case IQ4_XS: return kq_column_group<IQ4XS>(w, c, in, y, ldy, accumulate);
+        default: return;
+    }
+}

@@ -49,52 +49,80 @@ CHUNK_ROWS = 1024  # rows unpacked at a time: a vocabulary head's temporaries st
 
 
 @dataclass(frozen=True)
-class KQuantWeight:
-    """One such matrix [out, in], its parts row-major (so rows can be permuted and cut)."""
+class Unpacked:
+    """Some rows of a K-quant matrix unpacked: codes and integer scales, row-major."""
 
     format: str  # a key of FORMATS
-    codes: torch.Tensor  # [out, in] uint8: the stored code (see Format)
-    d: torch.Tensor  # [out, in / block_weights] float32 (float16 values)
-    sub_scales: torch.Tensor | None  # [out, in / sub] int8 (Q2_K, Q5_K: 0..15, 0..63)
-    neg_dmin: torch.Tensor | None = None  # [out, in / 256] float32: -dmin (Q2_K, Q5_K)
-    sub_mins: torch.Tensor | None = None  # [out, in / sub] int8 (Q2_K, Q5_K)
+    codes: torch.Tensor  # [rows, in] uint8: the stored code (see Format)
+    d: torch.Tensor  # [rows, in / block_weights] float32 (float16 values)
+    sub_scales: torch.Tensor | None  # [rows, in / sub] int8 (Q2_K, Q5_K: 0..15, 0..63)
+    neg_dmin: torch.Tensor | None = None  # [rows, in / 256] float32: -dmin (Q2_K, Q5_K)
+    sub_mins: torch.Tensor | None = None  # [rows, in / sub] int8 (Q2_K, Q5_K)
+
+    def values(self) -> torch.Tensor:
+        """The integers the codes stand for, float32."""
+        f = FORMATS[self.format]
+        if f.codebook:
+            return torch.from_numpy(IQ4_VALUES)[self.codes.long()].float()
+        return self.codes.float() - f.offset
+
+    def _per_weight(self, t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(self.codes.shape[1] // t.shape[1], dim=1)
+
+    def weights(self) -> torch.Tensor:
+        """float32 [rows, in], as llama.cpp and gguf-py compute them: d * sub_scale first (one
+        float32 product), times the value, then -dmin * sub_min added."""
+        scale = self._per_weight(self.d)
+        if self.sub_scales is not None:
+            scale = scale * self._per_weight(self.sub_scales).float()
+        weights = scale * self.values()
+        if self.neg_dmin is not None and self.sub_mins is not None:
+            weights = weights + self._per_weight(self.neg_dmin) * self._per_weight(
+                self.sub_mins).float()
+        return weights
+
+
+@dataclass(frozen=True)
+class KQuantWeight:
+    """A K-quant or IQ4 matrix [out, in] as the file holds it: its blocks, a row of them per
+    output (so rows can be permuted and cut), unpacked only a chunk of rows at a time, as the
+    kernel's tiles are made (quant_parts) or an embedding's rows are looked up."""
+
+    format: str  # a key of FORMATS
+    blocks: torch.Tensor  # [out, bytes a row] uint8: the file's bytes
+    inputs: int  # in
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.inputs
 
     @property
     def spec(self) -> Format:
         return FORMATS[self.format]
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> KQuantWeight:
-        def apply(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else fn(t)
+        return KQuantWeight(self.format, fn(self.blocks), self.inputs)
 
-        return KQuantWeight(self.format, fn(self.codes), fn(self.d), apply(self.sub_scales),
-                            apply(self.neg_dmin), apply(self.sub_mins))
+    def unpacked(self, rows: torch.Tensor | slice) -> Unpacked:
+        """Those rows unpacked (a slice, or [T] row ids)."""
+        f = FORMATS[self.format]
+        chosen = self.blocks[rows].numpy()
+        n = len(chosen)
+        parts = _UNPACK[self.format](chosen.reshape(-1, f.block_bytes))
+        codes, d, scales, neg_dmin, mins = (
+            None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))
+            for a in parts)
+        assert codes is not None and d is not None
+        return Unpacked(self.format, codes.to(torch.uint8), d, scales, neg_dmin, mins)
 
-    def values(self, codes: torch.Tensor) -> torch.Tensor:
-        """Codes -> the integers they stand for, float32."""
-        f = self.spec
-        if f.codebook:
-            return torch.from_numpy(IQ4_VALUES)[codes.long()].float()
-        return codes.float() - f.offset
-
-    def _per_weight(self, t: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
-        return t[rows].repeat_interleave(self.codes.shape[1] // t.shape[1], dim=1)
-
-    def rows(self, ids: torch.Tensor | slice) -> torch.Tensor:
-        """Rows [T, in] float32 (an embedding table's lookup; all: `slice(None)`), as llama.cpp
-        and gguf-py compute them: d * sub_scale first, one float32 product, then the value."""
-        scale = self._per_weight(self.d, ids)
-        if self.sub_scales is not None:
-            scale = scale * self._per_weight(self.sub_scales, ids).float()
-        weights = scale * self.values(self.codes[ids])
-        if self.neg_dmin is not None and self.sub_mins is not None:
-            weights = weights + self._per_weight(self.neg_dmin, ids) * self._per_weight(
-                self.sub_mins, ids).float()
-        return weights
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> their rows [T, in] float32 (an embedding table's lookup)."""
+        return self.unpacked(ids).weights()
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [out, in]."""
-        return self.rows(slice(None))
+        """float32 [out, in], CHUNK_ROWS rows unpacked at a time."""
+        return torch.cat([self.unpacked(slice(first, first + CHUNK_ROWS)).weights()
+                          for first in range(0, self.shape[0], CHUNK_ROWS)])
 
 
 def k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -115,11 +143,11 @@ def _float16(blocks: np.ndarray, at: int) -> np.ndarray:
 
 # One chunk of blocks -> (codes [n, weights], d [n, 1], sub_scales [n, s] or None,
 # -dmin [n, 1] or None, sub_mins [n, s] or None)
-Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]
 SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
 
 
-def _unpack_q6_k(b: np.ndarray) -> Unpacked:
+def _unpack_q6_k(b: np.ndarray) -> Arrays:
     """210 bytes: 128 of low nibbles, 64 of high bit pairs, 16 int8 scales, float16 d. Weight
     128h + 32j + i (h < 2, j < 4, i < 32): its low nibble in byte 64h + 32(j % 2) + i (the low
     half for j < 2), its high pair at bits 2j of byte 128 + 32h + i."""
@@ -130,7 +158,7 @@ def _unpack_q6_k(b: np.ndarray) -> Unpacked:
     return low | (high << 4), _float16(b, 208), b[:, 192:208].view(np.int8), None, None
 
 
-def _unpack_q3_k(b: np.ndarray) -> Unpacked:
+def _unpack_q3_k(b: np.ndarray) -> Arrays:
     """110 bytes: 32 of high bits, 64 of low bit pairs, 12 of 6-bit scales, float16 d. Weight
     128h + 32j + i: its pair at bits 2j of byte 32 + 32h + i, its high bit at bit 4h + j of
     byte i; value = pair - 4 where that bit is 0 (code = pair + 4 * bit). Scale s is the low
@@ -147,7 +175,7 @@ def _unpack_q3_k(b: np.ndarray) -> Unpacked:
     return pairs | (bits << 2), _float16(b, 108), scales.astype(np.int8), None, None
 
 
-def _unpack_q5_k(b: np.ndarray) -> Unpacked:
+def _unpack_q5_k(b: np.ndarray) -> Arrays:
     """176 bytes: float16 d and dmin, Q4_K's 12 bytes of scales and minimums, 32 bytes of high
     bits, 128 of low nibbles. Weight 32s + i: its nibble in byte 48 + 32(s // 2) + i (low for
     even s), its high bit at bit s of byte 16 + i."""
@@ -160,7 +188,7 @@ def _unpack_q5_k(b: np.ndarray) -> Unpacked:
             mins.astype(np.int8))
 
 
-def _unpack_q2_k(b: np.ndarray) -> Unpacked:
+def _unpack_q2_k(b: np.ndarray) -> Arrays:
     """84 bytes: 16 of (scale | min << 4) per 16 weights, 64 of bit pairs, float16 d and
     dmin. Weight 128h + 32j + i: its pair at bits 2j of byte 16 + 32h + i."""
     n = len(b)
@@ -175,12 +203,12 @@ def _nibble_halves(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
 
 
-def _unpack_iq4_nl(b: np.ndarray) -> Unpacked:
+def _unpack_iq4_nl(b: np.ndarray) -> Arrays:
     """18 bytes: float16 d, then 16 bytes of 4-bit codebook indices."""
     return _nibble_halves(b[:, 2:18]), _float16(b, 0), None, None, None
 
 
-def _unpack_iq4_xs(b: np.ndarray) -> Unpacked:
+def _unpack_iq4_xs(b: np.ndarray) -> Arrays:
     """136 bytes: float16 d, uint16 of the scales' high bit pairs, 4 bytes of their low
     nibbles, 8 runs of 16 bytes of indices (one block of 32 each). Scale s (0..7): the
     nibble s % 2 of byte 4 + s // 2, with bits 2s of the uint16 above it, less 32."""
@@ -192,29 +220,21 @@ def _unpack_iq4_xs(b: np.ndarray) -> Unpacked:
     return codes, _float16(b, 0), scales.astype(np.int8), None, None
 
 
-_UNPACK: dict[str, Callable[[np.ndarray], Unpacked]] = {
+_UNPACK: dict[str, Callable[[np.ndarray], Arrays]] = {
     "Q6_K": _unpack_q6_k, "Q3_K": _unpack_q3_k, "Q5_K": _unpack_q5_k, "Q2_K": _unpack_q2_k,
     "IQ4_NL": _unpack_iq4_nl, "IQ4_XS": _unpack_iq4_xs}
 
 
 def parse(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> KQuantWeight:
-    """A file's blocks [out, bytes a row] -> the weight, CHUNK_ROWS rows at a time."""
+    """A file's blocks (any shape holding [out, bytes a row]) -> the weight, its own copy of
+    them (the file's pages can then be dropped)."""
     out, inp = shape
     f = FORMATS[kind]
     if inp % f.block_weights:
         raise ValueError(f"{kind}: {inp} inputs are not whole blocks of {f.block_weights}")
-    blocks_a_row = inp // f.block_weights
-    rows = np.ascontiguousarray(raw).reshape(out, blocks_a_row * f.block_bytes)
-    parts: list[list[torch.Tensor]] = [[] for _ in range(5)]
-    for first in range(0, out, CHUNK_ROWS):
-        n = len(rows[first:first + CHUNK_ROWS])
-        unpacked = _UNPACK[kind](rows[first:first + CHUNK_ROWS].reshape(-1, f.block_bytes))
-        for part, array in zip(parts, unpacked, strict=True):
-            if array is not None:
-                part.append(torch.from_numpy(np.ascontiguousarray(array).reshape(n, -1)))
-    codes, d, scales, neg_dmin, mins = (torch.cat(p) if p else None for p in parts)
-    assert codes is not None and d is not None
-    return KQuantWeight(kind, codes.to(torch.uint8), d, scales, neg_dmin, mins)
+    blocks = np.array(raw, dtype=np.uint8, copy=True).reshape(
+        out, inp // f.block_weights * f.block_bytes)
+    return KQuantWeight(kind, torch.from_numpy(blocks), inp)
 
 
 def parsers(kinds: type) -> dict[object, Callable[[np.ndarray, tuple[int, int]], KQuantWeight]]:
@@ -230,29 +250,25 @@ def _parser(kind: str) -> Callable[[np.ndarray, tuple[int, int]], KQuantWeight]:
 
 
 def tile_planes(codes: torch.Tensor, low_bits: int, high_bits: int,
-                columns: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[N, K] codes -> the kernel's two planes, per column group of `columns` and block of 32
-    inputs: each eighth e of a block (inputs 4e .. 4e + 3 of the 8 columns, byte 4j + i:
-    column j's input 4e + i, as Q8_0's tiles) is a 32-byte vector of codes; a plane of b bits
-    packs 8 / b such vectors into each of its b vectors a block, eighth e in vector
-    e // (8 / b), at bits b * (e % (8 / b)). [N/8, K/32, b, 32] uint8 each (no high plane for
-    0 bits), tiled CHUNK_ROWS rows at a time."""
+                columns: int) -> list[torch.Tensor]:
+    """[N, K] codes -> the kernel's planes (one of low_bits, then one of high_bits if any), per
+    column group of `columns` and block of 32 inputs: each eighth e of a block (inputs
+    4e .. 4e + 3 of the 8 columns, byte 4j + i: column j's input 4e + i, as Q8_0's tiles) is
+    a 32-byte vector of codes; a plane of b bits packs 8 / b such vectors into each of its b
+    vectors a block, eighth e in vector e // (8 / b), at bits b * (e % (8 / b)).
+    [N/8, K/32, b, 32] uint8 each."""
     n, k = codes.shape
     groups, blocks = n // columns, k // 32
-    planes = [torch.empty(groups, blocks, bits, 32, dtype=torch.uint8)
-              for bits in (low_bits, high_bits) if bits]
-    step = max(1, CHUNK_ROWS // columns)
-    for first in range(0, groups, step):
-        chunk = codes[first * columns:(first + step) * columns].numpy()
-        count = len(chunk) // columns
-        eighths = chunk.reshape(count, columns, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
-        eighths = eighths.reshape(count, blocks, 8, 32)  # [group, block, e, byte]
-        layout = [(0, low_bits), (low_bits, high_bits)][:len(planes)]  # (shift, bits)
-        for plane, (shift, bits) in zip(planes, layout, strict=True):
-            per = 8 // bits
-            part = ((eighths >> shift) & ((1 << bits) - 1)).reshape(count, blocks, bits, per, 32)
-            packed = np.zeros((count, blocks, bits, 32), dtype=np.uint8)
-            for s in range(per):
-                packed |= part[:, :, :, s] << (bits * s)
-            plane[first:first + count] = torch.from_numpy(packed)
-    return planes[0], (planes[1] if high_bits else None)
+    eighths = codes.numpy().reshape(groups, columns, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+    eighths = eighths.reshape(groups, blocks, 8, 32)  # [group, block, e, byte]
+    planes = []
+    for shift, bits in ((0, low_bits), (low_bits, high_bits)):
+        if not bits:
+            continue
+        per = 8 // bits
+        part = ((eighths >> shift) & ((1 << bits) - 1)).reshape(groups, blocks, bits, per, 32)
+        packed = np.zeros((groups, blocks, bits, 32), dtype=np.uint8)
+        for s in range(per):
+            packed |= part[:, :, :, s] << (bits * s)
+        planes.append(torch.from_numpy(packed))
+    return planes

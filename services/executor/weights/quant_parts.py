@@ -14,7 +14,7 @@ from llmbus.services.executor.weights.gguf_quants import (
     NativeWeight,
     Q4_1Weight,
 )
-from llmbus.services.executor.weights.k_quants import KQuantWeight, tile_planes
+from llmbus.services.executor.weights.k_quants import CHUNK_ROWS, KQuantWeight, tile_planes
 from llmbus.services.executor.weights.matrices import COLUMNS, LAYER_MATRICES, expert_matrix
 from llmbus.services.executor.weights.model_config import LlamaConfig
 
@@ -62,7 +62,7 @@ class QuantPart:
             return native
         if isinstance(native, PackedRows):  # a tied embedding, also the vocabulary head
             native = native.unpacked()
-        n, k = native.codes.shape
+        n, k = native.shape if isinstance(native, KQuantWeight) else native.codes.shape
         if n % COLUMNS or k % QUANT_GROUP:
             raise ValueError(f"a [{n}, {k}] matrix: the kernels take N % {COLUMNS} == 0 and "
                              f"K % {QUANT_GROUP} == 0")
@@ -123,22 +123,29 @@ class PackedRows:
 
 
 def _tiled_k_quant(weight: KQuantWeight) -> QuantPart:
-    """A K-quant's planes and scales tiled; Q2_K's scale and minimum of a sub-block in one
-    byte (low and high nibble), as its file packs them."""
+    """A K-quant's planes and scales, tiled CHUNK_ROWS rows at a time from its blocks (so a
+    vocabulary head never has all its codes unpacked at once); Q2_K's scale and minimum of a
+    sub-block in one byte (low and high nibble), as its file packs them."""
     f = weight.spec
-    n, k = weight.codes.shape
-    low, high = tile_planes(weight.codes, f.low_bits, f.high_bits, COLUMNS)
-    sub_scales, sub_mins = weight.sub_scales, weight.sub_mins
-    if weight.format == "Q2_K":
-        assert sub_scales is not None and sub_mins is not None
-        sub_scales = sub_scales.view(torch.uint8) | (sub_mins.view(torch.uint8) << 4)
-        sub_mins = None
-
-    def tiled(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else _tile_scales(t)
-
-    return QuantPart("kq", n, k, low, _tile_scales(weight.d), tiled(weight.neg_dmin),
-                     tiled(sub_scales), tiled(sub_mins), high, weight.format)
+    n, k = weight.shape
+    tiles: dict[str, torch.Tensor] = {}
+    for first in range(0, n, CHUNK_ROWS):
+        rows = weight.unpacked(slice(first, first + CHUNK_ROWS))
+        sub_scales, sub_mins = rows.sub_scales, rows.sub_mins
+        if weight.format == "Q2_K":
+            assert sub_scales is not None and sub_mins is not None
+            sub_scales = sub_scales.view(torch.uint8) | (sub_mins.view(torch.uint8) << 4)
+            sub_mins = None
+        chunk = dict(zip(("codes", "high_codes"), tile_planes(
+            rows.codes, f.low_bits, f.high_bits, COLUMNS), strict=False))
+        chunk |= {name: _tile_scales(t) for name, t in (
+            ("scales", rows.d), ("mins", rows.neg_dmin), ("sub_scales", sub_scales),
+            ("sub_mins", sub_mins)) if t is not None}
+        for name, tile in chunk.items():
+            if name not in tiles:
+                tiles[name] = torch.empty((n // COLUMNS, *tile.shape[1:]), dtype=tile.dtype)
+            tiles[name][first // COLUMNS:first // COLUMNS + len(tile)] = tile
+    return QuantPart("kq", n, k, format=weight.format, **tiles)
 
 
 def _tile_scales(per_block: torch.Tensor) -> torch.Tensor:
@@ -155,7 +162,9 @@ LayerParts = dict[str, list[QuantPart]]
 
 
 def rows(weight: NativeWeight | QuantPart | PackedRows) -> int:
-    return weight.n if isinstance(weight, QuantPart) else weight.codes.shape[0]
+    if isinstance(weight, QuantPart):
+        return weight.n
+    return weight.shape[0] if isinstance(weight, KQuantWeight) else weight.codes.shape[0]
 
 
 def covers(config: LlamaConfig, native: dict[str, NativeWeight | QuantPart]) -> bool:

@@ -27,7 +27,6 @@ template <int LOW_, int HIGH_, int SUB_, int SUPER_, int OFFSET_, bool MINS_, bo
 struct Spec {
     static constexpr int LOW = LOW_, HIGH = HIGH_, SUB = SUB_, SUPER = SUPER_, OFFSET = OFFSET_;
     static constexpr bool MINS = MINS_, CODEBOOK = CODEBOOK_, NIBBLES = NIBBLES_;
-    static constexpr bool SIGNED = OFFSET_ > 0 || CODEBOOK_;  // else codes are the values
     static constexpr bool HAS_SUB = SUB_ != SUPER_;
     static constexpr int HALVES = 32 / SUB_;  // sub-blocks a block of 32
 };
@@ -60,6 +59,12 @@ struct KqGroup {
     }
 };
 
+// Block b's sum of quantized inputs over its sub-block h (the whole block where SUB is 32).
+template <class F>
+inline int32_t half_sum(const Quantized& x, int64_t b, int h) {
+    return F::HALVES == 1 ? x.half8[2 * b] + x.half8[2 * b + 1] : x.half8[2 * b + h];
+}
+
 #if defined(__AVX2__)
 
 // Eighth e's codes from a plane of BITS bits (one block's).
@@ -71,7 +76,7 @@ inline __m256i plane_codes(const uint8_t* plane, int e) {
     return _mm256_and_si256(shifted, _mm256_set1_epi8(char((1 << BITS) - 1)));
 }
 
-// Eight columns' integer factors of sub-block s: the scale, or (`minimum`) the minimum.
+// Eight columns' integer factors of a sub-block: the scale, or (`minimum`) the minimum.
 template <class F>
 inline __m256 sub_factors(const uint8_t* bytes, bool minimum) {
     const __m128i b = _mm_loadl_epi64((const __m128i*)bytes);
@@ -89,13 +94,15 @@ void kq_tile(const KqGroup<F>& w, int64_t G, const Inputs& in, int64_t row, floa
     const float* dx = x.d8.data() + row * G;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const __m256i offset = _mm256_set1_epi8(char(F::OFFSET));
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_VALUES));
     for (int64_t g = 0; g < G; ++g) {
         __m256i isum[F::HALVES][R];
         for (int h = 0; h < F::HALVES; ++h)
             for (int r = 0; r < R; ++r) isum[h][r] = _mm256_setzero_si256();
         const int8_t* a = x.q8.data() + row * in.k + g * GROUP;
+        // Unrolled: the planes' shifts become constants and isum[h] stays in registers (a
+        // loop over e indexes them at run time: the sums then live in memory, 3x slower).
+#pragma GCC unroll 8
         for (int e = 0; e < 8; ++e) {
             __m256i code = plane_codes<F::LOW>(w.lo + g * F::LOW * 32, e);
             if constexpr (F::HIGH > 0)
@@ -103,20 +110,24 @@ void kq_tile(const KqGroup<F>& w, int64_t G, const Inputs& in, int64_t row, floa
                     code, _mm256_slli_epi16(plane_codes<F::HIGH>(w.hi + g * F::HIGH * 32, e),
                                             F::LOW));
             const int h = e * F::HALVES / 8;
-            if constexpr (F::SIGNED) {
-                const __m256i c = F::CODEBOOK ? _mm256_shuffle_epi8(table, code)
-                                              : _mm256_sub_epi8(code, offset);
+            if constexpr (F::CODEBOOK) {  // signed values: |value| times x's sign-moved value
+                const __m256i c = _mm256_shuffle_epi8(table, code);
                 const __m256i magnitude = _mm256_sign_epi8(c, c);
                 for (int r = 0; r < R; ++r) {
                     const __m256i v = _mm256_set1_epi32(four_bytes(a + r * in.k + 4 * e));
                     isum[h][r] = dot_u8s8(isum[h][r], magnitude, _mm256_sign_epi8(v, c));
                 }
-            } else {
+            } else {  // codes 0..63 as u8 (value + OFFSET: the offset's share comes off below)
                 for (int r = 0; r < R; ++r)
                     isum[h][r] = dot_u8s8(isum[h][r], code,
                                           _mm256_set1_epi32(four_bytes(a + r * in.k + 4 * e)));
             }
         }
+        if constexpr (F::OFFSET > 0)  // sum((code - OFFSET) x) = sum(code x) - OFFSET sum(x)
+            for (int h = 0; h < F::HALVES; ++h)
+                for (int r = 0; r < R; ++r)
+                    isum[h][r] = _mm256_sub_epi32(isum[h][r], _mm256_set1_epi32(
+                        F::OFFSET * half_sum<F>(x, (row + r) * G + g, h)));
         const int64_t super = g * GROUP / F::SUPER;
         const __m256 d = _mm256_loadu_ps(w.d + super * COLUMNS);
         for (int h = 0; h < F::HALVES; ++h) {
@@ -134,7 +145,7 @@ void kq_tile(const KqGroup<F>& w, int64_t G, const Inputs& in, int64_t row, floa
                 for (int r = 0; r < R; ++r) {
                     const float sum = F::HALVES == 1
                         ? x.sum8[(row + r) * G + g]
-                        : dx[r * G + g] * float(x.half8[((row + r) * G + g) * 2 + h]);
+                        : dx[r * G + g] * float(half_sum<F>(x, (row + r) * G + g, h));
                     acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sum), acc[r]);
                 }
             }
@@ -155,9 +166,9 @@ inline int plane_code(const uint8_t* plane, int e, int at) {
 }
 
 template <class F>
-inline float sub_factor(const uint8_t* byte, bool minimum) {
-    if (!F::MINS) return float(int8_t(*byte));
-    return float(F::NIBBLES ? (minimum ? *byte >> 4 : *byte & 15) : *byte);
+inline int32_t sub_factor(const uint8_t* byte, bool minimum) {
+    if (!F::MINS) return int8_t(*byte);
+    return F::NIBBLES ? (minimum ? *byte >> 4 : *byte & 15) : *byte;
 }
 
 template <int R, class F>
@@ -166,7 +177,7 @@ void kq_tile(const KqGroup<F>& w, int64_t G, const Inputs& in, int64_t row, floa
     const Quantized& x = *in.x;
     for (int r = 0; r < R; ++r) {
         for (int j = 0; j < COLUMNS; ++j) {
-            float total = 0.f;
+            float sum = 0.f;
             for (int64_t g = 0; g < G; ++g) {
                 int32_t dot[2] = {0, 0};
                 for (int i = 0; i < GROUP; ++i) {
@@ -181,18 +192,20 @@ void kq_tile(const KqGroup<F>& w, int64_t G, const Inputs& in, int64_t row, floa
                 const float d = w.d[super * COLUMNS + j];
                 for (int h = 0; h < F::HALVES; ++h) {
                     const int64_t sub = (g * F::HALVES + h) * COLUMNS + j;
-                    const float scale = F::HAS_SUB ? d * sub_factor<F>(w.ss + sub, false) : d;
-                    total += float(dot[h]) * (scale * x.d8[b]);
-                    if (F::MINS) {
+                    const float scale =
+                        F::HAS_SUB ? d * float(sub_factor<F>(w.ss + sub, false)) : d;
+                    sum += float(dot[h]) * (scale * x.d8[b]);
+                    if constexpr (F::MINS) {
                         const float min = w.neg_dmin[super * COLUMNS + j] *
-                                          sub_factor<F>((F::NIBBLES ? w.ss : w.sm) + sub, true);
-                        total += min * (F::HALVES == 1 ? x.sum8[b]
-                                                       : x.d8[b] * float(x.half8[b * 2 + h]));
+                                          float(sub_factor<F>((F::NIBBLES ? w.ss : w.sm) + sub,
+                                                              true));
+                        sum += min * (F::HALVES == 1 ? x.sum8[b]
+                                                     : x.d8[b] * float(half_sum<F>(x, b, h)));
                     }
                 }
             }
             float& out = y[(row + r) * ldy + j];
-            out = accumulate ? out + total : total;
+            out = accumulate ? out + sum : sum;
         }
     }
 }

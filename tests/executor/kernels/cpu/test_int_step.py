@@ -86,11 +86,12 @@ def test_matmul_matches_reference(isa, kind, wide, tokens, k):
 @needs_compiler
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", list(FORMATS))
-@pytest.mark.parametrize("tokens", [1, 3, 9, 19])
+@pytest.mark.parametrize("tokens", [1, 19])
 def test_k_quants_at_their_bits_match_their_reference(isa, kind, tokens):
     """Q2_K, Q3_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS at the file's bits (bit planes, integer
     sub-scales, minimums or a codebook): the values are gguf-py's exactly, and the matmul is
-    the int8 arithmetic's, for every row tile."""
+    the int8 arithmetic's, for every row tile (19 rows: 8 + 8 + 2 + 1 with AVX-512, 4 x 4 +
+    2 + 1 with AVX2)."""
     lib = load_library(isa)
     k = 512
     qtype = gguf.GGMLQuantizationType[kind]

@@ -101,7 +101,8 @@ def _return_freed_memory() -> None:
 class _Embedding:
     """Token rows from a quantized table (Q8_0: scale * code; Q4_0/Q4_1/Q4_K in Q4_1 form:
     scale * code + minimum, its codes packed two a byte where loaded for the integer kernel;
-    Q3_K/Q6_K: d * scale * value; as llama.cpp computes them) or a dense one."""
+    the K-quants and IQ4 from the file's blocks, only the looked-up rows unpacked; as llama.cpp
+    computes them) or a dense one."""
 
     def __init__(self, native: NativeWeight | PackedRows | None,
                  dense: torch.Tensor | None) -> None:

@@ -181,8 +181,8 @@ class StepBudget:
         only where the decodes alone take the target (else it would wait for them forever)."""
         if not (self.seconds and self.decoding):
             return wanted
-        decodes = self.model.predict(self.decodes)
-        if yielding and decodes is not None and decodes < self.seconds:
+        decodes = self.model.predict(self.decodes) if yielding else None
+        if decodes is not None and decodes < self.seconds:
             seconds = min(self.seconds, YIELD_STRETCH * decodes)
             return self.model.most_tokens(self.shape, start, wanted, seconds)
         fit = self.model.most_tokens(self.shape, start, wanted, self.seconds)

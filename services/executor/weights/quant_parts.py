@@ -43,15 +43,6 @@ class QuantPart:
     high_codes: torch.Tensor | None = None  # kq: the high plane, if its format has one
     format: str = ""  # kq: a key of k_quants.FORMATS
 
-    def block_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Scales and minimums per block, [N/8, K/32, 8] float32, multiplied out if factored
-        (the same float32 products as the kernel's)."""
-        if self.sub_scales is None:
-            return self.scales, self.mins
-        assert self.mins is not None and self.sub_mins is not None
-        return (self.scales.repeat_interleave(8, dim=1) * self.sub_scales.float(),
-                self.mins.repeat_interleave(8, dim=1) * self.sub_mins.float())
-
     @classmethod
     def of(cls, native: NativeWeight | KQuantWeight | QuantPart | PackedRows,
            consume: bool = False) -> QuantPart:

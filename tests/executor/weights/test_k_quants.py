@@ -148,9 +148,9 @@ def test_k_quants_parse_and_tile_in_row_chunks_as_whole(kind, monkeypatch):
     chunked = QuantPart.of(weight)
     monkeypatch.setattr(k_quants, "CHUNK_ROWS", 4 * rows)
     whole = QuantPart.of(weight)
-    assert torch.equal(chunked.codes, whole.codes)
-    assert (chunked.high_codes is None) == (whole.high_codes is None)
-    assert chunked.high_codes is None or torch.equal(chunked.high_codes, whole.high_codes)
+    for field in ("codes", "high_codes", "scales", "mins", "sub_scales", "sub_mins"):
+        a, b = getattr(chunked, field), getattr(whole, field)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), field
 
 
 def test_a_model_that_may_release_the_native_forms_keeps_only_the_embedding(reference):

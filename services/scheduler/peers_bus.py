@@ -51,6 +51,13 @@ class Peers:
         await self.runtime.on_message(subjects.engine_unknown_completion(self.engine_id),
                                       UnknownCompletion, self.on_unknown_completion)
 
+    def executor_found(self) -> None:
+        """Its info reply counts as heard from: an executor killed before its first heartbeat
+        reached us (they start as it is ready, and this subscription may miss the first) is
+        then taken for dead DEAD_AFTER later, instead of never (a step held forever)."""
+        self.executor.seen(Heartbeat(service="executor", instance_id="(info reply)",
+                                     engine_id=self.engine_id), time.monotonic())
+
     def executor_silent(self) -> bool:
         """Heard from our executor before, but not lately (it died mid-step)."""
         return bool(self.executor.last_seen) and not self.executor.alive(self.runtime.bus_time())

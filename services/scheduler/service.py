@@ -130,6 +130,7 @@ class SchedulerService:
         await runtime.on_request(subjects.ENGINE_STATS, EngineStatsRequest, self.on_stats)
         await runtime.publish(subjects.ENGINE_CACHE_EVENTS, CacheEvent(
             engine_id=self.engine_id, cleared=True, instance_id=runtime.instance_id))
+        self.peers.executor_found()
         log.info("executor found", engine_id=self.engine_id, num_blocks=self.info.num_blocks,
                  block_size=self.info.block_size, max_model_len=self.info.max_model_len)
 

@@ -45,6 +45,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Runni
     stop_stack(running)
 
 
+@pytest.fixture(scope="session")
+def small_kv_stack(stack, tmp_path_factory: pytest.TempPathFactory) -> RunningStack:
+    """A stack whose KV cache is too small for its load, so that requests are preempted
+    (test_e2e_preemption, and constrained requests in test_e2e_structured_output): 40 blocks
+    of 16 tokens, about 10 short chats at once. Exact mode, as the shared stack (`stack`,
+    started first) that its greedy outputs are compared with."""
+    running = start_stack(tmp_path_factory.mktemp("small-kv"), "--num-blocks", "41",
+                          "--max-num-seqs", "32", "--exact", "--api-key", API_KEY)
+    yield running
+    stop_stack(running)
+
+
 @pytest.fixture
 async def bus():
     """A nats-server of its own on a free port (adapter tests), and a client of it."""
@@ -92,7 +104,8 @@ def thinking_stack(tmp_path_factory: pytest.TempPathFactory) -> ApiCopies:
 TESTS = Path(__file__).resolve().parent
 KINDS = ("unit", "adapter", "e2e")
 # Fixtures that start real parts: a test using one is at least of that kind.
-NEEDS = {"bus": "adapter", "stack": "e2e", "hf_reference": "e2e", "thinking_stack": "e2e"}
+NEEDS = {"bus": "adapter", "stack": "e2e", "hf_reference": "e2e", "thinking_stack": "e2e",
+         "small_kv_stack": "e2e"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers

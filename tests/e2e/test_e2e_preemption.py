@@ -8,22 +8,12 @@ import asyncio
 import openai
 import pytest
 
-from tests.stack import API_KEY, MODEL_NAME, engine_stats, start_stack, stop_stack
+from tests.stack import API_KEY, MODEL_NAME, engine_stats
 
 pytestmark = pytest.mark.model
 
 QUESTIONS = [f"Tell me one fact about the number {i}." for i in range(32)]
 MAX_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def small_stack(stack, tmp_path_factory):
-    # 40 blocks of 16 tokens: about 10 of the 32 requests fit at once. Exact mode, as the
-    # shared stack it is compared with.
-    running = start_stack(tmp_path_factory.mktemp("small"), "--num-blocks", "41",
-                          "--max-num-seqs", "32", "--exact")
-    yield running
-    stop_stack(running)
 
 
 async def _answers(base_url: str) -> list[str]:
@@ -42,11 +32,11 @@ async def _answers(base_url: str) -> list[str]:
         return await asyncio.gather(*(ask(q) for q in QUESTIONS))
 
 
-async def test_preemption_keeps_greedy_outputs_exact(stack, small_stack):
+async def test_preemption_keeps_greedy_outputs_exact(stack, small_kv_stack):
     relaxed = await _answers(stack.base_url)
-    before = await engine_stats(small_stack.nats_url)
-    pressed = await _answers(small_stack.base_url)
-    after = await engine_stats(small_stack.nats_url)
+    before = await engine_stats(small_kv_stack.nats_url)
+    pressed = await _answers(small_kv_stack.base_url)
+    after = await engine_stats(small_kv_stack.nats_url)
 
     num_preemptions = after.num_preemptions - before.num_preemptions
     print(f"preemptions under pressure: {num_preemptions}")  # reported with -s

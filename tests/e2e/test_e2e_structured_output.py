@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.stack import API_KEY, AUTH, MODEL_NAME, engine_stats, start_stack, stop_stack
+from tests.stack import API_KEY, AUTH, MODEL_NAME, engine_stats
 
 pytestmark = pytest.mark.model
 
@@ -233,20 +233,13 @@ async def test_tools_on_completions_are_refused(stack):
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
 
 
-@pytest.fixture(scope="module")
-def small_cache_stack(tmp_path_factory):
-    # 24 blocks of 16 tokens: about three of these requests at once, so some are preempted.
-    running = start_stack(tmp_path_factory.mktemp("constrained"), "--num-blocks", "25",
-                          "--api-key", API_KEY)
-    yield running
-    stop_stack(running)
-
-
-async def test_constrained_requests_survive_preemption(small_cache_stack):
-    before = await engine_stats(small_cache_stack.nats_url)
+async def test_constrained_requests_survive_preemption(small_kv_stack):
+    # Eight of these at once need about 80 blocks (the story's ~5 shared, then ~9 each of
+    # their own): the stack's 40 hold about half of them, so some are preempted.
+    before = await engine_stats(small_kv_stack.nats_url)
     schema = Person.model_json_schema()
     story = "Our town has many people with long histories, jobs, homes and hobbies. " * 4
-    async with client(small_cache_stack.base_url) as sdk:
+    async with client(small_kv_stack.base_url) as sdk:
         async def ask(subject: str) -> str:
             reply = await sdk.chat.completions.create(
                 model=MODEL_NAME, messages=user(f"{story}\nDescribe {subject}."),
@@ -257,5 +250,5 @@ async def test_constrained_requests_survive_preemption(small_cache_stack):
         texts = await asyncio.gather(*(ask(s) for s in SUBJECTS[:8]))
     for text in texts:
         Person.model_validate_json(text)
-    after = await engine_stats(small_cache_stack.nats_url)
+    after = await engine_stats(small_kv_stack.nats_url)
     assert after.num_preemptions > before.num_preemptions

@@ -2,7 +2,11 @@
 move to the other engine, resumed from the tokens already streamed. Each client sees one
 stream with the text of an undisturbed run: greedy and seeded alike, no token twice, none
 missing. Exact mode on both engines, so that computing the streamed tokens again as a prompt
-gives the logits decoding them one by one gave (as the preemption test relies on)."""
+gives the logits decoding them one by one gave (as the preemption test relies on). And an
+engine that dies holding requests that have sent nothing yet: they move too, and end with
+their full answers, not errors (services/api/migration_bus.py's watchdog).
+
+The tests share one stack of two engines; each starts again what the one before killed."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+from dataclasses import dataclass, field
 
 import httpx
 import nats
@@ -33,9 +38,36 @@ REQUESTS = {
     "grammar": {"temperature": 0, "guided_regex": "Once upon a time, ([a-z]+[,.]? ){1,100}"},
 }
 # Each victim once, each kind once or more (the suite's time is counted: the cluster check
-# and bench/cluster_check.sh cover every fault, greedy).
-CASES = [("greedy", "scheduler"), ("seeded", "executor"), ("seeded", "detokenizer"),
-         ("grammar", "scheduler")]
+# and bench/cluster_check.sh cover every fault, greedy). The executor last: it is the
+# slowest to start again, and after the last test nothing needs it.
+CASES = [("greedy", "scheduler"), ("seeded", "detokenizer"), ("grammar", "scheduler"),
+         ("seeded", "executor")]
+
+
+@dataclass
+class TwoEngines:
+    stack: Stack
+    base_url: str
+    url: str
+    argv: dict[str, list[str]]
+    health: str
+    killed: list[tuple[str, list[str], str]] = field(default_factory=list)  # to start again
+    undisturbed: dict[str, dict] = field(default_factory=dict)  # by kind of request
+
+    def kill(self, child, stage: str, argv: list[str]) -> None:
+        os.kill(child.process.pid, signal.SIGKILL)
+        self.stack.children.remove(child)
+        self.killed.append((stage, argv, child.name))
+
+    def restore(self) -> None:
+        """Start again what a test before killed: two copies of each stage."""
+        for stage, argv, name in self.killed:
+            self.stack.start_service(stage, argv, name)
+        if self.killed:
+            dead = wait_until_ready(self.stack, self.health, 300,
+                                    {stage: 2 for stage, _, _ in self.killed})
+            assert dead is None, f"{dead.name} died: {list(dead.tail)}"
+        self.killed.clear()
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +79,7 @@ def two_engines():
     copies = _start_services(stack, url, argv, ENGINES)
     health = f"http://127.0.0.1:{port}/health"
     assert wait_until_ready(stack, health, 300, copies) is None
-    yield stack, f"http://127.0.0.1:{port}/v1", url, argv, health
+    yield TwoEngines(stack, f"http://127.0.0.1:{port}/v1", url, argv, health)
     stack.stop()
 
 
@@ -81,18 +113,22 @@ async def _stream(http: httpx.AsyncClient, base_url: str, sampling: dict,
     return result | {"text": "".join(chunks)}
 
 
-async def _engine_holding(nats_url: str) -> str | None:
-    """The engine running requests now (None: neither)."""
+async def _stats(nats_url: str, engine_id: str) -> EngineStats:
     nc = await nats.connect(nats_url)
     try:
-        for engine_id in ("engine0", "engine1"):
-            msg = await nc.request(subjects.engine_stats(engine_id),
-                                   encode(EngineStatsRequest()), timeout=5)
-            if decode(msg.data, EngineStats).num_running:
-                return engine_id
-        return None
+        msg = await nc.request(subjects.engine_stats(engine_id), encode(EngineStatsRequest()),
+                               timeout=5)
+        return decode(msg.data, EngineStats)
     finally:
         await nc.close()
+
+
+async def _engine_holding(nats_url: str) -> str | None:
+    """The engine running requests now (None: neither)."""
+    for engine_id in ("engine0", "engine1"):
+        if (await _stats(nats_url, engine_id)).num_running:
+            return engine_id
+    return None
 
 
 async def _migrations(http: httpx.AsyncClient, base_url: str) -> float:
@@ -108,16 +144,53 @@ def _replica(child) -> str:
                 if "replica=" in line)
 
 
+async def test_requests_of_a_dead_engine_that_sent_nothing_move_and_finish(two_engines):
+    two_engines.restore()
+    observer = two_engines.stack.observer_url(two_engines.url)
+    # Long prompts (~600 tokens): one thread prefills each in several chunks, a good part of a
+    # second, and the kill comes as soon as engine1 holds one, so it has sent nothing.
+    prompts = [f"Text {i}: " + " ".join(f"w{i}x{j}" for j in range(150)) + " Summarize."
+               for i in range(4)]
+
+    async def complete(http: httpx.AsyncClient, prompt: str) -> dict:
+        response = await http.post(f"{two_engines.base_url}/completions", json={
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+        return {"status": response.status_code, "body": response.json()}
+
+    async def held_by_engine1() -> int:
+        stats = await _stats(observer, "engine1")
+        return stats.num_running + stats.num_waiting
+
+    async with httpx.AsyncClient(timeout=300) as http:
+        run = asyncio.gather(*(complete(http, p) for p in prompts))
+        for _ in range(100):  # until engine1 holds some of them (admitted, prefilling)
+            if await held_by_engine1() > 0:
+                break
+            await asyncio.sleep(0.05)
+        assert await held_by_engine1() > 0
+        [scheduler] = [c for c in two_engines.stack.children if c.name == "scheduler.1"]
+        two_engines.kill(scheduler, "scheduler", [
+            "--nats-url", two_engines.url, "--engine-id", "engine1"])
+        results = await asyncio.wait_for(run, timeout=280)
+    # Every request ends with its answer: engine1's moved to engine0, which served them all.
+    assert all(r["status"] == 200 for r in results), results
+    assert all(r["body"]["choices"][0]["finish_reason"] == "length" for r in results), results
+    assert all(r["body"]["usage"]["completion_tokens"] == 4 for r in results), results
+
+
 @pytest.mark.parametrize(("kind", "victim"), CASES)
 async def test_a_stream_whose_engine_dies_resumes_on_the_other_engine(two_engines, victim,
                                                                       kind):
     """The detokenizer's case: the engine moves the stream to the other copy, which never
     got the tokens the dead copy lost; the api sees the gap and resumes the request from what
     its client has."""
-    stack, base_url, url, argv, health = two_engines
+    two_engines.restore()
+    stack, base_url, url = two_engines.stack, two_engines.base_url, two_engines.url
     observer = stack.observer_url(url)
     async with httpx.AsyncClient(timeout=120) as http:
-        undisturbed = await _stream(http, base_url, REQUESTS[kind])
+        if kind not in two_engines.undisturbed:  # the same for every victim
+            two_engines.undisturbed[kind] = await _stream(http, base_url, REQUESTS[kind])
+        undisturbed = two_engines.undisturbed[kind]
         chunks: list[str] = []
         stream_ids: list[str] = []
         stream = asyncio.create_task(_stream(http, base_url, REQUESTS[kind], chunks,
@@ -133,17 +206,14 @@ async def test_a_stream_whose_engine_dies_resumes_on_the_other_engine(two_engine
             engine = await _engine_holding(observer)
             assert engine is not None, "the stream ended before the kill"
             [child] = [c for c in stack.children if c.name == f"{victim}.{engine[-1]}"]
-            victim_argv = ["--nats-url", url, "--engine-id", engine, *argv.get(victim, [])]
+            victim_argv = ["--nats-url", url, "--engine-id", engine,
+                           *two_engines.argv.get(victim, [])]
         assert not stream.done(), "the stream ended before the kill"
         migrations = await _migrations(http, base_url)
-        os.kill(child.process.pid, signal.SIGKILL)
+        two_engines.kill(child, victim, victim_argv)
         moved = await asyncio.wait_for(stream, timeout=60)
         assert await _migrations(http, base_url) > migrations
     assert undisturbed["error"] is None and undisturbed["completion_tokens"] == MAX_TOKENS
     assert moved["error"] is None, moved
     assert moved["text"] == undisturbed["text"]  # nothing repeated, nothing lost
     assert (moved["finish_reason"], moved["completion_tokens"]) == ("length", MAX_TOKENS)
-    # Back to two copies for the next test.
-    stack.children.remove(child)
-    stack.start_service(victim, victim_argv, child.name)
-    assert wait_until_ready(stack, health, 300, {victim: 2}) is None

@@ -1,11 +1,13 @@
-"""`llmbus up` serving the default model: it starts, serves and leaves no process behind; its bus
-locks every stage to its own user and subjects, over TLS too."""
+"""`llmbus up` serving the default model: it starts, serves, ends a stream cleanly when
+SIGTERM comes mid-answer, and leaves no process behind; its bus locks every stage to its own
+user and subjects, over TLS too."""
 
 from __future__ import annotations
 
 import asyncio
 import re
 import shutil
+import signal
 import subprocess
 
 import nats
@@ -28,7 +30,7 @@ from tests.stack import (
 
 @needs_default_model()
 @pytest.mark.model
-def test_up_serves_and_sigterm_leaves_no_process(tmp_path):
+def test_up_serves_and_sigterm_mid_stream_ends_it_cleanly_and_leaves_no_process(tmp_path):
     stack = start_stack(tmp_path)
     port = int(stack.nats_url.rsplit(":", 1)[1])
     plain_url = f"nats://127.0.0.1:{port}"  # what the services get; credentials via env
@@ -40,7 +42,17 @@ def test_up_serves_and_sigterm_leaves_no_process(tmp_path):
     import httpx
 
     assert httpx.get(stack.base_url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
-    assert stop_stack(stack) == 0
+    with httpx.Client(timeout=60) as http, http.stream(
+            "POST", f"{stack.base_url}/chat/completions", json={
+                "model": MODEL_NAME, "stream": True, "max_tokens": 60, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Count slowly."}]}) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        stack.process.send_signal(signal.SIGTERM)  # mid-answer
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" or any('"error"' in line for line in rest)
+    assert stack.process.wait(60) == 0
     assert processes_mentioning(plain_url) == []
     assert not wait_for_port("127.0.0.1", port, timeout=0.5)
     log = stack.log()

@@ -1,4 +1,5 @@
-"""Shared fixtures: the session's real `llmbus up` stack (tests/stack.py starts it), an OTLP
+"""Shared fixtures: the session's real `llmbus up` stack (tests/stack.py starts it) and the
+stacks that several modules share (a small KV cache; two copies of each stage), an OTLP
 receiver for its traces, a nats-server per adapter test (`bus`), HF transformers as the greedy
 reference. And every test's kind.
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from llmbus.services.launcher import Stack
+from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
 from llmbus.services.model_files import default_model_path
 from tests.otlp_receiver import OtlpReceiver
 from tests.stack import API_KEY, ApiCopies, RunningStack, start_stack, stop_stack
@@ -55,6 +56,30 @@ def small_kv_stack(stack, tmp_path_factory: pytest.TempPathFactory) -> RunningSt
                           "--max-num-seqs", "32", "--exact", "--api-key", API_KEY)
     yield running
     stop_stack(running)
+
+
+TRACE_URL = "http://127.0.0.1:16686/trace/{trace_id}"  # the api's links to a trace viewer
+
+
+@pytest.fixture(scope="session")
+def two_of_each() -> tuple[Stack, str, str]:
+    """Two copies of every stage behind an API key, exact mode (test_replicas compares their
+    outputs with the shared stack's), started one by one: not `llmbus up`, which stops
+    everything when one dies. test_replicas kills an engine's scheduler and starts it again;
+    test_web_pages, after it, kills a detokenizer copy last. Yields the stack, its api's root
+    URL (`/v1` and the pages below it) and its nats URL."""
+    if not default_model_path().is_file():
+        pytest.skip("default model not pulled (`llmbus model pull`)")
+    stack = Stack()
+    port = free_port()
+    url = stack.start_nats()
+    argv = {"api": ["--port", str(port), "--api-key", API_KEY, "--trace-url", TRACE_URL],
+            "scheduler": ["--max-num-seqs", "32"], "executor": ["--threads", "1", "--exact"]}
+    copies = _start_services(stack, url, argv,
+                             {"api": 2, "tokenizer": 2, "detokenizer": 2, "engine": 2})
+    assert wait_until_ready(stack, f"http://127.0.0.1:{port}/health", 300, copies) is None
+    yield stack, f"http://127.0.0.1:{port}", url
+    stack.stop()
 
 
 @pytest.fixture
@@ -105,7 +130,7 @@ TESTS = Path(__file__).resolve().parent
 KINDS = ("unit", "adapter", "e2e")
 # Fixtures that start real parts: a test using one is at least of that kind.
 NEEDS = {"bus": "adapter", "stack": "e2e", "hf_reference": "e2e", "thinking_stack": "e2e",
-         "small_kv_stack": "e2e"}
+         "small_kv_stack": "e2e", "two_of_each": "e2e"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers

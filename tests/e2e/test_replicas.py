@@ -17,27 +17,18 @@ import pytest
 from llmbus.bus import subjects
 from llmbus.bus.codec import decode, encode
 from llmbus.bus.messages import EngineStats, EngineStatsRequest, Heartbeat
-from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
-from tests.stack import API_KEY, MODEL_NAME, needs_default_model, processes_mentioning
+from llmbus.services.launcher import wait_until_ready
+from tests.stack import API_KEY, AUTH, MODEL_NAME, needs_default_model
 
 pytestmark = [pytest.mark.model, needs_default_model()]
 
-REPLICAS = {"api": 2, "tokenizer": 2, "detokenizer": 2, "engine": 2}
 
 
 @pytest.fixture(scope="module")
-def replicas():
-    """Services started one by one (not `llmbus up`, which stops everything when one dies)."""
-    stack = Stack()
-    port = free_port()
-    url = stack.start_nats()
-    argv = {"api": ["--port", str(port)], "scheduler": ["--max-num-seqs", "32"],
-            # exact mode: outputs are compared with the shared stack's
-            "executor": ["--threads", "1", "--exact"]}
-    copies = _start_services(stack, url, argv, REPLICAS)
-    assert wait_until_ready(stack, f"http://127.0.0.1:{port}/health", 300, copies) is None
-    yield stack, f"http://127.0.0.1:{port}/v1", stack.observer_url(url)
-    stack.stop()
+def replicas(two_of_each):
+    """conftest's two copies of every stage (test_web_pages uses them after these tests)."""
+    stack, root, url = two_of_each
+    yield stack, f"{root}/v1", stack.observer_url(url)
 
 
 SERVICES = ("api", "tokenizer", "detokenizer", "scheduler", "executor")
@@ -119,7 +110,7 @@ async def test_any_scrape_counts_the_requests_of_every_api_copy(replicas):
 
     before = sum((await scrape()).values())
     for i in range(16):  # fresh connections, which the kernel spreads over the copies
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as http:
             response = await http.post(f"{base_url}/completions", json={
                 "model": MODEL_NAME, "prompt": f"Count {i}:", "max_tokens": 2})
         assert response.status_code == 200, response.text
@@ -154,10 +145,9 @@ async def test_losing_an_engine_ends_every_request_and_the_other_serves_on(repli
         await asyncio.sleep(0.1)
     await asyncio.sleep(1.0)
     assert await _engine_running(nats_url, "engine1") > 0
-    [pid] = [p for p in processes_mentioning("serve scheduler")
-             if p in {c.process.pid for c in stack.children}
-             and "engine1" in open(f"/proc/{p}/cmdline").read()]
-    os.kill(pid, signal.SIGKILL)
+    [scheduler] = [c for c in stack.children if c.name == "scheduler.1"]
+    assert "engine1" in open(f"/proc/{scheduler.process.pid}/cmdline").read()
+    os.kill(scheduler.process.pid, signal.SIGKILL)
     # Every client ends: engine1's streams with an error (or, if nothing was sent yet,
     # moved to engine0), engine0's with their full text. None hangs.
     results = await asyncio.wait_for(run, timeout=240)
@@ -169,3 +159,9 @@ async def test_losing_an_engine_ends_every_request_and_the_other_serves_on(repli
     # New requests go to the live engine.
     again = await _ask_all(base_url, ["Say hi."] * 4, max_tokens=4)
     assert all(isinstance(r, str) and r for r in again)
+    # Two engines again, for test_web_pages.
+    stack.children.remove(scheduler)
+    argv = scheduler.process.args  # [python, -m, llmbus.services.cli, serve, scheduler, ...]
+    stack.start_service("scheduler", argv[argv.index("scheduler") + 1:], scheduler.name)
+    health = base_url.removesuffix("/v1") + "/health"
+    assert wait_until_ready(stack, health, 300, {"scheduler": 2}) is None

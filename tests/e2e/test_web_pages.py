@@ -1,6 +1,6 @@
 """The chat page (`/`) and the pipeline page (`/pipeline`) in a real browser: Debian's
-chromium, headless, driven by Playwright, against a real stack of two api copies, two engines
-and two detokenizer copies behind an API key. Each test keeps a screenshot in
+chromium, headless, driven by Playwright, against a real stack of two copies of every stage
+behind an API key (conftest's two_of_each). Each test keeps a screenshot in
 test-artifacts/web/ (or $LLMBUS_TEST_ARTIFACTS/web/)."""
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ import httpx
 import pytest
 from playwright.async_api import expect
 
-from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
 from tests.stack import API_KEY, AUTH, MODEL_NAME, REPO, needs_default_model
 
 pytestmark = [pytest.mark.model, needs_default_model()]
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(os.environ.get("LLMBUS_TEST_ARTIFACTS", REPO / "test-artifacts")) / "web"
-REPLICAS = {"api": 2, "tokenizer": 1, "detokenizer": 2, "engine": 2}
-TRACE_URL = "http://127.0.0.1:16686/trace/{trace_id}"
 WAIT_MS = 120_000  # a busy 2-core machine: answers and heartbeats may be slow
 # Records the last assistant message's text at every animation frame where it changed: what
 # the user saw painted, in order.
@@ -42,20 +39,13 @@ RECORD_PAINTS = """() => {
 
 
 @pytest.fixture(scope="module")
-def web_stack():
-    """Services started one by one (not `llmbus up`, which stops everything when one dies:
-    a test kills a detokenizer copy)."""
+def web_stack(two_of_each):
+    """conftest's two copies of every stage, behind an API key (test_replicas used them
+    before; the last test here kills a detokenizer copy)."""
     if not Path(CHROMIUM).is_file():
         pytest.skip("no chromium: `apt-get install chromium` (./dev test does it as root)")
-    stack = Stack()
-    port = free_port()
-    url = stack.start_nats()
-    argv = {"api": ["--port", str(port), "--api-key", API_KEY, "--trace-url", TRACE_URL],
-            "executor": ["--threads", "1"]}
-    copies = _start_services(stack, url, argv, REPLICAS)
-    assert wait_until_ready(stack, f"http://127.0.0.1:{port}/health", 300, copies) is None
-    yield stack, f"http://127.0.0.1:{port}"
-    stack.stop()
+    stack, root, _ = two_of_each
+    return stack, root
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +233,7 @@ async def test_stop_aborts_the_request_on_the_server(web_stack, page):
 async def test_the_pipeline_page_shows_the_live_stack(web_stack, page):
     stack, base = web_stack
     await page.goto(base + "/pipeline")
-    expected = {"api": 2, "tokenizer": 1, "scheduler": 2, "executor": 2, "detokenizer": 2}
+    expected = {"api": 2, "tokenizer": 2, "scheduler": 2, "executor": 2, "detokenizer": 2}
     for stage, count in expected.items():
         await expect(_copies(page, stage)).to_have_count(count, timeout=WAIT_MS)
     # Requests made by the tests before this one, with links to their traces.

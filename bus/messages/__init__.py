@@ -66,6 +66,14 @@ from llmbus.bus.messages.to_scheduler import (
     SubmitRequest,
     UnknownCompletion,
 )
+from llmbus.bus.messages.to_shard import (
+    ShardFetch,
+    ShardHidden,
+    ShardInfo,
+    ShardInfoRequest,
+    ShardSetup,
+    ShardStep,
+)
 from llmbus.bus.messages.to_tokenizer import (
     Admission,
     CacheEvent,
@@ -85,7 +93,8 @@ __all__ = [
     "KvTransferReport", "ModelInfo", "ModelInfoRequest", "NewRequestData", "Ping", "Pong",
     "PooledEmbedding", "PrefillDone", "PrefillReply", "PrefillRequest", "RecentRequest",
     "RequestTokens",
-    "ResumedCompletion", "SamplingParams", "ScheduledRequest", "StepPlan", "StepResult",
+    "ResumedCompletion", "SamplingParams", "ScheduledRequest", "ShardFetch", "ShardHidden",
+    "ShardInfo", "ShardInfoRequest", "ShardSetup", "ShardStep", "StepPlan", "StepResult",
     "StructuredOutput", "SubmitRequest", "TextDelta", "TextLogprob", "TokenBatch",
     "TokenLogprobs", "UnknownCompletion",
 ]

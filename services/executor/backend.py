@@ -24,7 +24,7 @@ class Backend(Protocol):
     dtype: torch.dtype  # of the activations it takes and the logits' source
     device: torch.device
     # A split model's lead shard hands the residual stream after its layers to the other
-    # shards here and takes theirs back (pipeline_lead.py); None: the model is whole.
+    # shards here and takes theirs back (pipeline_lead_bus.py); None: the model is whole.
     after_layers: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor] | None
 
     def set_max_positions(self, max_positions: int) -> None:

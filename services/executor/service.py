@@ -111,6 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pooling", choices=("mean", "cls", "last"), default=None,
                         help="how an embedding pools the prompt's final hidden states "
                              "(default: the file's <arch>.pooling_type, else mean)")
+    _add_shard_arguments(parser)
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds to keep serving steps while the scheduler "
+                             "finishes its requests (default: 30)")
+
+
+def _add_shard_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard", default=None, metavar="I/N",
                         help="run shard I of N of this engine's executor, the model split by "
                              "layers (N up to its layer count) over processes that may run on "
@@ -124,9 +131,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-timeout", type=float, default=120.0,
                         help="lead shard: seconds to wait for a shard's answer to a step "
                              "before the engine is given up as dead (default: 120)")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="on SIGTERM, seconds to keep serving steps while the scheduler "
-                             "finishes its requests (default: 30)")
 
 
 def default_small_step_threads(threads: int) -> int:

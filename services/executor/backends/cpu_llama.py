@@ -98,6 +98,20 @@ def _return_freed_memory() -> None:
         pass
 
 
+def _integer_step(config: LlamaConfig, dense: dict[str, torch.Tensor],
+                  native: dict[str, NativeWeight], lib: ctypes.CDLL, num_threads: int,
+                  release: bool) -> IntStep:
+    """The integer kernel's layers and head (none in a layer shard: layer_slice.py); with
+    `release`, each matrix leaves `native` once tiled."""
+    parts = layer_parts(config, native, release)
+    head = None
+    if config.has_vocab:
+        untied = release and native.get("output.weight") is not native.get(
+            "token_embd.weight")  # the embedding keeps a tied table
+        head = QuantPart.of(native.pop("output.weight") if untied else native["output.weight"])
+    return IntStep(config, dense, parts, head, lib, num_threads)
+
+
 class _Graph:
     """One session and its reusable binding; `run` binds torch tensors in place."""
 
@@ -155,14 +169,7 @@ class CpuLlamaModel:
         if config.num_experts:
             self.int_moe = IntMoeStep(config, dense, native, lib, num_threads)
         elif integer_kernel:
-            parts = layer_parts(config, native, release)
-            head = None  # a layer shard has none (layer_slice.py)
-            if config.has_vocab:
-                untied = release and native.get("output.weight") is not native.get(
-                    "token_embd.weight")  # the embedding keeps a tied table
-                head = QuantPart.of(native.pop("output.weight") if untied
-                                    else native["output.weight"])
-            self.int_step = IntStep(config, dense, parts, head, lib, num_threads)
+            self.int_step = _integer_step(config, dense, native, lib, num_threads, release)
         # ONNX Runtime runs what llmbus's kernels do not: every step of the exact mode, and the
         # fast mode's where no compiler built the kernels or the file has matrices they do not
         # take. Where they do, no graph is built, and no copy of the weights kept for one.
@@ -172,10 +179,10 @@ class CpuLlamaModel:
         self.embed = self.output_norm = None  # a layer shard's: none (layer_slice.py)
         if config.has_vocab:
             self.embed = TokenEmbedding(native.get("token_embd.weight"),
-                                    dense.get("token_embd.weight"))
+                                        dense.get("token_embd.weight"))
             self.output_norm = dense["output_norm.weight"].float()  # embeddings' final norm
         # The lead shard of a split model hands the residual stream to the other shards here
-        # (pipeline_lead.py): hidden [T, D] after this model's layers -> after the last one's.
+        # (pipeline_lead_bus.py): hidden [T, D] after this model's layers -> after the last one's.
         self.after_layers: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor] | None = None
         self._residual = torch.empty(0, config.hidden_size)
         self.qkv_biases = [qkv_bias(dense, i) for i in range(config.num_layers)]

@@ -158,7 +158,7 @@ class LlamaModel:
                             else w("output.weight"))  # [V, D]
             self.output_norm = w("output_norm.weight")
         # The lead shard of a split model hands the residual stream to the other shards here
-        # (pipeline_lead.py): hidden [T, D] after this model's layers -> after the last one's.
+        # (pipeline_lead_bus.py): hidden [T, D] after this model's layers -> after the last one's.
         self.after_layers: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor] | None = None
         self.set_max_positions(max_positions)
         self.scale = config.scale

@@ -23,12 +23,15 @@ from pathlib import Path
 import msgspec
 import structlog
 import torch
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from llmbus.bus import subjects
 from llmbus.bus.codec import encode
+from llmbus.bus.liveness import DEAD_AFTER, HEARTBEAT_INTERVAL, Liveness
 from llmbus.bus.messages import (
     BlockCopy,
+    Heartbeat,
     ShardFetch,
     ShardHidden,
     ShardInfo,
@@ -93,6 +96,8 @@ class PipelineLead:
         self.copies: list[BlockCopy] = []  # the runner's, for the next step's first hop
         self.hidden_size = 0
         self.step_id = 0
+        self.shards_heard = Liveness()  # by instance; the index each beats for in `shard`
+        self.connected_at = 0.0
 
     def _subject(self, index: int, what: str) -> str:
         return subjects.executor_shard(self.engine_id, index, what)
@@ -123,6 +128,8 @@ class PipelineLead:
                          end_layer=layers.end, backend=choice.describe(),
                          kv_dtype=choice.kv_dtype, kv_budget_bytes=0, kv_token_bytes=0,
                          weight_bytes=slice_file_bytes(model_path, layers))
+        await self.runtime.on_message(subjects.heartbeat("executor"), Heartbeat,
+                                      self._on_heartbeat)
         shards = [await self._find(index) for index in range(1, self.count)]
         problem = check_shards(lead, shards, self.count)
         if problem:
@@ -151,8 +158,21 @@ class PipelineLead:
             log.info(f"executor shard {index}/{self.count}: layers {info.first_layer}:"
                      f"{info.end_layer}, {info.backend}, {info.weight_bytes / 2**20:.0f} MiB "
                      f"of weights, {info.kv_bytes / 2**20:.0f} MiB of KV")
+        self.connected_at = self.runtime.bus_time()
         runner.copies_for_shards = self.copies
         runner.model.after_layers = self.after_layers
+
+    async def _on_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
+        if heartbeat.engine_id == self.engine_id and heartbeat.shard:
+            self.shards_heard.seen(heartbeat, self.runtime.bus_time())
+
+    def _silent(self, index: int) -> bool:
+        """Whether no copy of shard `index` has beaten for DEAD_AFTER (the heartbeat rule
+        every stage judges its peers by)."""
+        now = self.runtime.bus_time()
+        if now - self.connected_at <= DEAD_AFTER:  # its first beats may still be coming
+            return False
+        return not any(h.shard == f"{index}/{self.count}" for h in self.shards_heard.alive(now))
 
     def after_layers(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """On the forward thread: hidden [T, D] after the lead's layers -> after the last
@@ -199,12 +219,21 @@ class PipelineLead:
         return hidden_from_parts(out, self.hidden_size, first.dtype).to(hidden.device)
 
     async def _ask(self, index: int, what: str, message: ShardStep | ShardFetch) -> ShardHidden:
+        """The shard's answer; ShardLost when it cannot come: nobody listens, the step
+        timed out, or the shard went silent meanwhile (a process killed mid-step)."""
+        asking = asyncio.ensure_future(self.runtime.request(
+            self._subject(index, what), message, ShardHidden, timeout=self.step_timeout))
         try:
-            answer = await self.runtime.request(self._subject(index, what), message,
-                                                ShardHidden, timeout=self.step_timeout)
+            while not (await asyncio.wait({asking}, timeout=HEARTBEAT_INTERVAL))[0]:
+                if self._silent(index):
+                    raise ShardLost(f"shard {index}/{self.count} of engine {self.engine_id} "
+                                    "went silent during a step")
+            answer = asking.result()
         except (NatsError, TimeoutError) as exc:
             raise ShardLost(f"shard {index}/{self.count} of engine {self.engine_id} did not "
                             f"answer a step ({type(exc).__name__})") from exc
+        finally:
+            asking.cancel()
         if answer.error:
             raise RuntimeError(f"shard {index}/{self.count}: {answer.error}")
         return answer

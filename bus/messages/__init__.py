@@ -67,6 +67,7 @@ from llmbus.bus.messages.to_scheduler import (
     UnknownCompletion,
 )
 from llmbus.bus.messages.to_shard import (
+    NOT_SET_UP,
     ShardFetch,
     ShardHidden,
     ShardInfo,
@@ -85,7 +86,8 @@ from llmbus.bus.messages.to_tokenizer import (
 )
 
 __all__ = [
-    "AbortRequest", "Admission", "ApiMetricsRequest", "ApiMetricsSnapshot", "BlockCopy",
+    "NOT_SET_UP", "AbortRequest", "Admission", "ApiMetricsRequest", "ApiMetricsSnapshot",
+    "BlockCopy",
     "CacheEvent", "ChatMessage", "CompletionStart", "DecodeRequest", "DecodeResult", "DeltaBatch",
     "EncodeRequest", "EncodeResult", "EngineStats", "EngineStatsRequest", "ErrorCode",
     "ExecutorInfo", "ExecutorInfoRequest", "FinishReason", "GenerateRequest", "GrammarReply",

@@ -10,6 +10,10 @@ from __future__ import annotations
 from llmbus.bus.messages.common import Message
 from llmbus.bus.messages.to_executor import BlockCopy
 
+# ShardHidden.error of a shard that no lead has set up: it started after its lead did, and
+# the KV its lead's requests hold is not in it (the lead gives its engine up).
+NOT_SET_UP = "not set up by a lead since it started"
+
 
 class ShardSetup(Message):
     """lead -> shard, once it has found every shard: the engine's KV geometry. The shard

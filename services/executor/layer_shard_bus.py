@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 
 from llmbus.bus import subjects
 from llmbus.bus.messages import (
+    NOT_SET_UP,
     Heartbeat,
     ShardFetch,
     ShardHidden,
@@ -81,6 +82,8 @@ class LayerShardService:
         elif self._first is None or part.step_id != self._first.step_id:
             return ShardHidden(error=f"part {part.part} of step {part.step_id} without its "
                                      "first part")
+        if self.shard.kv_cache is None:
+            return ShardHidden(error=NOT_SET_UP)
         self._incoming.append(part.hidden)
         if len(self._incoming) < part.num_parts:
             return ShardHidden()

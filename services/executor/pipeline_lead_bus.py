@@ -30,6 +30,7 @@ from llmbus.bus import subjects
 from llmbus.bus.codec import encode
 from llmbus.bus.liveness import DEAD_AFTER, HEARTBEAT_INTERVAL, Liveness
 from llmbus.bus.messages import (
+    NOT_SET_UP,
     BlockCopy,
     Heartbeat,
     ShardFetch,
@@ -61,7 +62,7 @@ FIND_PROGRESS_SECONDS = 10.0  # a line while shards are still loading
 
 
 class ShardLost(RuntimeError):
-    """A layer shard did not answer a step."""
+    """A layer shard did not answer a step, or lost its KV cache (it started again)."""
 
 
 def check_shards(lead: ShardInfo, shards: list[ShardInfo], count: int) -> str:
@@ -234,6 +235,9 @@ class PipelineLead:
                             f"answer a step ({type(exc).__name__})") from exc
         finally:
             asking.cancel()
+        if answer.error == NOT_SET_UP:
+            raise ShardLost(f"shard {index}/{self.count} of engine {self.engine_id} started "
+                            "again: the KV cache of its layers is gone")
         if answer.error:
             raise RuntimeError(f"shard {index}/{self.count}: {answer.error}")
         return answer

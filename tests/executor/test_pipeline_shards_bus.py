@@ -22,6 +22,8 @@ from llmbus.bus.messages import (
     NewRequestData,
     SamplingParams,
     ScheduledRequest,
+    ShardInfo,
+    ShardInfoRequest,
     StepPlan,
     StepResult,
 )
@@ -158,14 +160,16 @@ async def test_shards_that_do_not_make_up_one_model_are_refused_in_one_line(
             await runtime.close()
 
 
-async def test_a_lead_whose_shard_stops_answering_exits_in_one_line(small_bus, tmp_path):
-    """The lead runs as its own process: losing a shard ends it (its engine is then dead by
-    the scheduler's heartbeat rules, and its requests move on)."""
+async def test_a_lead_whose_shard_started_again_exits_in_one_line(small_bus, tmp_path):
+    """The lead runs as its own process. A shard that started again has lost its layers' KV,
+    which the lead's requests hold: the lead gives its engine up (exit 1, one line), as it
+    does for a shard gone (the e2e test kills one), and the engine is then dead by the
+    scheduler's heartbeat rules, its requests moving on."""
     model = tmp_path / "tiny.gguf"
     write_tiny_llama(model, SPEC, quantized="Q8_0")
     runtimes: list[ServiceRuntime] = []
-    shard = asyncio.create_task(await _serve(small_bus, _args(model, "e", "--shard", "1/2"),
-                                             runtimes))
+    shard_args = _args(model, "e", "--shard", "1/2")
+    shard = asyncio.create_task(await _serve(small_bus, shard_args, runtimes))
     lead = subprocess.Popen(
         [sys.executable, "-m", "llmbus.services.cli", "serve", "executor", "--model",
          str(model), "--engine-id", "e", "--shard", "0/2", "--nats-url", small_bus,
@@ -175,10 +179,12 @@ async def test_a_lead_whose_shard_stops_answering_exits_in_one_line(small_bus, t
     try:
         first = (await _run_plans(client, "e"))[0]
         assert first.error == "" and len(first.sampled_token_ids) == 2
-        for runtime in runtimes:  # the shard goes
-            runtime.stop_event.set()
+        runtimes[0].stop_event.set()  # the shard goes, and a new one comes
         await asyncio.wait_for(shard, 30)
         await runtimes[0].close()
+        shard = asyncio.create_task(await _serve(small_bus, shard_args, runtimes))
+        await _ask(client, subjects.executor_shard("e", 1, "info"), ShardInfoRequest(),
+                   ShardInfo)  # the new shard is up
         with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
             await client.request(subjects.executor_step("e"), encode(StepPlan(
                 step_id=9, scheduled=[ScheduledRequest("a", 73, 1)])), timeout=3)
@@ -187,8 +193,13 @@ async def test_a_lead_whose_shard_stops_answering_exits_in_one_line(small_bus, t
             await asyncio.sleep(0.1)
         output = lead.communicate(timeout=10)[0]
         assert lead.returncode == 1, output
-        assert "shard 1/2 of engine e did not answer a step (NoRespondersError); exiting, " \
-               "so that engine e's requests move on" in output
+        assert "shard 1/2 of engine e started again: the KV cache of its layers is gone; " \
+               "exiting, so that engine e's requests move on" in output
     finally:
         lead.kill()
+        for runtime in runtimes[1:]:
+            runtime.stop_event.set()
+        await asyncio.gather(shard, return_exceptions=True)
+        for runtime in runtimes[1:]:
+            await runtime.close()
         await client.close()

@@ -59,6 +59,12 @@ def executor_step(engine_id: str) -> str:
     return f"{PREFIX}.engine.{engine_id}.executor.step"
 
 
+def executor_shard(engine_id: str, index: int | str, what: str) -> str:
+    """lead shard -> layer shard `index` of an engine split by layers (request/reply; `what`:
+    info (ShardInfoRequest), setup (ShardSetup), step (ShardStep), fetch (ShardFetch))."""
+    return f"{PREFIX}.engine.{engine_id}.executor.shard.{index}.{what}"
+
+
 def executor_grammar(engine_id: str) -> str:
     """scheduler -> executor (request/reply): compile a request's output constraint ahead."""
     return f"{PREFIX}.engine.{engine_id}.executor.grammar"

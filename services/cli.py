@@ -121,10 +121,16 @@ def _add_up_command(commands: argparse._SubParsersAction) -> None:
                          "(an engine is a scheduler with its executor; api copies share the "
                          "port through SO_REUSEPORT); prefill=1,decode=1 starts disaggregated "
                          "engines (--role) instead of mixed ones (default: 1 of each)")
+    up.add_argument("--pipeline-shards", type=int, default=1, metavar="N",
+                    help="split each engine's executor into N processes by layers (the "
+                         "executor's --shard; for trials on one machine: across machines, "
+                         "start `llmbus serve executor --shard I/N` on each) (default: 1)")
     seen: set[tuple[str, ...]] = set()
     for name in SERVICE_ORDER:
         group = up.add_argument_group(f"{name} options")
         for option in service_options(name):
+            if option.dest in PER_SHARD_OPTIONS:  # `up` gives each shard its own
+                continue
             if option.flags not in seen:  # shared by several services: declared once
                 seen.add(option.flags)
                 group.add_argument(*option.flags, **option.kwargs)
@@ -171,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
 SECRET_OPTIONS = {"api_key": "LLMBUS_API_KEY"}
 
 
+# The executor's options that name one shard of a split engine: `up` sets them per process.
+PER_SHARD_OPTIONS = ("shard", "layers")
+
+
 def _argv_for(name: str, args: argparse.Namespace) -> list[str]:
     """Re-create the command-line options of one service from `up`'s parsed options (the
     secret ones excepted: see SECRET_OPTIONS). An option with a second, deprecated spelling
@@ -180,7 +190,8 @@ def _argv_for(name: str, args: argparse.Namespace) -> list[str]:
         argv.append("--trace-console")
     handed: set[str] = set()
     for option in service_options(name):
-        if option.dest not in SECRET_OPTIONS and option.dest not in handed:
+        if (option.dest not in SECRET_OPTIONS and option.dest not in handed
+                and option.dest not in PER_SHARD_OPTIONS):
             handed.add(option.dest)
             argv += option.argv(getattr(args, option.dest, option.default))
     return argv
@@ -260,6 +271,8 @@ def _up(args: argparse.Namespace) -> int:
     try:
         replicas = parse_replicas(args.replicas)
         tls = _tls_files(args)
+        if args.pipeline_shards < 1:
+            raise ValueError("--pipeline-shards: an executor is at least 1 process")
     except ValueError as exc:
         print(f"llmbus: {exc}", file=sys.stderr)
         return 2
@@ -269,6 +282,7 @@ def _up(args: argparse.Namespace) -> int:
     return run_stack({name: _argv_for(name, args) for name in SERVICE_ORDER},
                      nats_url=args.nats_url, api_host=args.host, api_port=args.port,
                      ready_timeout=args.ready_timeout, replicas=replicas,
+                     pipeline_shards=args.pipeline_shards,
                      nats_auth=not args.no_nats_auth, nats_tls=tls)
 
 

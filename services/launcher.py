@@ -272,8 +272,9 @@ def wait_until_ready(stack: Stack, health_url: str, timeout: float,
 
 
 def _start_services(stack: Stack, url: str, service_argv: dict[str, list[str]],
-                    replicas: dict[str, int]) -> dict[str, int]:
-    """One process per copy; returns how many copies of each stage to wait for."""
+                    replicas: dict[str, int], pipeline_shards: int = 1) -> dict[str, int]:
+    """One process per copy (and per shard of a split executor); returns how many copies of
+    each stage to wait for."""
     def label(name: str, index: int, count: int) -> str:
         return name if count == 1 else f"{name}.{index}"
 
@@ -287,19 +288,26 @@ def _start_services(stack: Stack, url: str, service_argv: dict[str, list[str]],
                 argv += ["--engine-id", f"{kind}{index}"]
             if kind != "engine" and name == "scheduler":
                 argv += ["--role", kind]
-            stack.start_service(name, argv, label(name if kind == "engine" else
-                                                  f"{name}.{kind}", index, num_engines))
+            named = label(name if kind == "engine" else f"{name}.{kind}", index, num_engines)
+            if name == "executor" and pipeline_shards > 1:  # the lead, then the layer shards
+                for shard in range(pipeline_shards):
+                    stack.start_service(name, [*argv, "--shard", f"{shard}/{pipeline_shards}"],
+                                        named if shard == 0 else f"{named}.shard{shard}")
+                continue
+            stack.start_service(name, argv, named)
     for name in ("tokenizer", "detokenizer", "api"):
         for index in range(replicas[name]):
             stack.start_service(name, ["--nats-url", url, *service_argv.get(name, [])],
                                 label(name, index, replicas[name]))
-    return {"scheduler": num_engines, "executor": num_engines, "api": replicas["api"],
+    return {"scheduler": num_engines, "executor": num_engines * pipeline_shards,
+            "api": replicas["api"],
             "tokenizer": replicas["tokenizer"], "detokenizer": replicas["detokenizer"]}
 
 
 def run_stack(service_argv: dict[str, list[str]], *, nats_url: str | None, api_host: str,
               api_port: int, ready_timeout: float, replicas: dict[str, int] | None = None,
-              nats_auth: bool = True, nats_tls: tuple[str, str] | None = None) -> int:
+              nats_auth: bool = True, nats_tls: tuple[str, str] | None = None,
+              pipeline_shards: int = 1) -> int:
     """Start everything, wait for SIGINT/SIGTERM or a death, stop everything. Exit code."""
     stop_requested = threading.Event()
 
@@ -313,7 +321,7 @@ def run_stack(service_argv: dict[str, list[str]], *, nats_url: str | None, api_h
     try:
         url = nats_url or stack.start_nats(auth=nats_auth, tls=nats_tls)
         copies = _start_services(stack, url, service_argv,
-                                 replicas or {name: 1 for name in REPLICABLE})
+                                 replicas or {name: 1 for name in REPLICABLE}, pipeline_shards)
         try:
             dead = wait_until_ready(stack, f"http://{api_host}:{api_port}/health", ready_timeout,
                                     copies)

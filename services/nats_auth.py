@@ -75,8 +75,9 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
                       S.engine_unknown_completion(ANY), S.ping("scheduler"), _inbox("scheduler")],
     },
     "executor": {
-        "publish": [S.heartbeat("executor"), S.executor_kv(ANY)],
+        "publish": [S.heartbeat("executor"), S.executor_kv(ANY), S.executor_shard(ANY, ANY, ANY)],
         "subscribe": [S.executor_info(ANY), S.executor_step(ANY), S.executor_grammar(ANY),
+                      S.executor_shard(ANY, ANY, ANY), S.heartbeat("executor"),
                       S.executor_kv_receive(ANY), S.executor_kv(ANY), S.ping("executor"),
                       _inbox("executor")],
     },

@@ -66,6 +66,15 @@ from llmbus.bus.messages.to_scheduler import (
     SubmitRequest,
     UnknownCompletion,
 )
+from llmbus.bus.messages.to_shard import (
+    NOT_SET_UP,
+    ShardFetch,
+    ShardHidden,
+    ShardInfo,
+    ShardInfoRequest,
+    ShardSetup,
+    ShardStep,
+)
 from llmbus.bus.messages.to_tokenizer import (
     Admission,
     CacheEvent,
@@ -77,7 +86,8 @@ from llmbus.bus.messages.to_tokenizer import (
 )
 
 __all__ = [
-    "AbortRequest", "Admission", "ApiMetricsRequest", "ApiMetricsSnapshot", "BlockCopy",
+    "NOT_SET_UP", "AbortRequest", "Admission", "ApiMetricsRequest", "ApiMetricsSnapshot",
+    "BlockCopy",
     "CacheEvent", "ChatMessage", "CompletionStart", "DecodeRequest", "DecodeResult", "DeltaBatch",
     "EncodeRequest", "EncodeResult", "EngineStats", "EngineStatsRequest", "ErrorCode",
     "ExecutorInfo", "ExecutorInfoRequest", "FinishReason", "GenerateRequest", "GrammarReply",
@@ -85,7 +95,8 @@ __all__ = [
     "KvTransferReport", "ModelInfo", "ModelInfoRequest", "NewRequestData", "Ping", "Pong",
     "PooledEmbedding", "PrefillDone", "PrefillReply", "PrefillRequest", "RecentRequest",
     "RequestTokens",
-    "ResumedCompletion", "SamplingParams", "ScheduledRequest", "StepPlan", "StepResult",
+    "ResumedCompletion", "SamplingParams", "ScheduledRequest", "ShardFetch", "ShardHidden",
+    "ShardInfo", "ShardInfoRequest", "ShardSetup", "ShardStep", "StepPlan", "StepResult",
     "StructuredOutput", "SubmitRequest", "TextDelta", "TextLogprob", "TokenBatch",
     "TokenLogprobs", "UnknownCompletion",
 ]

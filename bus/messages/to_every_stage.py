@@ -23,6 +23,9 @@ class Heartbeat(Message):
     role: str = ""  # an engine's: "mixed" (or empty), "prefill" or "decode"
     num_queued_tokens: int = 0  # an engine's prompt tokens not computed yet (held or queued)
     num_evictable_blocks: int = 0  # cached blocks no request holds: free for the taking
+    # A layer shard of the engine's executor ("1/2": shard 1 of 2; layer_slice.py); its
+    # engine's scheduler watches the lead shard (0), which answers for every shard.
+    shard: str = ""
 
 
 class Ping(Message):

@@ -22,6 +22,7 @@ class ExecutorInfo(Message):
     # An encoder (BERT's family): every prompt in one step, never in chunks.
     whole_prompts: bool = False
     embed_only: bool = False  # an encoder, or `--task embed`: generation is refused
+    num_shards: int = 1  # processes its model is split over by layers (layer_slice.py)
 
 
 class KvLayout(Message):

@@ -8,6 +8,7 @@ kernel or ONNX Runtime); backend_choice.py picks one, backends/loading.py loads 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -22,6 +23,9 @@ class Backend(Protocol):
     config: LlamaConfig
     dtype: torch.dtype  # of the activations it takes and the logits' source
     device: torch.device
+    # A split model's lead shard hands the residual stream after its layers to the other
+    # shards here and takes theirs back (pipeline_lead_bus.py); None: the model is whole.
+    after_layers: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor] | None
 
     def set_max_positions(self, max_positions: int) -> None:
         """Size the rotary tables for positions [0, max_positions)."""
@@ -31,6 +35,12 @@ class Backend(Protocol):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T]; logits_indices [S] -> float32 logits [S, V] of the rows
         that sample. Writes this step's K/V into `kv_cache` at `meta.slot_mapping`."""
+
+    def forward_layers(self, hidden: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata,
+                       kv_cache: KVCache) -> torch.Tensor:
+        """hidden [T, D], the residual stream into this model's first layer -> after its last:
+        what a layer shard (layer_slice.py) computes. Writes this step's K/V."""
 
     def last_hidden(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [H] of the last forward's tokens -> float32 [H, D]: their final hidden states

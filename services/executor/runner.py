@@ -1,3 +1,4 @@
+# Over 300 lines: a step's bookkeeping, forward and sampling share every request's state.
 """The executor's pure core: a StepPlan's bookkeeping, one batched forward, sampling.
 
 No NATS, no asyncio: the service adapter decodes a StepPlan, calls `ModelRunner.execute`, and
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from llmbus.bus.messages import (
+    BlockCopy,
     ExecutorInfo,
     KvTransferReport,
     NewRequestData,
@@ -52,6 +54,7 @@ from llmbus.services.executor.sampling.penalties import TokenCounts
 from llmbus.services.executor.sampling.sampled_tokens import SampledTokens
 from llmbus.services.executor.sampling.sampler import sample
 from llmbus.services.executor.sampling.sampling_tensors import RequestSampling, SamplingTensors
+from llmbus.services.executor.weights.layer_slice import LayerSlice
 from llmbus.services.gguf_metadata import read_metadata
 
 # A step this small (a few decodes) is short and memory-bound. When the executor shares a small
@@ -96,7 +99,7 @@ class ModelRunner:
                  num_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  max_model_len: int | None = None, num_threads: int | None = None,
                  small_step_threads: int | None = None, pooling: str | None = None,
-                 embed_only: bool = False) -> None:
+                 embed_only: bool = False, layers: LayerSlice | None = None) -> None:
         """`choice` (backend_choice.py) says which backend runs; without one, it is chosen
         here from `backend`, `exact`, `dtype` and `device` (tests and benchmarks pick so).
 
@@ -104,7 +107,9 @@ class ModelRunner:
         `num_threads`), see SMALL_STEP_TOKENS; torch backend only (the CPU backends keep
         single-threaded sessions for small steps themselves, or need every core).
         `pooling`: how embedding requests that leave it to the model pool (None: the file's
-        `<arch>.pooling_type`, else mean). `embed_only`: refuse generation (an encoder always)."""
+        `<arch>.pooling_type`, else mean). `embed_only`: refuse generation (an encoder always).
+        `layers`: the lead shard's part of a model split by layers (layer_slice.py); the rest
+        runs where its `model.after_layers` sends the hidden states."""
         if choice is None:
             choice = choose_backend(model_path, backend=backend, exact=exact,
                                     dtype=str(dtype).removeprefix("torch."), device=str(device))
@@ -116,7 +121,8 @@ class ModelRunner:
                                    if choice.backend == "torch" else self.num_threads)
         self.model_name, self.block_size = model_name, block_size
         self.device = torch.device(choice.device)
-        self.model: Backend = load_backend(model_path, choice, self.device, self.num_threads)
+        self.model: Backend = load_backend(model_path, choice, self.device, self.num_threads,
+                                           layers)
         self.config = config = self.model.config
         if max_model_len is not None and max_model_len > config.context_length:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
@@ -130,12 +136,10 @@ class ModelRunner:
             budget = (kv_cache_bytes if kv_cache_bytes is not None
                       else default_budget_bytes(self.device))
             num_blocks = num_blocks_for_budget(config, block_size, kv_dtype, budget)
-        # One request can never hold more than every block but the null one.
-        self.max_model_len = min(max_model_len or config.context_length,
-                                 (num_blocks - 1) * block_size)
-        self.model.set_max_positions(self.max_model_len)
-        self.kv_cache = KVCache(config, num_blocks, block_size, kv_dtype, self.device)
-        self.kv_gathering = KvGathering(self.kv_cache, block_size)  # for other engines
+        self.asked_max_model_len = max_model_len or config.context_length
+        self.set_num_blocks(num_blocks)
+        # A split model's copy-on-write copies, for its layer shards (pipeline_lead_bus.py).
+        self.copies_for_shards: list[BlockCopy] | None = None
         self.requests: dict[str, RequestState] = {}  # by sequence_id
         self.token_counts = TokenCounts(self.device)
         self.shared_generator = torch.Generator(device=self.device)
@@ -145,12 +149,24 @@ class ModelRunner:
         self.grammars = Grammars(lambda: Vocabulary.from_gguf(
             model_path, config.vocab_size, config.eos_token_ids), config.vocab_size)
 
+    def set_num_blocks(self, num_blocks: int) -> None:
+        """A fresh KV cache of `num_blocks` (a split model's: as many as its smallest shard
+        holds), and the context window it allows."""
+        kv_dtype = getattr(torch, self.choice.kv_dtype)
+        # One request can never hold more than every block but the null one.
+        self.max_model_len = min(self.asked_max_model_len, (num_blocks - 1) * self.block_size)
+        self.model.set_max_positions(self.max_model_len)
+        self.kv_cache = KVCache(self.config, num_blocks, self.block_size, kv_dtype, self.device)
+        self.kv_gathering = KvGathering(self.kv_cache, self.block_size)  # for other engines
+
     def info(self) -> ExecutorInfo:
         return ExecutorInfo(
             model_name=self.model_name, max_model_len=self.max_model_len,
             num_blocks=self.kv_cache.num_blocks, block_size=self.block_size,
             eos_token_ids=list(self.config.eos_token_ids), vocab_size=self.config.vocab_size,
-            layout=layout_of(self.kv_cache), whole_prompts=self.encoder,
+            # A split model's blocks are spread over its shards: none moves between engines.
+            layout=layout_of(self.kv_cache) if self.copies_for_shards is None else None,
+            whole_prompts=self.encoder,
             embed_only=self.embed_only)
 
     def step(self, plan: StepPlan) -> StepResult:
@@ -217,6 +233,8 @@ class ModelRunner:
             self._register(new)
         for copy in plan.copy_blocks:  # copy-on-write of blocks shared by forked requests
             self.kv_cache.copy_block(copy.src, copy.dst)
+        if self.copies_for_shards is not None:
+            self.copies_for_shards.extend(plan.copy_blocks)
 
     def _step(self, plan: StepPlan) -> SampledTokens:
         self._apply_plan_changes(plan)

@@ -1,3 +1,5 @@
+# Over 300 lines: the executor's options, its start-up (whole, lead shard or layer shard) and
+# its handlers, which share the runner and the forward thread.
 """The executor's bus adapter: answers the scheduler's step plans with sampled tokens.
 
 The forward runs in a worker thread so that the event loop keeps answering pings while the
@@ -18,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import structlog
 from nats.aio.msg import Msg
 from opentelemetry.trace import Status, StatusCode
@@ -39,6 +42,7 @@ from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.executor.backend_choice import BACKENDS, DTYPES, BackendChoice, choose_backend
 from llmbus.services.executor.kernels.cpu.library import configure_openmp
 from llmbus.services.executor.step_traces import StepTraces
+from llmbus.services.executor.weights.layer_slice import LayerSlice, parse_shard
 from llmbus.services.executor.weights.matrices import matrix_types
 from llmbus.services.model_files import model_name_for, resolve_model
 
@@ -107,9 +111,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pooling", choices=("mean", "cls", "last"), default=None,
                         help="how an embedding pools the prompt's final hidden states "
                              "(default: the file's <arch>.pooling_type, else mean)")
+    _add_shard_arguments(parser)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to keep serving steps while the scheduler "
                              "finishes its requests (default: 30)")
+
+
+def _add_shard_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shard", default=None, metavar="I/N",
+                        help="run shard I of N of this engine's executor, the model split by "
+                             "layers (N up to its layer count) over processes that may run on "
+                             "other hosts: shard 0 (the lead) takes the scheduler's steps, "
+                             "embeds and samples; shards 1..N-1 hold only their layers. Each "
+                             "loads only its own tensors (default: one executor, the whole "
+                             "model)")
+    parser.add_argument("--layers", default=None, metavar="A:B",
+                        help="with --shard: this shard's layers [A, B) (default: an even "
+                             "split, the lead taking the fewest)")
+    parser.add_argument("--shard-timeout", type=float, default=120.0,
+                        help="lead shard: seconds to wait for a shard's answer to a step "
+                             "before the engine is given up as dead (default: 120)")
 
 
 def default_small_step_threads(threads: int) -> int:
@@ -136,6 +157,9 @@ async def main(args: argparse.Namespace) -> None:
     try:
         choice = backend_choice_for(args,
                                     cuda_available=args.device == "auto" and _cuda_available())
+        index, count, layers = parse_shard(args.shard, args.layers, resolve_model(args.model))
+        if count > 1 and choice.backend == "encoder":
+            raise ValueError("an encoder (BERT's family) runs whole, not in shards")
     except (ValueError, FileNotFoundError) as exc:  # options, file: one line, no traceback
         raise SystemExit(f"llmbus executor: {exc}") from None
     log.info(f"executor backend: {choice.describe()}")
@@ -143,38 +167,66 @@ async def main(args: argparse.Namespace) -> None:
     if choice.backend != "torch":
         configure_openmp()  # before torch loads OpenMP
     async with ServiceRuntime("executor", args.nats_url, args.instance_id) as runtime:
-        await serve(args, runtime, choice)
+        if index > 0:
+            from llmbus.services.executor.layer_shard_bus import serve_layer_shard
+
+            assert layers is not None
+            await serve_layer_shard(args, runtime, choice, resolve_model(args.model), layers,
+                                    index, count, _threads(args), _kv_budget(args))
+        else:
+            await serve(args, runtime, choice, count, layers)
 
 
-def _load_runner(args: argparse.Namespace, choice: BackendChoice, path: Path) -> ModelRunner:
+def _threads(args: argparse.Namespace) -> int:
+    return args.threads or os.cpu_count() or 1
+
+
+def _kv_budget(args: argparse.Namespace) -> int:
+    """--kv-cache-memory in bytes, else the default budget (kv_cache.py's)."""
+    if args.kv_cache_memory:
+        return int(args.kv_cache_memory * 2**30)
+    from llmbus.services.executor.kv_cache import default_budget_bytes
+
+    return default_budget_bytes(args.device if args.device != "auto" else "cpu")
+
+
+def _load_runner(args: argparse.Namespace, choice: BackendChoice, path: Path,
+                 layers: LayerSlice | None) -> ModelRunner:
     """The model and its KV cache (in the forward thread); a file this executor cannot serve
     (an architecture it does not know, a key missing) stops it with one line naming why."""
     from llmbus.services.executor.runner import ModelRunner  # imports torch: after OpenMP
     from llmbus.services.executor.weights.model_config import UnsupportedModelError
 
     kv_bytes = int(args.kv_cache_memory * 2**30) if args.kv_cache_memory else None
-    threads = args.threads or os.cpu_count() or 1
+    threads = _threads(args)
     try:
         return ModelRunner(
             path, model_name=model_name_for(path), choice=choice, block_size=args.block_size,
             num_blocks=args.num_blocks, kv_cache_bytes=kv_bytes,
             max_model_len=args.max_model_len, num_threads=threads,
             small_step_threads=args.small_step_threads or default_small_step_threads(threads),
-            pooling=args.pooling, embed_only=args.task == "embed")
+            pooling=args.pooling, embed_only=args.task == "embed", layers=layers)
     except UnsupportedModelError as exc:
         raise SystemExit(f"llmbus executor: {path.name}: {exc}") from None
 
 
 async def serve(args: argparse.Namespace, runtime: ServiceRuntime, choice: BackendChoice,
-                ) -> None:
-    """Load the model, answer steps until stopped, then linger while the scheduler drains."""
+                num_shards: int = 1, layers: LayerSlice | None = None) -> None:
+    """Load the model (the lead shard's layers: then find the others), answer steps until
+    stopped, then linger while the scheduler drains."""
     path = resolve_model(args.model)
     log.info("loading model", path=str(path))
     compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
     try:
         runner = await asyncio.get_running_loop().run_in_executor(
-            compute, _load_runner, args, choice, path)
-        service = ExecutorService(runtime, runner, args.engine_id, compute)
+            compute, _load_runner, args, choice, path, layers)
+        if num_shards > 1:
+            from llmbus.services.executor.pipeline_lead_bus import PipelineLead
+
+            assert layers is not None
+            await PipelineLead(runtime, args.engine_id, num_shards, args.shard_timeout
+                               ).connect(runner, str(path), layers)
+        service = ExecutorService(runtime, runner, args.engine_id, compute, num_shards)
     except BaseException:
         compute.shutdown(wait=False)  # the forward thread of a model that never served
         raise
@@ -198,7 +250,7 @@ class ExecutorService:
     forward's and never on the event loop."""
 
     def __init__(self, runtime: ServiceRuntime, runner: ModelRunner, engine_id: str,
-                 compute: ThreadPoolExecutor) -> None:
+                 compute: ThreadPoolExecutor, num_shards: int = 1) -> None:
         from llmbus.services.executor.kv_transfer import (  # imports torch: after OpenMP
             CHUNK_TIMEOUT_SECONDS,
             KvReceiver,
@@ -208,7 +260,7 @@ class ExecutorService:
         self.runtime, self.runner, self.engine_id = runtime, runner, engine_id
         self.compute = compute
         self.compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self.info = runner.info()
+        self.info = msgspec.structs.replace(runner.info(), num_shards=num_shards)
         self.traces = StepTraces()
         self.receiver = KvReceiver(runner.kv_cache)
         self.sender = KvSender(self._send_chunk, subjects.executor_kv)

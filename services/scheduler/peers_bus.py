@@ -97,7 +97,7 @@ class Peers:
             self.loop.wakeup.set()
 
     async def on_executor_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
-        if heartbeat.engine_id != self.engine_id:
+        if heartbeat.engine_id != self.engine_id or heartbeat.shard:  # the lead answers
             return
         self.executor.seen(heartbeat, time.monotonic())
         before = self._executor_reconnects.get(heartbeat.instance_id, heartbeat.num_reconnects)

@@ -101,6 +101,11 @@ class SchedulerService:
                                depth=self.config.pipeline_depth, name=f"engine {self.engine_id}")
         await self.peers.start(self.scheduler, self.loop)
         runtime, group = self.runtime, subjects.queue_group("scheduler")
+        if self.info.num_shards > 1 and (self.config.role == "prefill"
+                                         or self.config.disaggregation is not None):
+            raise SystemExit(f"llmbus scheduler: engine {self.engine_id}'s executor is in "
+                             f"{self.info.num_shards} shards, whose KV blocks move to no other "
+                             "engine: it can neither prefill for nor decode after another")
         if self.config.role == "prefill":  # the router sends it nothing; decode engines do
             self.prefill_side = PrefillSide(runtime, self.scheduler, self.engine_id,
                                             self.info.layout, self.loop.wakeup,

@@ -198,6 +198,25 @@ def test_the_disaggregated_compose_file_makes_a_prefill_and_a_decode_engine():
                        "prefill0": {("scheduler", "prefill"), ("executor", None)}}
 
 
+def test_the_pipeline_compose_file_splits_the_executor_in_two_shards():
+    """compose.pipeline.yaml over compose.yaml: the engine's executor is shard 0 of 2, the
+    other shard joins it as the executor's bus user, and `up` passes --pipeline-shards on."""
+    base = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+    extra = yaml.safe_load((REPO / "compose.pipeline.yaml").read_text())["services"]
+    services = {name: {**base.get(name, {}), **extra[name]} for name in extra}
+    parser = build_parser()
+    shards = {}
+    for service in services.values():
+        args = parser.parse_args(service["command"])
+        assert (args.service, args.engine_id) == ("executor", "engine0")
+        shards[args.shard] = service
+        assert service["environment"]["LLMBUS_NATS_USER"] == "executor"
+    assert set(shards) == {"0/2", "1/2"}
+    assert shards["1/2"]["environment"]["LLMBUS_NATS_URL"].endswith(":-nats://nats:4222}")
+    up = parser.parse_args(["up", "--pipeline-shards", "3"])
+    assert up.pipeline_shards == 3 and not hasattr(up, "shard")  # `up` sets --shard itself
+
+
 def test_replicas_of_disaggregated_engines():
     counts = parse_replicas("prefill=1,decode=2")
     assert (counts["engine"], counts["prefill"], counts["decode"]) == (0, 1, 2)

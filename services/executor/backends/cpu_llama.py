@@ -23,6 +23,7 @@ The dense work runs in one of two places (backend_choice.py decides which, once)
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -36,14 +37,13 @@ from llmbus.services.executor.attention.torch_paged import paged_attention, rope
 from llmbus.services.executor.backends.int_moe import IntMoeStep
 from llmbus.services.executor.backends.int_step import IntStep
 from llmbus.services.executor.backends.onnx_graphs import MatrixSource, head_graph, layer_graphs
+from llmbus.services.executor.backends.token_embedding import TokenEmbedding
 from llmbus.services.executor.backends.torch_llama import rms_norm
 from llmbus.services.executor.kernels.cpu.library import load_library
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import qk_norm_weights, qkv_bias
 from llmbus.services.executor.weights.gguf_quants import (
-    QUANT_GROUP,
     NativeWeight,
-    Q8_0Weight,
     requantize_q8_0,
 )
 from llmbus.services.executor.weights.k_quants import KQuantWeight
@@ -98,30 +98,18 @@ def _return_freed_memory() -> None:
         pass
 
 
-class _Embedding:
-    """Token rows from a quantized table (Q8_0: scale * code; Q4_0/Q4_1/Q4_K in Q4_1 form:
-    scale * code + minimum, its codes packed two a byte where loaded for the integer kernel;
-    the K-quants and IQ4 from the file's blocks, only the looked-up rows unpacked; as llama.cpp
-    computes them) or a dense one."""
-
-    def __init__(self, native: NativeWeight | PackedRows | None,
-                 dense: torch.Tensor | None) -> None:
-        self.native = native
-        self.dense = dense if native is None else None
-        if native is None and dense is None:
-            raise ValueError("the embedding needs a quantized or a dense table")
-
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D] float32
-        if self.dense is not None:
-            return self.dense[ids]
-        q = self.native
-        if isinstance(q, PackedRows | KQuantWeight):
-            return q.rows(ids)
-        codes = q.codes[ids].view(len(ids), -1, QUANT_GROUP).float()  # [T, D/32, 32]
-        rows = codes * q.scales[ids][..., None]
-        if not isinstance(q, Q8_0Weight):
-            rows = rows + q.minimums[ids][..., None]
-        return rows.view(len(ids), -1)
+def _integer_step(config: LlamaConfig, dense: dict[str, torch.Tensor],
+                  native: dict[str, NativeWeight], lib: ctypes.CDLL, num_threads: int,
+                  release: bool) -> IntStep:
+    """The integer kernel's layers and head (none in a layer shard: layer_slice.py); with
+    `release`, each matrix leaves `native` once tiled."""
+    parts = layer_parts(config, native, release)
+    head = None
+    if config.has_vocab:
+        untied = release and native.get("output.weight") is not native.get(
+            "token_embd.weight")  # the embedding keeps a tied table
+        head = QuantPart.of(native.pop("output.weight") if untied else native["output.weight"])
+    return IntStep(config, dense, parts, head, lib, num_threads)
 
 
 class _Graph:
@@ -181,20 +169,21 @@ class CpuLlamaModel:
         if config.num_experts:
             self.int_moe = IntMoeStep(config, dense, native, lib, num_threads)
         elif integer_kernel:
-            parts = layer_parts(config, native, release)
-            untied = release and native.get("output.weight") is not native.get(
-                "token_embd.weight")  # the embedding keeps a tied table
-            head = QuantPart.of(native.pop("output.weight") if untied
-                                else native["output.weight"])
-            self.int_step = IntStep(config, dense, parts, head, lib, num_threads)
+            self.int_step = _integer_step(config, dense, native, lib, num_threads, release)
         # ONNX Runtime runs what llmbus's kernels do not: every step of the exact mode, and the
         # fast mode's where no compiler built the kernels or the file has matrices they do not
         # take. Where they do, no graph is built, and no copy of the weights kept for one.
         self.graphs = self.single_thread_graphs = []
         if self.int_step is None and self.int_moe is None:
             self._build_graphs(config, dense, native, num_threads)
-        self.embed = _Embedding(native.get("token_embd.weight"), dense.get("token_embd.weight"))
-        self.output_norm = dense["output_norm.weight"].float()  # embeddings' final norm
+        self.embed = self.output_norm = None  # a layer shard's: none (layer_slice.py)
+        if config.has_vocab:
+            self.embed = TokenEmbedding(native.get("token_embd.weight"),
+                                        dense.get("token_embd.weight"))
+            self.output_norm = dense["output_norm.weight"].float()  # embeddings' final norm
+        # The lead shard of a split model hands the residual stream to the other shards here
+        # (pipeline_lead_bus.py): hidden [T, D] after this model's layers -> after the last one's.
+        self.after_layers: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor] | None = None
         self._residual = torch.empty(0, config.hidden_size)
         self.qkv_biases = [qkv_bias(dense, i) for i in range(config.num_layers)]
         self.qk_norms = [qk_norm_weights(dense, i) for i in range(config.num_layers)]
@@ -227,8 +216,10 @@ class CpuLlamaModel:
         graphs = [g.SerializeToString()
                   for g in layer_graphs(config, matrices, norms, self.accuracy_level,
                                         qkv_q4_accuracy_level=ACCURACY_EXACT)]
-        graphs.append(head_graph(config, matrix("output.weight"), norms["output_norm.weight"],
-                                 self.accuracy_level).SerializeToString())
+        if config.has_vocab:
+            graphs.append(head_graph(config, matrix("output.weight"),
+                                     norms["output_norm.weight"],
+                                     self.accuracy_level).SerializeToString())
         self.graphs = _sessions(graphs, num_threads)
         # Small steps run single-threaded: their matmuls are too short to pay for waking a
         # second pool thread 31 times a step (2 cores, one decode at 300 tokens: 14.5 ms per
@@ -292,6 +283,27 @@ class CpuLlamaModel:
             hidden, spare = spare, hidden
         return hidden
 
+    def forward_layers(self, hidden: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata,
+                       kv_cache: KVCache) -> torch.Tensor:
+        """hidden [T, D], the residual stream into this model's first layer -> after its last
+        (Backend.forward_layers). Writes this step's K/V into `kv_cache`."""
+        rope = [(cos[positions], sin[positions]) for cos, sin in self.rope]  # [T, Dh] each
+
+        def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:
+            return self._attend_layer(index, qkv, rope, kv_cache, meta)
+
+        if self.int_moe is not None:
+            return self.int_moe.layers(hidden, attend)
+        if self.int_step is not None and self.fused_layers and PagedAttention.takes_whole(meta):
+            return self.int_step.layers_with_attention(hidden, *rope[0], kv_cache, meta,
+                                                       self.scale)
+        if self.int_step is not None:
+            return self.int_step.layers(hidden, attend)
+        graphs = (self.single_thread_graphs if hidden.shape[0] <= SINGLE_THREAD_TOKENS
+                  else self.graphs)
+        return self._layers(graphs[:self.config.num_layers + 1], hidden, rope, kv_cache, meta)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KVCache,
                 logits_indices: torch.Tensor) -> torch.Tensor:
@@ -300,26 +312,13 @@ class CpuLlamaModel:
         Writes this step's K/V into `kv_cache` at `meta.slot_mapping`.
         """
         cfg = self.config
-        num_tokens = input_ids.shape[0]
-        rope = [(cos[positions], sin[positions]) for cos, sin in self.rope]  # [T, Dh] each
+        assert self.embed is not None, "a layer shard takes hidden states (layers), not tokens"
         hidden = self.embed(input_ids)  # [T, D], the residual stream
         if cfg.embedding_scale != 1.0:
             hidden = hidden * cfg.embedding_scale
-
-        def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:
-            return self._attend_layer(index, qkv, rope, kv_cache, meta)
-
-        *layers, head = (self.single_thread_graphs if num_tokens <= SINGLE_THREAD_TOKENS
-                         else self.graphs) or [None]
-        if self.int_moe is not None:
-            hidden = self.int_moe.layers(hidden, attend)
-        elif self.int_step is not None and self.fused_layers and PagedAttention.takes_whole(meta):
-            hidden = self.int_step.layers_with_attention(hidden, *rope[0], kv_cache, meta,
-                                                         self.scale)
-        elif self.int_step is not None:
-            hidden = self.int_step.layers(hidden, attend)
-        else:
-            hidden = self._layers(layers, hidden, rope, kv_cache, meta)
+        hidden = self.forward_layers(hidden, positions, meta, kv_cache)
+        if self.after_layers is not None:
+            hidden = self.after_layers(hidden, meta)
         self._residual = hidden  # for last_hidden: the stream before the output norm
         rows = hidden[logits_indices].contiguous()  # [S, D]
         if not rows.shape[0]:  # a step of prefill chunks alone samples nothing
@@ -328,10 +327,13 @@ class CpuLlamaModel:
             return self.int_moe.head(rows)
         if self.int_step is not None:
             return self.int_step.head(rows)
+        graphs = (self.single_thread_graphs if input_ids.shape[0] <= SINGLE_THREAD_TOKENS
+                  else self.graphs)
         logits = torch.empty(rows.shape[0], cfg.vocab_size)
-        head.run({"hidden": rows}, {"logits": logits})
+        graphs[-1].run({"hidden": rows}, {"logits": logits})
         return logits
 
     def last_hidden(self, rows: torch.Tensor) -> torch.Tensor:
         """The last forward's rows after the output norm, in float32 (Backend.last_hidden)."""
+        assert self.output_norm is not None, "a layer shard has no output norm"
         return rms_norm(self._residual[rows].float(), self.output_norm, self.config.rms_norm_eps)

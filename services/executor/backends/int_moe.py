@@ -55,10 +55,11 @@ class IntMoeStep:
                 "gate_up": [IntLinear.of(pair) for pair in gate_up],
                 "down": [IntLinear.of(one) for one in down]})
         self.qkv_width = sum(q.n for q in self._parts[:3])
-        head = QuantPart.of(native["output.weight"])
-        self._parts.append(head)
-        self.head_linear, self.vocab_size = IntLinear.of([head]), head.n
-        self._output_norm = dense["output_norm.weight"].float().contiguous()
+        if config.has_vocab:  # a layer shard has no head (layer_slice.py)
+            head = QuantPart.of(native["output.weight"])
+            self._parts.append(head)
+            self.head_linear, self.vocab_size = IntLinear.of([head]), head.n
+            self._output_norm = dense["output_norm.weight"].float().contiguous()
 
     def _linear(self, linear: IntLinear, x: torch.Tensor, width: int,
                 into: torch.Tensor | None = None) -> torch.Tensor:

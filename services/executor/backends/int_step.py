@@ -99,12 +99,13 @@ class IntStep:
     """
 
     def __init__(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
-                 layers: list[LayerParts], head: QuantPart, lib: ctypes.CDLL,
+                 layers: list[LayerParts], head: QuantPart | None, lib: ctypes.CDLL,
                  num_threads: int) -> None:
+        """`head`: None in a layer shard (layer_slice.py), which has no head."""
         self.config, self.lib, self.num_threads = config, lib, num_threads
         self._keep = [dense[n].float().contiguous() for n in
                       [f"blk.{i}.{k}_norm.weight" for i in range(config.num_layers)
-                       for k in ("attn", "ffn")] + ["output_norm.weight"]]
+                       for k in ("attn", "ffn")] + ["output_norm.weight"][:head is not None]]
         norms = iter(t.data_ptr() for t in self._keep)
         self._layers, self._head_parts = layers, head  # the kernels read their memory
         self.boundaries = [IntBoundary() for _ in range(config.num_layers + 1)]
@@ -115,8 +116,9 @@ class IntStep:
             after.o, after.gate_up = IntLinear.of(m["o"]), IntLinear.of(m["gate_up"])
             after.down = IntLinear.of(m["down"])
             after.ffn_norm = next(norms)
-        self.head_linear = IntLinear.of([head])
-        self.output_norm = next(norms)
+        if head is not None:
+            self.head_linear = IntLinear.of([head])
+            self.output_norm = next(norms)
         self.qkv_width = sum(q.n for q in layers[0]["qkv"])
         self._boundary_table = (ctypes.c_void_p * len(self.boundaries))(
             *[ctypes.addressof(b) for b in self.boundaries])
@@ -171,6 +173,7 @@ class IntStep:
 
     def head(self, rows: torch.Tensor) -> torch.Tensor:
         cfg = self.config
+        assert self._head_parts is not None, "a layer shard has no head"
         rows = rows.contiguous()
         logits = torch.empty(rows.shape[0], self._head_parts.n)
         status = self.lib.int_head(ctypes.addressof(self.head_linear), self.output_norm,

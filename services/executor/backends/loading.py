@@ -9,12 +9,14 @@ import torch
 from llmbus.services.executor.backend import Backend
 from llmbus.services.executor.backend_choice import BackendChoice
 from llmbus.services.executor.weights.gguf_loader import load_gguf
+from llmbus.services.executor.weights.layer_slice import LayerSlice
 
 
 def load_backend(model_path: str | Path, choice: BackendChoice, device: torch.device,
-                 num_threads: int) -> Backend:
-    """The backend `choice` names, over the file's weights; its rotary tables are sized later
-    (`set_max_positions`), once the runner knows its context window."""
+                 num_threads: int, layers: LayerSlice | None = None) -> Backend:
+    """The backend `choice` names, over the file's weights (`layers`: a pipeline shard's
+    alone); its rotary tables are sized later (`set_max_positions`), once the runner knows its
+    context window."""
     if choice.backend == "encoder":
         from llmbus.services.executor.backends.encoder_backend import EncoderBackend
 
@@ -22,7 +24,7 @@ def load_backend(model_path: str | Path, choice: BackendChoice, device: torch.de
     if choice.backend == "torch":
         from llmbus.services.executor.backends.torch_llama import LlamaModel
 
-        config, dense, _ = load_gguf(model_path)
+        config, dense, _ = load_gguf(model_path, layers=layers)
         return LlamaModel(config, dense, max_positions=1, dtype=getattr(torch, choice.dtype),
                           device=device)
     from llmbus.services.executor.backends.cpu_llama import CpuLlamaModel
@@ -33,7 +35,7 @@ def load_backend(model_path: str | Path, choice: BackendChoice, device: torch.de
     tiled = choice.backend == "integer-kernel"
     config, dense, native = load_gguf(model_path, keep_native=True, dense_for_native=False,
                                       transform=tile_as_loaded if tiled else None,
-                                      exact=choice.exact)
+                                      exact=choice.exact, layers=layers)
     # release_native: what the model does not keep goes as soon as the load returns
     return CpuLlamaModel(config, dense, native, max_positions=1, exact=choice.exact,
                          integer_kernel=tiled, isa=choice.isa, num_threads=num_threads,

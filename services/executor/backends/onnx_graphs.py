@@ -214,6 +214,10 @@ def layer_graphs(config: LlamaConfig, matrices: dict[str, MatrixSource],
                 x, hidden = g.skip_rms_norm(down, hidden, norms[f"blk.{i}.attn_norm.weight"],
                                             eps)
                 outputs["hidden_out"] = (hidden, d)
+        elif config.layer_offset:  # a layer shard (layer_slice.py): the fused norm with
+            # nothing to add, bit for bit the norm of the whole model's graph at this layer
+            nothing = g.op("Mul", [hidden, g.const("zero", np.zeros((), np.float32))])[0]
+            x, _ = g.skip_rms_norm(nothing, hidden, norms["blk.0.attn_norm.weight"], eps)
         else:
             x = g.rms_norm(hidden, norms["blk.0.attn_norm.weight"], eps)
         if i < config.num_layers:

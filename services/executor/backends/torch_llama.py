@@ -9,6 +9,7 @@ Dh (head dim), S (sequences that sample), V (vocab).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -151,9 +152,14 @@ class LlamaModel:
                 if config.post_norms else None,
                 post_ffw_norm=w(p + "post_ffw_norm.weight") if config.post_norms else None,
                 window=config.window(i)))
-        self.embed = w("token_embd.weight")  # [V, D]
-        self.lm_head = self.embed if config.tie_word_embeddings else w("output.weight")  # [V, D]
-        self.output_norm = w("output_norm.weight")
+        if config.has_vocab:  # a layer shard has none of these (layer_slice.py)
+            self.embed = w("token_embd.weight")  # [V, D]
+            self.lm_head = (self.embed if config.tie_word_embeddings
+                            else w("output.weight"))  # [V, D]
+            self.output_norm = w("output_norm.weight")
+        # The lead shard of a split model hands the residual stream to the other shards here
+        # (pipeline_lead_bus.py): hidden [T, D] after this model's layers -> after the last one's.
+        self.after_layers: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor] | None = None
         self.set_max_positions(max_positions)
         self.scale = config.scale
 
@@ -170,19 +176,12 @@ class LlamaModel:
         gate_up = self.linear(rows, layer.experts_gate_up[expert])  # [n, 2F]
         return self.linear(self.ops.silu_mul(gate_up), layer.experts_down[expert])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: KVCache,
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T]; logits_indices [S] -> float32 logits [S, V].
-
-        Writes this step's K/V into `kv_cache` at `meta.slot_mapping`.
-        """
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every layer on the residual stream h [T, D] -> (h, delta): the stream after the last
+        layer is h + delta, added inside the next norm (one fused kernel)."""
         cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
         rope = [(cos[positions], sin[positions]) for cos, sin in self.rope]  # [T, Dh] each
-        h = self.embed[input_ids]  # [T, D], the residual stream
-        if cfg.embedding_scale != 1.0:
-            h = h * torch.tensor(cfg.embedding_scale, dtype=h.dtype)
-        # Each sublayer's output joins the residual inside the next norm (one fused kernel).
         delta: torch.Tensor | None = None  # [T, D]
         for index, layer in enumerate(self.layers):
             cos, sin = rope[cfg.local_rope(index)]
@@ -210,6 +209,30 @@ class LlamaModel:
                                     layer.down)
             if layer.post_ffw_norm is not None:
                 delta = rms_norm(delta, layer.post_ffw_norm, eps)
+        return h, delta
+
+    def forward_layers(self, hidden: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata,
+                       kv_cache: KVCache) -> torch.Tensor:
+        """hidden [T, D], the residual stream into this model's first layer -> after its last
+        (Backend.forward_layers)."""
+        h, delta = self._layers(hidden, positions, meta, kv_cache)
+        return h if delta is None else h + delta
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: KVCache,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T]; logits_indices [S] -> float32 logits [S, V].
+
+        Writes this step's K/V into `kv_cache` at `meta.slot_mapping`.
+        """
+        cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
+        h = self.embed[input_ids]  # [T, D], the residual stream
+        if cfg.embedding_scale != 1.0:
+            h = h * torch.tensor(cfg.embedding_scale, dtype=h.dtype)
+        h, delta = self._layers(h, positions, meta, kv_cache)
+        if self.after_layers is not None:
+            h, delta = self.after_layers(h if delta is None else h + delta, meta), None
         self._residual, self._delta = h, delta  # for last_hidden
         # Only the positions that sample pay for the norm and the vocab projection.
         tail = None if delta is None else delta[logits_indices]

@@ -24,6 +24,7 @@ import torch
 
 from llmbus.services.executor.weights.gguf_file import MappedGGUF
 from llmbus.services.executor.weights.gguf_quants import NativeWeight, native_parsers
+from llmbus.services.executor.weights.layer_slice import LayerSlice
 from llmbus.services.executor.weights.matrices import expert_matrix
 from llmbus.services.executor.weights.model_config import (
     LlamaConfig,
@@ -39,7 +40,7 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, out // num_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def _add_native(tensor: Any, shape: tuple[int, ...], parse: Callable[..., NativeWeight],
+def _add_native(name: str, tensor: Any, shape: tuple[int, ...], parse: Callable[..., NativeWeight],
                 heads: int | None, native: dict[str, Any],
                 transform: Callable[[str, Any], Any] | None) -> None:
     """The native form of a matrix into `native` (through `transform`); a stacked tensor of
@@ -48,21 +49,29 @@ def _add_native(tensor: Any, shape: tuple[int, ...], parse: Callable[..., Native
     if len(shape) == 3:
         num_experts, n, k = shape
         stacked = parse(tensor.data.reshape(num_experts * n, -1), (num_experts * n, k))
-        pieces = {expert_matrix(tensor.name, e): stacked.map_rows(
+        pieces = {expert_matrix(name, e): stacked.map_rows(
             lambda t, e=e: t[e * n:(e + 1) * n]) for e in range(num_experts)}
     else:
         q = parse(tensor.data, shape)
         if heads:  # the permutation moves whole rows: codes, scales and minimums alike
             q = q.map_rows(lambda t, h=heads: torch.from_numpy(unpermute_qk(t.numpy(), h)))
-        pieces = {tensor.name: q}
+        pieces = {name: q}
     for name, piece in pieces.items():
         native[name] = piece if transform is None else transform(name, piece)
+
+
+def _interleaved_heads(config: LlamaConfig, name: str) -> int | None:
+    """The heads of a Q or K matrix whose rotary pairs the file interleaves, else None."""
+    if not config.rotary_pairs_interleaved:
+        return None
+    return (config.num_heads if name.endswith("attn_q.weight") else
+            config.num_kv_heads if name.endswith("attn_k.weight") else None)
 
 
 def load_gguf(
     path: str | Path, dtype: torch.dtype = torch.float32, *, keep_native: bool = False,
     dense_for_native: bool = True, transform: Callable[[str, NativeWeight], Any] | None = None,
-    exact: bool = False,
+    exact: bool = False, layers: LayerSlice | None = None,
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict[str, NativeWeight]]:
     """Read the config and dequantize every tensor to `dtype` (HF layout, see module doc).
 
@@ -72,6 +81,7 @@ def load_gguf(
     (then they load dense, with the file's values); otherwise it is empty.
     Without `dense_for_native`, a matrix with a native form has no dense copy in the second.
     `transform(name, native)` replaces each native form as soon as it is parsed.
+    `layers`: a pipeline shard's part alone (layer_slice.py): no other tensor is read.
     """
     import gguf  # heavy import, only where a model is loaded
 
@@ -80,13 +90,15 @@ def load_gguf(
     shapes = {t.name: t.shape for t in reader.tensors}
     config = read_config(reader.metadata, shapes)
     check_family_tensors(config, shapes)
+    if layers is not None:
+        config = layers.config(config)
     weights: dict[str, torch.Tensor] = {}
     native: dict[str, NativeWeight] = {}
     for tensor in reader.tensors:
-        heads = (config.num_heads if tensor.name.endswith("attn_q.weight") else
-                 config.num_kv_heads if tensor.name.endswith("attn_k.weight") else None)
-        if not config.rotary_pairs_interleaved:
-            heads = None
+        name = tensor.name if layers is None else layers.tensor_name(tensor.name)
+        if name is None:  # another shard's
+            continue
+        heads = _interleaved_heads(config, name)
         parse = parsers.get(tensor.tensor_type)
         native_form = keep_native and parse is not None and len(shapes[tensor.name]) in (2, 3)
         if dense_for_native or not native_form:
@@ -96,9 +108,9 @@ def load_gguf(
                 array = unpermute_qk(array, heads)
             if not array.flags.writeable:  # F32 tensors are read-only views of the memory map
                 array = array.copy()
-            weights[tensor.name] = torch.from_numpy(array).to(dtype)
+            weights[name] = torch.from_numpy(array).to(dtype)
         if native_form:
-            _add_native(tensor, shapes[tensor.name], parse, heads, native, transform)
+            _add_native(name, tensor, shapes[tensor.name], parse, heads, native, transform)
         reader.drop_pages(tensor)
     if "rope_freqs.weight" in weights:  # a property of the rotary embedding, not a weight
         factors = tuple(float(f) for f in weights.pop("rope_freqs.weight").float().tolist())

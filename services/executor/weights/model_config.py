@@ -65,13 +65,20 @@ class LlamaConfig:
     num_experts: int = 0
     num_experts_used: int = 0
     expert_intermediate_size: int = 0
+    # A pipeline shard's part of the model (weights/layer_slice.py): its layers are the
+    # model's layer_offset.. layer_offset + num_layers; a layer shard holds no vocabulary
+    # matrices (token embedding, output head) and no final norm.
+    layer_offset: int = 0
+    has_vocab: bool = True
 
     @property
     def scale(self) -> float:
         return self.attention_scale or self.head_dim ** -0.5
 
     def window(self, layer: int) -> int:
-        """Keys layer `layer` attends to back from each query (itself included); 0: all."""
+        """Keys layer `layer` (of this shard's, see layer_offset) attends to back from each
+        query (itself included); 0: all."""
+        layer += self.layer_offset
         if not self.sliding_window or (self.sliding_window_pattern
                                        and (layer + 1) % self.sliding_window_pattern == 0):
             return 0

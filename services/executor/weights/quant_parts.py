@@ -176,10 +176,11 @@ def layer_matrices(config: LlamaConfig) -> list[str]:
 
 def kernel_takes(config: LlamaConfig, native: dict[str, NativeWeight | QuantPart]) -> bool:
     """Whether the integer kernel can run every matmul of the file, the vocabulary head too,
-    in its layer's shape (llama's: not Gemma 3's norms after the attention and the MLP)."""
-    return (not config.post_norms and not config.gelu
-            and covers(config, native) and "output.weight" in native
-            and rows(native["output.weight"]) % COLUMNS == 0)
+    in its layer's shape (llama's: not Gemma 3's norms after the attention and the MLP). A
+    layer shard (layer_slice.py) has no head."""
+    head_taken = not config.has_vocab or ("output.weight" in native
+                                          and rows(native["output.weight"]) % COLUMNS == 0)
+    return not config.post_norms and not config.gelu and covers(config, native) and head_taken
 
 
 def tile_as_loaded(name: str, weight: NativeWeight) -> NativeWeight | QuantPart | PackedRows:

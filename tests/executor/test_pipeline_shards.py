@@ -1,0 +1,194 @@
+"""A model split by layers (weights/layer_slice.py): which shard holds what, the hidden states'
+handoff, and a split engine's steps, in one process: a lead ModelRunner whose forward hands its
+hidden states, through the wire's codec and in several parts, to LayerShards. Every family and
+backend computes the bits of the whole model (the same operations on the same values: only
+where they run changes), so the comparison is equality, logprobs included."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+import pytest
+import torch
+
+from llmbus.bus.codec import decode, encode
+from llmbus.bus.messages import BlockCopy, SamplingParams, ShardInfo, ShardSetup, ShardStep
+from llmbus.services.executor.hidden_handoff import hidden_from_parts, hidden_parts, step_geometry
+from llmbus.services.executor.layer_shard import LayerShard
+from llmbus.services.executor.pipeline_lead_bus import check_shards
+from llmbus.services.executor.runner import ModelRunner
+from llmbus.services.executor.weights.layer_slice import (
+    LayerSlice,
+    model_layers,
+    parse_shard,
+    split_layers,
+)
+from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama
+
+PROMPTS = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45], [1, 7, 3]]  # past gemma3's window
+PARAMS = [SamplingParams(temperature=0.0, logprobs=3),
+          SamplingParams(temperature=1.0, seed=5, logprobs=2)]
+FAMILIES = {  # arch: (spec, matrix type, exact)
+    "llama-fast": ("llama", TinySpec(num_layers=4), "Q8_0", False),  # the integer kernel
+    "llama-exact": ("llama", TinySpec(num_layers=4), "Q8_0", True),  # ONNX Runtime's graphs
+    "qwen3": ("qwen3", TinySpec(num_layers=4, head_size=128), None, True),
+    # 6 layers, the 6th global: the second shard's last layer must know it is the model's 6th
+    "gemma3": ("gemma3", TinySpec(num_layers=6, num_heads=2, num_kv_heads=1, head_size=256,
+                                  rope_theta=1e6, rms_norm_eps=1e-6, sliding_window=8),
+               "Q8_0", True),
+    "qwen3moe": ("qwen3moe", TinySpec(num_layers=4, head_size=128, num_experts=8,
+                                      num_experts_used=2, expert_size=96), "Q8_0", False),
+}
+
+
+def test_an_even_split_gives_the_lead_the_fewest_layers():
+    assert split_layers(30, 2) == [range(0, 15), range(15, 30)]
+    assert split_layers(25, 2) == [range(0, 12), range(12, 25)]
+    assert split_layers(7, 3) == [range(0, 2), range(2, 4), range(4, 7)]
+    assert split_layers(3, 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    for count in (0, 4):
+        with pytest.raises(ValueError, match="a model of 3 layers takes 1 to 3"):
+            split_layers(3, count)
+
+
+def test_a_shard_loads_its_own_tensors_renumbered():
+    lead, rest = LayerSlice(0, 15, has_vocab=True), LayerSlice(15, 30, has_vocab=False)
+    assert lead.tensor_name("token_embd.weight") == "token_embd.weight"
+    assert lead.tensor_name("output_norm.weight") == "output_norm.weight"
+    assert lead.tensor_name("blk.14.ffn_down.weight") == "blk.14.ffn_down.weight"
+    assert lead.tensor_name("blk.15.ffn_down.weight") is None
+    assert rest.tensor_name("blk.15.attn_q.weight") == "blk.0.attn_q.weight"
+    assert rest.tensor_name("blk.29.ffn_gate_exps.weight") == "blk.14.ffn_gate_exps.weight"
+    assert rest.tensor_name("blk.3.attn_q.weight") is None
+    for vocab in ("token_embd.weight", "output.weight", "output_norm.weight"):
+        assert rest.tensor_name(vocab) is None
+    assert rest.tensor_name("rope_freqs.weight") == "rope_freqs.weight"  # every shard's RoPE
+
+
+def test_shard_options_are_checked_in_their_own_words(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, TinySpec(num_layers=4))
+    assert parse_shard(None, None, path) == (0, 1, None)
+    assert parse_shard("1/2", None, path) == (1, 2, LayerSlice(2, 4, has_vocab=False))
+    assert parse_shard("0/2", "0:1", path) == (0, 2, LayerSlice(0, 1, has_vocab=True))
+    for shard, layers, problem in (
+            (None, "0:2", "give --shard I/N too"), ("1of2", None, "expected I/N"),
+            ("2/2", None, "counts from 0 to 1"), ("1/5", None, "takes 1 to 4"),
+            ("1/2", "2-4", "expected A:B"), ("1/2", "3:9", "not a range of the model's 4"),
+            ("0/2", "1:2", "the lead shard (0) starts at layer 0")):
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            parse_shard(shard, layers, path)
+
+
+def test_the_handoff_is_bit_exact_in_any_number_of_parts():
+    values = torch.randn(7, 12) * torch.logspace(-40, 38, 12)  # float32's range, denormals too
+    values[0, :4] = torch.tensor([float("inf"), -0.0, float("-inf"), float("nan")])
+    for hidden in (values, values.to(torch.bfloat16)):
+        row_bytes = 12 * hidden.element_size()
+        dtype = str(hidden.dtype).removeprefix("torch.")
+        for max_bytes, num_parts in ((10**6, 1), (3 * row_bytes, 3), (row_bytes + 1, 7), (1, 7)):
+            parts = hidden_parts(hidden, max_bytes)
+            assert len(parts) == num_parts
+            back = hidden_from_parts(parts, 12, dtype)
+            assert back.dtype == hidden.dtype
+            assert back.view(torch.uint8).tolist() == hidden.view(torch.uint8).tolist()
+    assert hidden_from_parts(hidden_parts(torch.empty(0, 12), 64), 12, "float32").shape == (0, 12)
+
+
+def _info(first: int, end: int, **changes) -> ShardInfo:
+    info = ShardInfo(model_name="m", model_bytes=100, num_model_layers=30, first_layer=first,
+                     end_layer=end, backend="b", kv_dtype="float16", kv_budget_bytes=0,
+                     kv_token_bytes=0, weight_bytes=0)
+    return msgspec.structs.replace(info, **changes)
+
+
+def test_shards_that_do_not_make_up_the_model_are_named():
+    lead = _info(0, 10)
+    assert check_shards(lead, [_info(10, 20), _info(20, 30)], 3) == ""
+    for shards, problem in (
+            ([_info(10, 30, model_bytes=99)], "shard 1/2 serves m (99 bytes), the lead m (100"),
+            ([_info(10, 30, kv_dtype="float32")], "in float32, the lead in float16"),
+            ([_info(9, 30)], "holds layers 9:30, but the shards before it end at layer 10: "
+                             "they overlap"),
+            ([_info(11, 30)], "they leave out layers"),
+            ([_info(10, 29)], "the shards end at layer 29 of the model's 30")):
+        assert problem in check_shards(lead, shards, 2)
+
+
+def split_runner(path, count: int, **options) -> ModelRunner:
+    """A lead runner whose forward goes through `count - 1` in-process LayerShards, each step
+    through the bus's codec and in parts of three rows, as over the bus."""
+    layers = split_layers(model_layers(path), count)
+    lead = ModelRunner(path, model_name="tiny",
+                       layers=LayerSlice(0, layers[0].stop, has_vocab=True), **options)
+    shards = [LayerShard(path, lead.choice, LayerSlice(r.start, r.stop, has_vocab=False), 1,
+                         1 << 30) for r in layers[1:]]
+    for shard in shards:
+        shard.setup(ShardSetup(lead.kv_cache.num_blocks, lead.block_size, lead.max_model_len))
+    copies: list[BlockCopy] = []
+    lead.copies_for_shards = copies
+
+    def after_layers(hidden, meta):
+        query_lens, context_lens, tables = step_geometry(meta)
+        step = decode(encode(ShardStep(
+            step_id=0, part=0, num_parts=1, hidden=b"", num_tokens=hidden.shape[0],
+            query_lens=query_lens, context_lens=context_lens, block_tables=tables,
+            copy_blocks=copies[:])), ShardStep)
+        copies.clear()
+        for shard in shards:
+            parts = hidden_parts(hidden, 3 * hidden.shape[1] * hidden.element_size())
+            hidden = shard.run(step, hidden_from_parts(parts, hidden.shape[1], "float32"))
+        return hidden
+
+    lead.model.after_layers = after_layers
+    return lead
+
+
+class _Recorded:
+    """A runner whose step results are kept (`generate` returns only the tokens)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner, self.results = runner, []
+        self.block_size, self.kv_cache = runner.block_size, runner.kv_cache
+
+    def step(self, plan):
+        self.results.append(self.runner.step(plan))
+        return self.results[-1]
+
+
+def _run(runner: ModelRunner) -> list:
+    recorded = _Recorded(runner)
+    generate(recorded, PROMPTS, max_tokens=6, params=PARAMS, chunk_size=5, shuffle_blocks=3)
+    return [(r.sampled_token_ids, r.logprobs) for r in recorded.results]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_split_engine_samples_the_bits_of_the_whole_model(tmp_path, family):
+    arch, spec, matrix_type, exact = FAMILIES[family]
+    path = tmp_path / f"{family}.gguf"
+    write_tiny_llama(path, spec, seed=4, arch=arch, quantized=matrix_type)
+    options = {"block_size": 4, "num_blocks": 64, "num_threads": 1,
+               "backend": "auto" if arch != "qwen3moe" else "integer-kernel", "exact": exact}
+    from llmbus.services.executor.backend_choice import choose_backend
+
+    choice = choose_backend(path, backend=options.pop("backend"), exact=options.pop("exact"))
+    whole = _run(ModelRunner(path, model_name="tiny", choice=choice, **options))
+    counts = (2, 3) if family == "llama-fast" else (2,)
+    for count in counts:
+        assert _run(split_runner(path, count, choice=choice, **options)) == whole
+
+
+def test_a_shard_copies_blocks_before_its_step(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, TinySpec(num_layers=2))
+    lead = ModelRunner(path, model_name="tiny", layers=LayerSlice(0, 1, has_vocab=True))
+    shard = LayerShard(path, lead.choice, LayerSlice(1, 2, has_vocab=False), 1, 1 << 30)
+    shard.setup(ShardSetup(num_blocks=4, block_size=4, max_model_len=12))
+    kv = shard.kv_cache
+    kv.k[:, 2].normal_()
+    kv.v[:, 2].normal_()
+    shard.run(ShardStep(step_id=1, part=0, num_parts=1, hidden=b"",
+                        copy_blocks=[BlockCopy(src=2, dst=3)]), torch.empty(0, 64))
+    assert torch.equal(kv.k[:, 3], kv.k[:, 2]) and torch.equal(kv.v[:, 3], kv.v[:, 2])
+    assert kv.k[:, 2].abs().sum() > 0

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in CONFIGS:
             print(f"# {name} ...", file=sys.stderr, flush=True)
             results[name] = run_config(name, args, Path(work_dir))
-    shards, one_core, two_cores = (results[n] for n in CONFIGS)
+    one_core, shards, two_cores = (results[n] for n in CONFIGS)
     print(f"model {args.model.name}: {config.num_layers} layers, hidden {config.hidden_size}; "
           f"a decode token sends {config.hidden_size * 4} bytes to the layer shard and as many "
           "back (float32 hidden states)")

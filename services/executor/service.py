@@ -126,8 +126,9 @@ def _add_shard_arguments(parser: argparse.ArgumentParser) -> None:
                              "loads only its own tensors (default: one executor, the whole "
                              "model)")
     parser.add_argument("--layers", default=None, metavar="A:B",
-                        help="with --shard: this shard's layers [A, B) (default: an even "
-                             "split, the lead taking the fewest)")
+                        help="with --shard: this shard's layers [A, B) (default: a split "
+                             "that gives every shard about the same bytes of the file, the "
+                             "lead's counting the embedding and the head)")
     parser.add_argument("--shard-timeout", type=float, default=120.0,
                         help="lead shard: seconds to wait for a shard's answer to a step "
                              "before the engine is given up as dead (default: 120)")

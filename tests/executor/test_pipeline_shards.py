@@ -20,9 +20,10 @@ from llmbus.services.executor.pipeline_lead_bus import check_shards
 from llmbus.services.executor.runner import ModelRunner
 from llmbus.services.executor.weights.layer_slice import (
     LayerSlice,
-    model_layers,
+    file_split,
     parse_shard,
     split_layers,
+    tensor_bytes,
 )
 from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama
 
@@ -42,14 +43,26 @@ FAMILIES = {  # arch: (spec, matrix type, exact)
 }
 
 
-def test_an_even_split_gives_the_lead_the_fewest_layers():
-    assert split_layers(30, 2) == [range(0, 15), range(15, 30)]
-    assert split_layers(25, 2) == [range(0, 12), range(12, 25)]
-    assert split_layers(7, 3) == [range(0, 2), range(2, 4), range(4, 7)]
-    assert split_layers(3, 3) == [range(0, 1), range(1, 2), range(2, 3)]
+def test_the_split_evens_out_bytes_the_lead_counting_the_vocabulary():
+    assert split_layers(0, [1] * 30, 2) == [range(0, 15), range(15, 30)]
+    assert split_layers(0, [1] * 7, 3) == [range(0, 2), range(2, 5), range(5, 7)]
+    assert split_layers(6, [1] * 10, 2) == [range(0, 2), range(2, 10)]  # 8 bytes each
+    assert split_layers(0, [1] * 5, 2) == [range(0, 2), range(2, 5)]  # a tie: the lead fewer
+    assert split_layers(100, [1] * 3, 3) == [range(0, 1), range(1, 2), range(2, 3)]
     for count in (0, 4):
         with pytest.raises(ValueError, match="a model of 3 layers takes 1 to 3"):
-            split_layers(3, count)
+            split_layers(0, [1] * 3, count)
+
+
+def test_a_file_splits_by_its_own_tensor_bytes(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, TinySpec(num_layers=4, vocab_size=4096))  # a vocabulary of 14 layers
+    sizes = tensor_bytes(path)
+    per_layer = sum(v for n, v in sizes.items() if n.startswith("blk.0."))
+    vocabulary = sum(v for n, v in sizes.items() if not n.startswith("blk."))
+    assert vocabulary > per_layer  # so the lead takes fewer layers than the other shard
+    assert file_split(path, 2) == split_layers(vocabulary, [per_layer] * 4, 2)
+    assert file_split(path, 2)[0] == range(0, 1)
 
 
 def test_a_shard_loads_its_own_tensors_renumbered():
@@ -70,7 +83,8 @@ def test_shard_options_are_checked_in_their_own_words(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path, TinySpec(num_layers=4))
     assert parse_shard(None, None, path) == (0, 1, None)
-    assert parse_shard("1/2", None, path) == (1, 2, LayerSlice(2, 4, has_vocab=False))
+    rest = file_split(path, 2)[1]
+    assert parse_shard("1/2", None, path) == (1, 2, LayerSlice(rest.start, rest.stop, False))
     assert parse_shard("0/2", "0:1", path) == (0, 2, LayerSlice(0, 1, has_vocab=True))
     for shard, layers, problem in (
             (None, "0:2", "give --shard I/N too"), ("1of2", None, "expected I/N"),
@@ -119,7 +133,7 @@ def test_shards_that_do_not_make_up_the_model_are_named():
 def split_runner(path, count: int, **options) -> ModelRunner:
     """A lead runner whose forward goes through `count - 1` in-process LayerShards, each step
     through the bus's codec and in parts of three rows, as over the bus."""
-    layers = split_layers(model_layers(path), count)
+    layers = file_split(path, count)
     lead = ModelRunner(path, model_name="tiny",
                        layers=LayerSlice(0, layers[0].stop, has_vocab=True), **options)
     shards = [LayerShard(path, lead.choice, LayerSlice(r.start, r.stop, has_vocab=False), 1,

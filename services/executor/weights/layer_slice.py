@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from os import PathLike
 
@@ -51,26 +52,50 @@ class LayerSlice:
                                                     else "")
 
 
-def split_layers(num_layers: int, count: int) -> list[range]:
-    """`num_layers` in `count` contiguous ranges of sizes differing by at most one, the
-    larger ones last: the lead shard also embeds and computes the output head."""
+def split_layers(vocab_bytes: int, layer_bytes: Sequence[int], count: int) -> list[range]:
+    """The layers in `count` contiguous ranges whose bytes, the lead's counting the
+    vocabulary's (`vocab_bytes`), are as even as whole layers allow: each shard then needs
+    about the same memory, and reads about as many bytes a decode step. At least one layer
+    each; where a cut could go either way, the lead takes the fewer."""
+    num_layers = len(layer_bytes)
     if not 1 <= count <= num_layers:
         raise ValueError(f"{count} shards: a model of {num_layers} layers takes 1 to "
                          f"{num_layers}")
-    base, extra = divmod(num_layers, count)
-    sizes = [base + (index >= count - extra) for index in range(count)]
-    starts = [sum(sizes[:index]) for index in range(count)]
-    return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+    before = [vocab_bytes]  # before[j]: the bytes of the vocabulary and of layers [0, j)
+    for size in layer_bytes:
+        before.append(before[-1] + size)
+    cuts = [0]
+    for k in range(1, count):
+        target = before[-1] * k / count
+        cuts.append(min(range(cuts[-1] + 1, num_layers - (count - k) + 1),
+                        key=lambda j: abs(before[j] - target)))
+    cuts.append(num_layers)
+    return [range(first, end) for first, end in zip(cuts, cuts[1:], strict=False)]
 
 
-def shard_slice(index: int, count: int, num_layers: int,
+def file_split(path: str | PathLike[str], count: int) -> list[range]:
+    """split_layers over the file's own tensor bytes (every shard computes the same)."""
+    sizes = tensor_bytes(path)
+    layer_bytes = [0] * model_layers(path)
+    vocab_bytes = 0
+    for name, size in sizes.items():
+        match = _LAYER_TENSOR.match(name)
+        if match is None:
+            vocab_bytes += size
+        else:
+            layer_bytes[int(match.group(1))] += size
+    return split_layers(vocab_bytes, layer_bytes, count)
+
+
+def shard_slice(index: int, count: int, path: str | PathLike[str],
                 layers: tuple[int, int] | None = None) -> LayerSlice:
-    """Shard `index` of `count`: its even share of the layers (split_layers), or `layers`
-    (first, end) where the user named them."""
+    """Shard `index` of `count` of the model at `path`: its share of the layers
+    (file_split), or `layers` (first, end) where the user named them."""
     if not 0 <= index < count:
         raise ValueError(f"shard {index}/{count}: the index counts from 0 to {count - 1}")
+    num_layers = model_layers(path)
     if layers is None:
-        share = split_layers(num_layers, count)[index]
+        share = file_split(path, count)[index]
         layers = (share.start, share.stop)
     if not 0 <= layers[0] < layers[1] <= num_layers:
         raise ValueError(f"layers {layers[0]}:{layers[1]} are not a range of the model's "
@@ -80,13 +105,18 @@ def shard_slice(index: int, count: int, num_layers: int,
     return LayerSlice(*layers, has_vocab=index == 0)
 
 
-def slice_file_bytes(path: str | PathLike[str], layers: LayerSlice) -> int:
-    """The bytes of `layers`' tensors in the file (each up to the next tensor's data): what
-    the shard's weights weigh as the file stores them."""
+def tensor_bytes(path: str | PathLike[str]) -> dict[str, int]:
+    """Each tensor's bytes in the file (up to the next tensor's data)."""
     entries = sorted(read_layout(path).tensors, key=lambda entry: entry.offset)
     ends = [entry.offset for entry in entries[1:]] + [os.path.getsize(path)]
-    return sum(end - entry.offset for entry, end in zip(entries, ends, strict=True)
-               if layers.tensor_name(entry.name) is not None)
+    return {entry.name: end - entry.offset for entry, end in zip(entries, ends, strict=True)}
+
+
+def slice_file_bytes(path: str | PathLike[str], layers: LayerSlice) -> int:
+    """The bytes of `layers`' tensors in the file: what the shard's weights weigh as the file
+    stores them."""
+    return sum(size for name, size in tensor_bytes(path).items()
+               if layers.tensor_name(name) is not None)
 
 
 def model_layers(path: str | PathLike[str]) -> int:
@@ -112,4 +142,4 @@ def parse_shard(shard: str | None, layers: str | None,
         if not (first.isdigit() and end.isdigit()):
             raise ValueError(f"--layers {layers!r}: expected A:B, e.g. 0:15")
         span = (int(first), int(end))
-    return int(index), int(count), shard_slice(int(index), int(count), model_layers(path), span)
+    return int(index), int(count), shard_slice(int(index), int(count), path, span)

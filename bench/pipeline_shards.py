@@ -40,6 +40,7 @@ CONFIGS = {  # name: (up options, cores of each executor process, lead first)
     "whole, 2 cores": (["--threads", "2"], ["0-1"]),
 }
 PLAN_LINE = re.compile(r"executor shard (\d)/\d: .*?(\d+) MiB of weights, (\d+) MiB of KV")
+WHOLE_LINE = re.compile(r"model loaded .*?kv_mib=(\d+) .*?weight_mib=(\d+)")
 
 
 def executor_pids(up_pid: int) -> list[int]:
@@ -77,7 +78,8 @@ async def _load(base_url: str, model: str, requests, concurrency: int,
 
 def run_config(name: str, args: argparse.Namespace, work_dir: Path) -> dict:
     options, cores = CONFIGS[name]
-    stack = start_stack(work_dir, "--model", str(args.model), *options, timeout=600)
+    stack = start_stack(work_dir, "--model", str(args.model), "--num-blocks",
+                        str(args.num_blocks), *options, timeout=600)
     try:
         pids = executor_pids(stack.process.pid)
         assert len(pids) == len(cores), f"{name}: executors {pids}, cores {cores}"
@@ -95,8 +97,10 @@ def run_config(name: str, args: argparse.Namespace, work_dir: Path) -> dict:
         batch = asyncio.run(_load(stack.base_url, model, many, args.concurrency,
                                   args.max_tokens))
         memory = [tree_memory_mib(pid)[1] for pid in pids]
-        plans = {int(m[1]): (int(m[2]), int(m[3]))
-                 for m in PLAN_LINE.finditer(stack.log_path.read_text(errors="replace"))}
+        log = stack.log_path.read_text(errors="replace")
+        plans = {int(m[1]): (int(m[2]), int(m[3])) for m in PLAN_LINE.finditer(log)}
+        if len(cores) == 1:  # the whole model: its file, its cache
+            plans = {0: next((int(m[2]), int(m[1])) for m in WHOLE_LINE.finditer(log))}
     finally:
         stop_stack(stack)
     return {"tpot_ms": single["tpot_ms"]["p50"], "tok_s": batch["output_throughput"],
@@ -112,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--num-blocks", type=int, default=1024,
+                        help="KV blocks of every engine, so that each holds as many tokens "
+                             "(default: 1024)")
     args = parser.parse_args(argv)
     from llmbus.services.executor.weights.model_config import read_config
     from llmbus.services.gguf_metadata import read_metadata, read_tensor_infos

@@ -232,7 +232,9 @@ async def serve(args: argparse.Namespace, runtime: ServiceRuntime, choice: Backe
         compute.shutdown(wait=False)  # the forward thread of a model that never served
         raise
     log.info("model loaded", num_blocks=service.info.num_blocks,
-             max_model_len=service.info.max_model_len, kv_cache_dtype=choice.kv_dtype)
+             max_model_len=service.info.max_model_len, kv_cache_dtype=choice.kv_dtype,
+             weight_mib=round(path.stat().st_size / 2**20),
+             kv_mib=round(runner.kv_cache.k.nbytes * 2 / 2**20))
     try:
         await service.subscribe()
         await runtime.serve(lambda: Heartbeat(

@@ -14,7 +14,8 @@ import torch
 
 from llmbus.services.executor.attention.metadata import AttentionMetadata
 
-ENVELOPE_BYTES = 4096  # a part's fields besides its rows (the geometry goes apart: see below)
+ENVELOPE_BYTES = 4096  # NATS headers (trace context) and a part's small fields; the lead measures
+# the first part's geometry (block tables) apart
 
 
 def hidden_parts(hidden: torch.Tensor, max_bytes: int) -> list[bytes]:

@@ -8,7 +8,6 @@ kernel or ONNX Runtime); backend_choice.py picks one, backends/loading.py loads 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -23,10 +22,6 @@ class Backend(Protocol):
     config: LlamaConfig
     dtype: torch.dtype  # of the activations it takes and the logits' source
     device: torch.device
-    # A split model's lead shard hands the residual stream after its layers to the other
-    # shards here and takes theirs back (pipeline_lead_bus.py); None: the model is whole.
-    after_layers: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor] | None
-
     def set_max_positions(self, max_positions: int) -> None:
         """Size the rotary tables for positions [0, max_positions)."""
 
@@ -35,6 +30,15 @@ class Backend(Protocol):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T]; logits_indices [S] -> float32 logits [S, V] of the rows
         that sample. Writes this step's K/V into `kv_cache` at `meta.slot_mapping`."""
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the residual stream [T, D] into the first layer. `forward` is
+        embed_tokens, forward_layers, logits: a split model's lead shard
+        (pipeline_lead.py) runs the three apart, the other shards' layers between."""
+
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The residual stream [T, D] after the last layer; logits_indices [S] -> float32
+        logits [S, V] of those rows (the final norm and the head)."""
 
     def forward_layers(self, hidden: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata,

@@ -14,6 +14,9 @@ import torch
 
 from llmbus.services.executor.attention.metadata import AttentionMetadata
 
+# Each sequence's query and context lengths and block table: what a layer shard rebuilds a
+# step's attention metadata from.
+Geometry = tuple[list[int], list[int], list[list[int]]]
 ENVELOPE_BYTES = 4096  # NATS headers (trace context) and a part's small fields; the lead measures
 # the first part's geometry (block tables) apart
 
@@ -37,7 +40,7 @@ def hidden_from_parts(parts: Sequence[bytes], hidden_size: int, dtype: str) -> t
     return torch.frombuffer(data, dtype=getattr(torch, dtype)).view(-1, hidden_size)
 
 
-def step_geometry(meta: AttentionMetadata) -> tuple[list[int], list[int], list[list[int]]]:
+def step_geometry(meta: AttentionMetadata) -> Geometry:
     """What a layer shard needs to rebuild `meta` (build_attention_metadata): each sequence's
     query and context lengths, and the blocks its context fills."""
     query_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).tolist()

@@ -2,10 +2,11 @@
 make up the model, size their caches, and carry each step's hidden states through them.
 
 The lead (shard 0) is the engine's executor as its scheduler sees it: it takes the plans, keeps
-the requests, embeds, and samples. Between its own layers and its head, its backend calls
-`after_layers` (Backend.after_layers), which runs on the forward thread: it hands the residual
-stream to shard 1, takes its output to shard 2, and so on, each hop a request/reply on the bus
-(ShardStep, split under max_payload, ShardFetch for a long answer's other parts).
+the requests, embeds, and samples. Between its own layers and its head, its forward
+(pipeline_lead.PipelinedForward) calls `send` for each micro-batch of the step: the residual
+stream goes to shard 1, its output to shard 2, and so on, each hop a request/reply on the bus
+(ShardStep, split under max_payload, ShardFetch for a long answer's other parts), while the
+forward thread computes the next micro-batch's first layers.
 
 A shard that stops answering ends the lead: the engine is then dead by the scheduler's
 heartbeat rules, and its requests move to another engine (or wait for a restart), as for any
@@ -18,6 +19,7 @@ import asyncio
 import os
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import msgspec
@@ -41,13 +43,13 @@ from llmbus.bus.messages import (
     ShardStep,
 )
 from llmbus.bus.runtime import ServiceRuntime
-from llmbus.services.executor.attention.metadata import AttentionMetadata
 from llmbus.services.executor.hidden_handoff import (
     ENVELOPE_BYTES,
+    Geometry,
     hidden_from_parts,
     hidden_parts,
-    step_geometry,
 )
+from llmbus.services.executor.pipeline_lead import PipelinedForward
 from llmbus.services.executor.runner import ModelRunner
 from llmbus.services.executor.weights.layer_slice import (
     LayerSlice,
@@ -87,7 +89,7 @@ def check_shards(lead: ShardInfo, shards: list[ShardInfo], count: int) -> str:
 
 
 class PipelineLead:
-    """`connect` once (finds and sets up the shards), then `after_layers` every forward."""
+    """`connect` once (finds and sets up the shards), then `send` every micro-batch."""
 
     def __init__(self, runtime: ServiceRuntime, engine_id: str, count: int,
                  step_timeout: float) -> None:
@@ -98,6 +100,7 @@ class PipelineLead:
         self.hidden_size = 0
         self.step_id = 0
         self.shards_heard = Liveness()  # by instance; the index each beats for in `shard`
+        self.hop_locks = {index: asyncio.Lock() for index in range(1, count)}
         self.connected_at = 0.0
 
     def _subject(self, index: int, what: str) -> str:
@@ -161,7 +164,7 @@ class PipelineLead:
                      f"of weights, {info.kv_bytes / 2**20:.0f} MiB of KV")
         self.connected_at = self.runtime.bus_time()
         runner.copies_for_shards = self.copies
-        runner.model.after_layers = self.after_layers
+        runner.model_forward = PipelinedForward(runner.model, self.send, self.count)
 
     async def _on_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
         if heartbeat.engine_id == self.engine_id and heartbeat.shard:
@@ -175,38 +178,41 @@ class PipelineLead:
             return False
         return not any(h.shard == f"{index}/{self.count}" for h in self.shards_heard.alive(now))
 
-    def after_layers(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """On the forward thread: hidden [T, D] after the lead's layers -> after the last
-        shard's. A shard lost ends this process (see the module's doc)."""
+    def send(self, hidden: torch.Tensor, geometry: Geometry) -> Future[torch.Tensor]:
+        """From the forward thread: hidden [T, D] of a micro-batch after the lead's layers ->
+        a future of it after the last shard's (PipelinedForward's `send`). The step's block
+        copies go with its first micro-batch."""
         copies, self.copies[:] = list(self.copies), []
-        future = asyncio.run_coroutine_threadsafe(self._through_shards(hidden, meta, copies),
-                                                  self.loop)
+        return asyncio.run_coroutine_threadsafe(
+            self._through_shards(hidden.cpu(), geometry, copies), self.loop)
+
+    async def _through_shards(self, hidden: torch.Tensor, geometry: Geometry,
+                              copies: list[BlockCopy]) -> torch.Tensor:
+        """Each shard in turn, one micro-batch at a time per shard (their order is the step's:
+        a later one may attend to an earlier one's keys). A shard lost ends this process."""
+        self.step_id += 1
+        query_lens, context_lens, tables = geometry
+        dtype = str(hidden.dtype).removeprefix("torch.")
         try:
-            return future.result()
+            for index in range(1, self.count):
+                first = ShardStep(step_id=self.step_id, part=0, num_parts=1, hidden=b"",
+                                  dtype=dtype, num_tokens=hidden.shape[0],
+                                  query_lens=query_lens, context_lens=context_lens,
+                                  block_tables=tables, copy_blocks=copies)
+                async with self.hop_locks[index]:
+                    hidden = await self._hop(index, first, hidden)
         except ShardLost as exc:
             log.error(f"executor: {exc}; exiting, so that engine {self.engine_id}'s requests "
                       "move on")
             sys.stdout.flush()
             os._exit(1)
-
-    async def _through_shards(self, hidden: torch.Tensor, meta: AttentionMetadata,
-                              copies: list[BlockCopy]) -> torch.Tensor:
-        self.step_id += 1
-        query_lens, context_lens, tables = step_geometry(meta)
-        dtype = str(hidden.dtype).removeprefix("torch.")
-        for index in range(1, self.count):
-            first = ShardStep(step_id=self.step_id, part=0, num_parts=1, hidden=b"",
-                              dtype=dtype, num_tokens=hidden.shape[0], query_lens=query_lens,
-                              context_lens=context_lens, block_tables=tables,
-                              copy_blocks=copies)
-            hidden = await self._hop(index, first, hidden)
         return hidden
 
     async def _hop(self, index: int, first: ShardStep, hidden: torch.Tensor) -> torch.Tensor:
         """One shard's layers on `hidden`: its parts out, its answer's parts back."""
         assert self.runtime.nc is not None
         room = self.runtime.nc.max_payload - ENVELOPE_BYTES - len(encode(first))
-        parts = hidden_parts(hidden.cpu(), room)
+        parts = hidden_parts(hidden, room)
         answer = ShardHidden()
         for number, data in enumerate(parts):
             fields = first if number == 0 else ShardStep(step_id=first.step_id, part=number,
@@ -217,7 +223,7 @@ class PipelineLead:
         for number in range(1, answer.num_parts):
             out.append((await self._ask(index, "fetch", ShardFetch(
                 step_id=first.step_id, part=number))).hidden)
-        return hidden_from_parts(out, self.hidden_size, first.dtype).to(hidden.device)
+        return hidden_from_parts(out, self.hidden_size, first.dtype)
 
     async def _ask(self, index: int, what: str, message: ShardStep | ShardFetch) -> ShardHidden:
         """The shard's answer; ShardLost when it cannot come: nobody listens, the step

@@ -109,7 +109,7 @@ class ModelRunner:
         `pooling`: how embedding requests that leave it to the model pool (None: the file's
         `<arch>.pooling_type`, else mean). `embed_only`: refuse generation (an encoder always).
         `layers`: the lead shard's part of a model split by layers (layer_slice.py); the rest
-        runs where its `model.after_layers` sends the hidden states."""
+        runs where its `model_forward` sends the hidden states (pipeline_lead.py)."""
         if choice is None:
             choice = choose_backend(model_path, backend=backend, exact=exact,
                                     dtype=str(dtype).removeprefix("torch."), device=str(device))
@@ -123,6 +123,8 @@ class ModelRunner:
         self.device = torch.device(choice.device)
         self.model: Backend = load_backend(model_path, choice, self.device, self.num_threads,
                                            layers)
+        # Backend.forward's contract; a split model's lead replaces it (pipeline_lead.py).
+        self.model_forward = self.model.forward
         self.config = config = self.model.config
         if max_model_len is not None and max_model_len > config.context_length:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
@@ -277,7 +279,7 @@ class ModelRunner:
         samplers = [scheduled[i] for i in sampling_rows]
         rows = torch.tensor(sampling_rows, dtype=torch.int64, device=self.device)  # [S]
         last = meta.cu_seqlens_q[1:][rows] - 1  # [S] last token of each sampler
-        logits = self.model.forward(ids, meta.positions, meta, self.kv_cache,
+        logits = self.model_forward(ids, meta.positions, meta, self.kv_cache,
                                     logits_indices(last, samplers))
         self._embeddings += pool_step(scheduled, meta.cu_seqlens_q.tolist(),
                                       lambda sequence_id: self.requests[sequence_id].pooling,

@@ -23,7 +23,6 @@ The dense work runs in one of two places (backend_choice.py decides which, once)
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -181,9 +180,6 @@ class CpuLlamaModel:
             self.embed = TokenEmbedding(native.get("token_embd.weight"),
                                         dense.get("token_embd.weight"))
             self.output_norm = dense["output_norm.weight"].float()  # embeddings' final norm
-        # The lead shard of a split model hands the residual stream to the other shards here
-        # (pipeline_lead_bus.py): hidden [T, D] after this model's layers -> after the last one's.
-        self.after_layers: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor] | None = None
         self._residual = torch.empty(0, config.hidden_size)
         self.qkv_biases = [qkv_bias(dense, i) for i in range(config.num_layers)]
         self.qk_norms = [qk_norm_weights(dense, i) for i in range(config.num_layers)]
@@ -304,6 +300,31 @@ class CpuLlamaModel:
                   else self.graphs)
         return self._layers(graphs[:self.config.num_layers + 1], hidden, rope, kv_cache, meta)
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the residual stream [T, D] into the first layer (Backend)."""
+        assert self.embed is not None, "a layer shard takes hidden states, not tokens"
+        hidden = self.embed(input_ids)
+        if self.config.embedding_scale != 1.0:
+            hidden = hidden * self.config.embedding_scale
+        return hidden
+
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The residual stream [T, D] after the last layer; logits_indices [S] -> float32
+        logits [S, V] of those rows (Backend)."""
+        self._residual = hidden  # for last_hidden: the stream before the output norm
+        rows = hidden[logits_indices].contiguous()  # [S, D]
+        if not rows.shape[0]:  # a step of prefill chunks alone samples nothing
+            return torch.empty(0, self.config.vocab_size)
+        if self.int_moe is not None:
+            return self.int_moe.head(rows)
+        if self.int_step is not None:
+            return self.int_step.head(rows)
+        graphs = (self.single_thread_graphs if hidden.shape[0] <= SINGLE_THREAD_TOKENS
+                  else self.graphs)
+        logits = torch.empty(rows.shape[0], self.config.vocab_size)
+        graphs[-1].run({"hidden": rows}, {"logits": logits})
+        return logits
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: KVCache,
                 logits_indices: torch.Tensor) -> torch.Tensor:
@@ -311,27 +332,8 @@ class CpuLlamaModel:
 
         Writes this step's K/V into `kv_cache` at `meta.slot_mapping`.
         """
-        cfg = self.config
-        assert self.embed is not None, "a layer shard takes hidden states (layers), not tokens"
-        hidden = self.embed(input_ids)  # [T, D], the residual stream
-        if cfg.embedding_scale != 1.0:
-            hidden = hidden * cfg.embedding_scale
-        hidden = self.forward_layers(hidden, positions, meta, kv_cache)
-        if self.after_layers is not None:
-            hidden = self.after_layers(hidden, meta)
-        self._residual = hidden  # for last_hidden: the stream before the output norm
-        rows = hidden[logits_indices].contiguous()  # [S, D]
-        if not rows.shape[0]:  # a step of prefill chunks alone samples nothing
-            return torch.empty(0, cfg.vocab_size)
-        if self.int_moe is not None:
-            return self.int_moe.head(rows)
-        if self.int_step is not None:
-            return self.int_step.head(rows)
-        graphs = (self.single_thread_graphs if input_ids.shape[0] <= SINGLE_THREAD_TOKENS
-                  else self.graphs)
-        logits = torch.empty(rows.shape[0], cfg.vocab_size)
-        graphs[-1].run({"hidden": rows}, {"logits": logits})
-        return logits
+        hidden = self.forward_layers(self.embed_tokens(input_ids), positions, meta, kv_cache)
+        return self.logits(hidden, logits_indices)
 
     def last_hidden(self, rows: torch.Tensor) -> torch.Tensor:
         """The last forward's rows after the output norm, in float32 (Backend.last_hidden)."""

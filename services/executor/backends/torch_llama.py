@@ -9,7 +9,6 @@ Dh (head dim), S (sequences that sample), V (vocab).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -157,9 +156,6 @@ class LlamaModel:
             self.lm_head = (self.embed if config.tie_word_embeddings
                             else w("output.weight"))  # [V, D]
             self.output_norm = w("output_norm.weight")
-        # The lead shard of a split model hands the residual stream to the other shards here
-        # (pipeline_lead_bus.py): hidden [T, D] after this model's layers -> after the last one's.
-        self.after_layers: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor] | None = None
         self.set_max_positions(max_positions)
         self.scale = config.scale
 
@@ -231,13 +227,26 @@ class LlamaModel:
         if cfg.embedding_scale != 1.0:
             h = h * torch.tensor(cfg.embedding_scale, dtype=h.dtype)
         h, delta = self._layers(h, positions, meta, kv_cache)
-        if self.after_layers is not None:
-            h, delta = self.after_layers(h if delta is None else h + delta, meta), None
         self._residual, self._delta = h, delta  # for last_hidden
         # Only the positions that sample pay for the norm and the vocab projection.
         tail = None if delta is None else delta[logits_indices]
         h, _ = ops.add_rms_norm(h[logits_indices], tail, self.output_norm, eps)  # [S, D]
         return self.linear(h, self.lm_head).float()  # [S, V]
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the residual stream [T, D] into the first layer (Backend)."""
+        h = self.embed[input_ids]
+        if self.config.embedding_scale != 1.0:
+            h = h * torch.tensor(self.config.embedding_scale, dtype=h.dtype)
+        return h
+
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The residual stream [T, D] after the last layer; logits_indices [S] -> float32
+        logits [S, V] (Backend); `forward`'s head, on a stream whole already."""
+        self._residual, self._delta = hidden, None
+        h, _ = self.ops.add_rms_norm(hidden[logits_indices], None, self.output_norm,
+                                     self.config.rms_norm_eps)
+        return self.linear(h, self.lm_head).float()
 
     def last_hidden(self, rows: torch.Tensor) -> torch.Tensor:
         """The last forward's rows after the output norm, in float32 (Backend.last_hidden)."""

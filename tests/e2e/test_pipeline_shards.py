@@ -24,9 +24,9 @@ from tests.stack import MODEL_NAME, needs_default_model
 pytestmark = [pytest.mark.model, needs_default_model()]
 COPIES = {"api": 1, "tokenizer": 1, "detokenizer": 1, "engine": 2}
 QUESTION = "Tell me a long story about a lighthouse."
-MAX_TOKENS = 48
-# ~1,000 tokens: 2.3 MB of hidden states (2,304 bytes a token) each way, in several messages
-LONG_PROMPT = " ".join(f"Line {i}: the keeper climbs the stairs." for i in range(100))
+MAX_TOKENS = 32
+# ~600 tokens: 1.4 MB of hidden states (2,304 bytes a token) each way, in two messages or more
+LONG_PROMPT = " ".join(f"Line {i}: the keeper climbs the stairs." for i in range(60))
 
 
 @pytest.fixture(scope="module")

@@ -3,18 +3,22 @@ the stack itself comes from the bench package (benchmark scripts start it the sa
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from llmbus.bench.stack import MODEL_NAME, RunningStack, engine_stats, start_stack, stop_stack
 from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
 from llmbus.services.model_files import default_model_path
 
-__all__ = ["API_KEY", "AUTH", "MODEL_NAME", "REPO", "ApiCopies", "RunningStack", "engine_stats",
-           "needs_default_model", "processes_mentioning", "start_stack", "stop_stack"]
+__all__ = ["API_KEY", "AUTH", "MODEL_NAME", "REPO", "ApiCopies", "RunningStack", "engine_holding",
+           "engine_stats", "needs_default_model", "processes_mentioning", "sse_events",
+           "start_stack", "stop_stack"]
 
 REPO = Path(__file__).resolve().parent.parent
 API_KEY = "llmbus-test-key"  # the shared stack requires it, so every test exercises auth
@@ -24,6 +28,24 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def needs_default_model() -> pytest.MarkDecorator:
     return pytest.mark.skipif(not default_model_path().is_file(),
                               reason="default model not pulled (`llmbus model pull`)")
+
+
+async def sse_events(http: httpx.AsyncClient, url: str, body: dict) -> AsyncIterator[dict]:
+    """The JSON events of one streamed OpenAI-style answer, once its status is 200."""
+    async with http.stream("POST", url, json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                yield json.loads(line[len("data: "):])
+
+
+async def engine_holding(nats_url: str, engine_ids: tuple[str, ...] = ("engine0", "engine1"),
+                         ) -> str | None:
+    """The first of `engine_ids` running requests now (None: none is)."""
+    for engine_id in engine_ids:
+        if (await engine_stats(nats_url, engine_id)).num_running:
+            return engine_id
+    return None
 
 
 def processes_mentioning(text: str) -> list[int]:

@@ -11,21 +11,22 @@ The tests share one stack of two engines; each starts again what the one before 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from dataclasses import dataclass, field
 
 import httpx
-import nats
 import pytest
 
-from llmbus.bus import subjects
-from llmbus.bus.codec import decode, encode
-from llmbus.bus.messages import EngineStats, EngineStatsRequest
 from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
 from llmbus.services.scheduler.detokenizer_routing import preferred_copy
-from tests.stack import MODEL_NAME, needs_default_model
+from tests.stack import (
+    MODEL_NAME,
+    engine_holding,
+    engine_stats,
+    needs_default_model,
+    sse_events,
+)
 
 pytestmark = [pytest.mark.model, needs_default_model()]
 ENGINES = {"api": 1, "tokenizer": 1, "detokenizer": 2, "engine": 2}
@@ -93,42 +94,19 @@ async def _stream(http: httpx.AsyncClient, base_url: str, sampling: dict,
             **sampling}
     chunks = [] if chunks is None else chunks
     result = {"finish_reason": None, "completion_tokens": None, "error": None}
-    async with http.stream("POST", f"{base_url}/chat/completions", json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                result["error"] = event["error"]["message"]
-                continue
-            if ids is not None and not ids:
-                ids.append(event["id"])
-            for choice in event["choices"]:
-                if choice["delta"].get("content"):
-                    chunks.append(choice["delta"]["content"])
-                result["finish_reason"] = choice["finish_reason"] or result["finish_reason"]
-            if event.get("usage"):
-                result["completion_tokens"] = event["usage"]["completion_tokens"]
+    async for event in sse_events(http, f"{base_url}/chat/completions", body):
+        if "error" in event:
+            result["error"] = event["error"]["message"]
+            continue
+        if ids is not None and not ids:
+            ids.append(event["id"])
+        for choice in event["choices"]:
+            if choice["delta"].get("content"):
+                chunks.append(choice["delta"]["content"])
+            result["finish_reason"] = choice["finish_reason"] or result["finish_reason"]
+        if event.get("usage"):
+            result["completion_tokens"] = event["usage"]["completion_tokens"]
     return result | {"text": "".join(chunks)}
-
-
-async def _stats(nats_url: str, engine_id: str) -> EngineStats:
-    nc = await nats.connect(nats_url)
-    try:
-        msg = await nc.request(subjects.engine_stats(engine_id), encode(EngineStatsRequest()),
-                               timeout=5)
-        return decode(msg.data, EngineStats)
-    finally:
-        await nc.close()
-
-
-async def _engine_holding(nats_url: str) -> str | None:
-    """The engine running requests now (None: neither)."""
-    for engine_id in ("engine0", "engine1"):
-        if (await _stats(nats_url, engine_id)).num_running:
-            return engine_id
-    return None
 
 
 async def _migrations(http: httpx.AsyncClient, base_url: str) -> float:
@@ -158,7 +136,7 @@ async def test_requests_of_a_dead_engine_that_sent_nothing_move_and_finish(two_e
         return {"status": response.status_code, "body": response.json()}
 
     async def held_by_engine1() -> int:
-        stats = await _stats(observer, "engine1")
+        stats = await engine_stats(observer, "engine1")
         return stats.num_running + stats.num_waiting
 
     async with httpx.AsyncClient(timeout=300) as http:
@@ -203,7 +181,7 @@ async def test_a_stream_whose_engine_dies_resumes_on_the_other_engine(two_engine
             child = copies[preferred_copy((stream_ids[0], 0), set(copies))]
             victim_argv = ["--nats-url", url]
         else:
-            engine = await _engine_holding(observer)
+            engine = await engine_holding(observer)
             assert engine is not None, "the stream ended before the kill"
             [child] = [c for c in stack.children if c.name == f"{victim}.{engine[-1]}"]
             victim_argv = ["--nats-url", url, "--engine-id", engine,

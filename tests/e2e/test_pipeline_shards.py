@@ -6,20 +6,15 @@ whose stream finishes on the other engine with the text it would have had."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 
 import httpx
-import nats
 import pytest
 
-from llmbus.bus import subjects
-from llmbus.bus.codec import decode, encode
-from llmbus.bus.messages import EngineStats, EngineStatsRequest
 from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
 from tests.hf_reference import hf_greedy
-from tests.stack import MODEL_NAME, needs_default_model
+from tests.stack import MODEL_NAME, engine_holding, needs_default_model, sse_events
 
 pytestmark = [pytest.mark.model, needs_default_model()]
 COPIES = {"api": 1, "tokenizer": 1, "detokenizer": 1, "engine": 2}
@@ -48,32 +43,14 @@ async def _stream(http: httpx.AsyncClient, base_url: str, chunks: list[str]) -> 
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": QUESTION}]}
     result: dict = {"error": None, "completion_tokens": None}
-    async with http.stream("POST", f"{base_url}/chat/completions", json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                result["error"] = event["error"]["message"]
-            for choice in event.get("choices", []):
-                chunks.append(choice["delta"].get("content") or "")
-            if event.get("usage"):
-                result["completion_tokens"] = event["usage"]["completion_tokens"]
+    async for event in sse_events(http, f"{base_url}/chat/completions", body):
+        if "error" in event:
+            result["error"] = event["error"]["message"]
+        for choice in event.get("choices", []):
+            chunks.append(choice["delta"].get("content") or "")
+        if event.get("usage"):
+            result["completion_tokens"] = event["usage"]["completion_tokens"]
     return result | {"text": "".join(chunks)}
-
-
-async def _engine_holding(nats_url: str) -> str | None:
-    nc = await nats.connect(nats_url)
-    try:
-        for engine_id in ("engine0", "engine1"):
-            msg = await nc.request(subjects.engine_stats(engine_id),
-                                   encode(EngineStatsRequest()), timeout=5)
-            if decode(msg.data, EngineStats).num_running:
-                return engine_id
-        return None
-    finally:
-        await nc.close()
 
 
 async def test_split_engines_answer_as_transformers_and_outlive_a_shard(split_engines,
@@ -100,7 +77,7 @@ async def test_split_engines_answer_as_transformers_and_outlive_a_shard(split_en
         async with asyncio.timeout(60):  # mid-stream: some text out, most still to come
             while len(chunks) < 8 and not stream.done():
                 await asyncio.sleep(0.02)
-        engine = await _engine_holding(stack.observer_url(url))
+        engine = await engine_holding(stack.observer_url(url))
         assert engine is not None and not stream.done(), "the stream ended before the kill"
         [shard] = [c for c in stack.children if c.name == f"executor.{engine[-1]}.shard1"]
         [lead] = [c for c in stack.children if c.name == f"executor.{engine[-1]}"]

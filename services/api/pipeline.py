@@ -81,7 +81,8 @@ class TokenRates:
 def _copy(heartbeat: Heartbeat, age: float) -> dict[str, Any]:
     return {"instance_id": heartbeat.instance_id, "engine_id": heartbeat.engine_id or None,
             "heartbeat_age_seconds": round(age, 3), "num_handled": heartbeat.num_handled,
-            "num_reconnects": heartbeat.num_reconnects}
+            "num_reconnects": heartbeat.num_reconnects,
+            "shard": heartbeat.shard or None}  # a layer shard of its engine's executor
 
 
 def _engine(stats: EngineStats | None, heartbeat: Heartbeat,

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 import structlog
 from nats.aio.msg import Msg
+from opentelemetry import trace
 
 from llmbus.bus import subjects
 from llmbus.bus.messages import (
@@ -39,6 +40,7 @@ from llmbus.services.executor.layer_shard import LayerShard
 from llmbus.services.executor.weights.layer_slice import LayerSlice
 
 log = structlog.get_logger()
+_tracer = trace.get_tracer("llmbus.executor")  # a shard step: a child of its lead's step
 
 
 class LayerShardService:
@@ -93,8 +95,10 @@ class LayerShardService:
         try:
             hidden = hidden_from_parts(self._incoming, self.shard.model.config.hidden_size,
                                        first.dtype)
-            out = await asyncio.get_running_loop().run_in_executor(self.compute, self.shard.run,
-                                                                   first, hidden)
+            with _tracer.start_as_current_span("executor.shard_step", attributes={
+                    "llmbus.shard": self.index, "llmbus.num_tokens": first.num_tokens}):
+                out = await asyncio.get_running_loop().run_in_executor(
+                    self.compute, self.shard.run, first, hidden)
         except Exception as exc:  # an answer, not a lead waiting for its time-out
             log.exception("a shard step failed", step_id=part.step_id)
             return ShardHidden(error=f"{type(exc).__name__}: {exc}")

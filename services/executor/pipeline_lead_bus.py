@@ -27,6 +27,7 @@ import structlog
 import torch
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from opentelemetry import context as otel_context
 
 from llmbus.bus import subjects
 from llmbus.bus.codec import encode
@@ -183,13 +184,16 @@ class PipelineLead:
         a future of it after the last shard's (PipelinedForward's `send`). The step's block
         copies go with its first micro-batch."""
         copies, self.copies[:] = list(self.copies), []
-        return asyncio.run_coroutine_threadsafe(
-            self._through_shards(hidden.cpu(), geometry, copies), self.loop)
+        return asyncio.run_coroutine_threadsafe(self._through_shards(
+            hidden.cpu(), geometry, copies, otel_context.get_current()), self.loop)
 
     async def _through_shards(self, hidden: torch.Tensor, geometry: Geometry,
-                              copies: list[BlockCopy]) -> torch.Tensor:
+                              copies: list[BlockCopy],
+                              step_span: otel_context.Context) -> torch.Tensor:
         """Each shard in turn, one micro-batch at a time per shard (their order is the step's:
-        a later one may attend to an earlier one's keys). A shard lost ends this process."""
+        a later one may attend to an earlier one's keys). A shard lost ends this process.
+        The hops carry the step's span (`step_span`): each shard's span is its child."""
+        otel_context.attach(step_span)  # this task's own context: nothing to detach
         self.step_id += 1
         query_lens, context_lens, tables = geometry
         dtype = str(hidden.dtype).removeprefix("torch.")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import os
 import sys
 import time
@@ -289,8 +290,8 @@ class ExecutorService:
         self.runtime.num_handled += 1
         self.receiver.close(plan.closed_transfers)  # before this step may reuse their blocks
         with self.traces.step_span(plan) as span:
-            outcome = await asyncio.get_running_loop().run_in_executor(
-                self.compute, self.runner.execute, plan)
+            outcome = await asyncio.get_running_loop().run_in_executor(  # the span current
+                self.compute, contextvars.copy_context().run, self.runner.execute, plan)
             span.set_attribute("llmbus.num_sampled", len(outcome.sampled.token_ids))
             if outcome.error:
                 span.set_status(Status(StatusCode.ERROR, outcome.error))

@@ -62,7 +62,8 @@ def test_the_view_lists_every_stage_in_order_and_engines_with_their_load():
         "scheduler": [(_beat("scheduler", "s1", engine_id="engine1", num_running=9,
                              num_total_blocks=10, num_free_blocks=9), 0.2),
                       (_beat("scheduler", "s0", engine_id="engine0", role="decode"), 0.4)],
-        "api": [(_beat("api", "a1"), 0.0)]}
+        "api": [(_beat("api", "a1"), 0.0)],
+        "executor": [(_beat("executor", "x1", engine_id="engine0", shard="1/2"), 0.1)]}
     stats = [EngineStats(engine_id="engine0", num_steps=1, num_running=3, num_waiting=2,
                          num_free_blocks=60, num_total_blocks=100, max_batch_size=4,
                          num_preemptions=1, num_finished=5, num_evictable_blocks=15,
@@ -71,7 +72,10 @@ def test_the_view_lists_every_stage_in_order_and_engines_with_their_load():
                          rates={"engine0": 12.5}, recent=[], trace_url=None)
     assert [s["name"] for s in view["stages"]] == list(STAGE_ORDER)
     stages = {s["name"]: s["copies"] for s in view["stages"]}
-    assert stages["tokenizer"] == [] and stages["executor"] == []  # none alive: shown empty
+    assert stages["tokenizer"] == []  # none alive: shown empty
+    [shard] = stages["executor"]  # a layer shard of a split executor says which it is
+    assert (shard["engine_id"], shard["shard"]) == ("engine0", "1/2")
+    assert "engine" not in shard  # the engine's load is its scheduler's
     assert [c["instance_id"] for c in stages["detokenizer"]] == ["d1", "d2"]
     engine0, engine1 = stages["scheduler"]
     assert engine0["engine"] == {"role": "decode", "num_running": 3, "num_waiting": 2,

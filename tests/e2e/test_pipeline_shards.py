@@ -1,7 +1,8 @@
 """Engines whose executors are split by layers into two processes each (`--pipeline-shards 2`,
 services/executor/pipeline_lead_bus.py): greedy output as HF transformers computes it, a
-prompt whose hidden states take several bus messages, and a layer shard killed mid-stream,
-whose stream finishes on the other engine with the text it would have had."""
+prompt whose hidden states take several bus messages, each shard's span in its lead's step's
+trace, and a layer shard killed mid-stream, whose stream finishes on the other engine with
+the text it would have had."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ LONG_PROMPT = " ".join(f"Line {i}: the keeper climbs the stairs." for i in range
 
 
 @pytest.fixture(scope="module")
-def split_engines():
+def split_engines(otlp):
     stack = Stack()
+    stack.env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint,
+                      "OTEL_BSP_SCHEDULE_DELAY": "100"})
     port = free_port()
     url = stack.start_nats()
     argv = {"api": ["--port", str(port)], "executor": ["--threads", "1", "--exact"]}
@@ -53,8 +56,15 @@ async def _stream(http: httpx.AsyncClient, base_url: str, chunks: list[str]) -> 
     return result | {"text": "".join(chunks)}
 
 
+def _shard_steps_under_lead_steps(otlp) -> int:
+    """Layer shards' step spans whose parent is an executor step span (their lead's)."""
+    spans = otlp.snapshot()
+    steps = {s.span_id for s in spans if s.name == "executor.step"}
+    return sum(s.name == "executor.shard_step" and s.parent_span_id in steps for s in spans)
+
+
 async def test_split_engines_answer_as_transformers_and_outlive_a_shard(split_engines,
-                                                                        hf_reference):
+                                                                        hf_reference, otlp):
     stack, base_url, url = split_engines
     tokenizer, _ = hf_reference
     chat_ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
@@ -71,6 +81,9 @@ async def test_split_engines_answer_as_transformers_and_outlive_a_shard(split_en
             "model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 4,
             "temperature": 0})).json()
         assert long["choices"][0]["text"] == long_expected, long
+        async with asyncio.timeout(30):  # a trace shows each shard's part of a step
+            while not _shard_steps_under_lead_steps(otlp):
+                await asyncio.sleep(0.2)
 
         chunks: list[str] = []
         stream = asyncio.create_task(_stream(http, base_url, chunks))

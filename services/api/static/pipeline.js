@@ -39,7 +39,8 @@ function stageCard(stage) {
     const row = document.createElement("tr");
     row.className = "copy";
     row.dataset.instance = copy.instance_id;
-    row.append(cell(copy.instance_id), cell(copy.engine_id ?? ""),
+    const engine = (copy.engine_id ?? "") + (copy.shard ? ` (shard ${copy.shard})` : "");
+    row.append(cell(copy.instance_id), cell(engine),
       cell(seconds(copy.heartbeat_age_seconds), copy.heartbeat_age_seconds > 2 ? "late" : ""),
       cell(String(copy.num_handled)), ...(copy.engine ? engineCells(copy.engine) : []));
     card.querySelector("tbody").append(row);

@@ -27,7 +27,6 @@ import structlog
 import torch
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from opentelemetry import context as otel_context
 
 from llmbus.bus import subjects
 from llmbus.bus.codec import encode
@@ -184,16 +183,15 @@ class PipelineLead:
         a future of it after the last shard's (PipelinedForward's `send`). The step's block
         copies go with its first micro-batch."""
         copies, self.copies[:] = list(self.copies), []
-        return asyncio.run_coroutine_threadsafe(self._through_shards(
-            hidden.cpu(), geometry, copies, otel_context.get_current()), self.loop)
+        # The task takes this thread's context, the step's span current (service.on_step):
+        # the hops carry it, and each shard's span is its child.
+        return asyncio.run_coroutine_threadsafe(
+            self._through_shards(hidden.cpu(), geometry, copies), self.loop)
 
     async def _through_shards(self, hidden: torch.Tensor, geometry: Geometry,
-                              copies: list[BlockCopy],
-                              step_span: otel_context.Context) -> torch.Tensor:
+                              copies: list[BlockCopy]) -> torch.Tensor:
         """Each shard in turn, one micro-batch at a time per shard (their order is the step's:
-        a later one may attend to an earlier one's keys). A shard lost ends this process.
-        The hops carry the step's span (`step_span`): each shard's span is its child."""
-        otel_context.attach(step_span)  # this task's own context: nothing to detach
+        a later one may attend to an earlier one's keys). A shard lost ends this process."""
         self.step_id += 1
         query_lens, context_lens, tables = geometry
         dtype = str(hidden.dtype).removeprefix("torch.")

@@ -43,7 +43,11 @@ from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.executor.backend_choice import BACKENDS, DTYPES, BackendChoice, choose_backend
 from llmbus.services.executor.kernels.cpu.library import configure_openmp
 from llmbus.services.executor.step_traces import StepTraces
-from llmbus.services.executor.weights.layer_slice import LayerSlice, parse_shard
+from llmbus.services.executor.weights.layer_slice import (
+    LayerSlice,
+    parse_shard,
+    slice_file_bytes,
+)
 from llmbus.services.executor.weights.matrices import matrix_types
 from llmbus.services.model_files import model_name_for, resolve_model
 
@@ -234,7 +238,8 @@ async def serve(args: argparse.Namespace, runtime: ServiceRuntime, choice: Backe
         raise
     log.info("model loaded", num_blocks=service.info.num_blocks,
              max_model_len=service.info.max_model_len, kv_cache_dtype=choice.kv_dtype,
-             weight_mib=round(path.stat().st_size / 2**20),
+             weight_mib=round((path.stat().st_size if layers is None
+                               else slice_file_bytes(path, layers)) / 2**20),
              kv_mib=round(runner.kv_cache.k.nbytes * 2 / 2**20))
     try:
         await service.subscribe()

@@ -113,8 +113,9 @@ def test_the_handoff_is_bit_exact_in_any_number_of_parts():
 
 
 def test_micro_batches_cut_the_tokens_evenly_and_each_sequence_where_they_fall():
-    assert token_ranges(100, 2) == [(0, 100)]  # 64 tokens each at least
-    assert token_ranges(128, 2) == [(0, 64), (64, 128)]
+    assert token_ranges(31, 2) == [(0, 31)]  # 16 tokens each at least
+    assert token_ranges(32, 2) == [(0, 16), (16, 32)]
+    assert token_ranges(8, 2) == [(0, 8)]  # 8 decodes: whole
     assert token_ranges(1000, 3) == [(0, 333), (333, 666), (666, 1000)]
     assert token_ranges(5, 2, min_tokens=2) == [(0, 2), (2, 5)]
     # a 6-token chunk of a prompt whose 6 tokens are new, then two decodes

@@ -26,6 +26,9 @@ time from the fault to the first log line that shows it noticed, the time until 
 streams again, ITL p99 in the 30 s after the fault, requests migrated, errors, the longest a
 stream took to end after the fault, how soon after the fault ended a new request was served,
 and the KV blocks each engine still holds once the load is over (0 = nothing leaked).
+
+`--split-e1` splits e1's executor by layers over two hosts (its lead shard on host 2, the
+other shard on host 3): the faults then hit a split engine, and its shards talk across hosts.
 """
 
 from __future__ import annotations
@@ -189,7 +192,9 @@ class Cluster:
 
     async def wait_ready(self, timeout: float = 300.0) -> float:
         """Seconds until /health answers 200 with every copy counted."""
-        want = {"scheduler": 2, "executor": 2, "detokenizer": 2, "tokenizer": 1, "api": 1}
+        want = {"scheduler": 2, "executor": len([1 for _, stage, _, _ in LAYOUT
+                                                 if stage == "executor"]),
+                "detokenizer": 2, "tokenizer": 1, "api": 1}
         started = time.monotonic()
         async with httpx.AsyncClient(timeout=3) as http:
             while time.monotonic() - started < timeout:
@@ -361,6 +366,10 @@ async def main_async(args: argparse.Namespace) -> int:
         print("the default model is not pulled (`llmbus model pull`)", file=sys.stderr)
         return 2
     faults = FAULTS if args.faults == "all" else args.faults.split(",")
+    if args.split_e1:  # e1's executor in two shards: the lead on host 2, its layers on 3
+        LAYOUT[1][3].extend(["--shard", "0/2"])
+        LAYOUT.append((3, "executor", "e1-shard1",
+                       ["--engine-id", "e1", "--threads", "1", "--exact", "--shard", "1/2"]))
     if args.fast:
         for _, _, _, extra in LAYOUT:
             if "--exact" in extra:
@@ -435,6 +444,9 @@ def main() -> None:
                              "tokens are then computed again with other kernels (a prompt's), "
                              "and an answer may part from the undisturbed one where two "
                              "tokens were nearly tied")
+    parser.add_argument("--split-e1", action="store_true",
+                        help="engine e1's executor split by layers over hosts 2 and 3 "
+                             "(--shard 0/2 beside its scheduler, 1/2 on host 3)")
     args = parser.parse_args()
     if not 1 <= args.streams <= len(TOPICS):
         parser.error(f"--streams must be between 1 and {len(TOPICS)} (one topic each)")

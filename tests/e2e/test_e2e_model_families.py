@@ -22,12 +22,13 @@ PROMPT = "The river runs past the mill"
 MAX_TOKENS = 8
 
 
-# Each family whose path through the stack differs: a qwen tokenizer and file (qwen2 takes the
-# same path), a scored SentencePiece vocabulary, Gemma 3's vocabulary and sliding windows, and
-# experts. Llama 3's RoPE factors and qwen2's biases change only the executor's arithmetic,
-# which tests/executor/backends/test_rope_scaling.py and test_model_families.py hold to
+# Each family whose path through the stack differs from the default model's: a scored
+# SentencePiece vocabulary, Gemma 3's vocabulary and sliding windows, and experts (another
+# backend class). Llama 3's RoPE factors and qwen2's and qwen3's biases and norms, on the
+# default model's vocabulary, change only the executor's arithmetic, which
+# tests/executor/backends/test_rope_scaling.py and test_model_families.py hold to
 # transformers in process.
-@pytest.mark.parametrize("family", ["qwen3", "sentencepiece", "gemma3", "qwen3moe"])
+@pytest.mark.parametrize("family", ["sentencepiece", "gemma3", "qwen3moe"])
 def test_a_generated_family_is_served(tmp_path, family):
     path, vocab, spec = tmp_path / f"tiny-{family}.gguf", default_model_path(), SPEC
     if family == "sentencepiece":  # Llama 2 / Mistral style: a scored vocabulary
@@ -39,13 +40,11 @@ def test_a_generated_family_is_served(tmp_path, family):
         vocab = tmp_path / "gemma-vocab.gguf"
         spec = TinySpec(vocab_size=write_gemma_vocab(vocab), num_layers=6, num_heads=2,
                         num_kv_heads=1, head_size=256, tied=True, sliding_window=8)
-    if family == "qwen3":
-        spec = TinySpec(vocab_size=SPEC.vocab_size, head_size=128)
     if family == "qwen3moe":  # (the torch backend runs it: the backend chosen for experts)
         spec = TinySpec(vocab_size=SPEC.vocab_size, head_size=128, num_experts=4,
                         num_experts_used=2, expert_size=96)
     write_tiny_llama(path, spec, seed=7, quantized="Q8_0", vocab_from=vocab,
-                     arch=family if family in ("qwen3", "gemma3", "qwen3moe") else "llama")
+                     arch=family if family in ("gemma3", "qwen3moe") else "llama")
     prompt = GGUFTokenizer.from_gguf(path).encode(PROMPT, add_special_tokens=True)
     if family == "gemma3":  # its vocabulary's settings came along: BOS first, no space prefix
         assert prompt[0] == 2 and len(prompt) + MAX_TOKENS > spec.sliding_window

@@ -28,10 +28,10 @@ from llmbus.services.executor.backend import Backend
 from llmbus.services.executor.hidden_handoff import Geometry, step_geometry
 from llmbus.services.executor.kv_cache import KVCache
 
-# A micro-batch's tokens, at least. Below a few tokens a matmul is bound by reading its
-# weights, which each micro-batch reads again; from ~16 it is bound by its arithmetic (2 Xeon
-# cores, a 1B Q4_K_M file, 8 streams: 0.54x a whole engine's throughput on both cores with 64,
-# where the steps of 8 decodes and a 32-token chunk stayed whole; 0.63x with 16).
+# A micro-batch's tokens, at least. A matmul of a few rows is bound by reading its weights,
+# which each micro-batch reads again; of many, by its arithmetic, which micro-batches overlap.
+# (2 Xeon cores, a 1B Q4_K_M file, 8 streams: 0.54x a whole engine's throughput on both cores
+# with 64, where the steps of 8 decodes and a 32-token chunk stayed whole; 0.63x with 16.)
 MICRO_BATCH_MIN_TOKENS = 16
 
 

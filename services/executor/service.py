@@ -178,7 +178,7 @@ async def main(args: argparse.Namespace) -> None:
 
             assert layers is not None
             await serve_layer_shard(args, runtime, choice, resolve_model(args.model), layers,
-                                    index, count, _threads(args), _kv_budget(args))
+                                    index, count, _threads(args), _kv_budget(args, choice.device))
         else:
             await serve(args, runtime, choice, count, layers)
 
@@ -187,13 +187,13 @@ def _threads(args: argparse.Namespace) -> int:
     return args.threads or os.cpu_count() or 1
 
 
-def _kv_budget(args: argparse.Namespace) -> int:
-    """--kv-cache-memory in bytes, else the default budget (kv_cache.py's)."""
+def _kv_budget(args: argparse.Namespace, device: str) -> int:
+    """--kv-cache-memory in bytes, else the default budget of `device` (kv_cache.py's)."""
     if args.kv_cache_memory:
         return int(args.kv_cache_memory * 2**30)
     from llmbus.services.executor.kv_cache import default_budget_bytes
 
-    return default_budget_bytes(args.device if args.device != "auto" else "cpu")
+    return default_budget_bytes(device)
 
 
 def _load_runner(args: argparse.Namespace, choice: BackendChoice, path: Path,

@@ -103,9 +103,11 @@ class IntStep:
                  num_threads: int) -> None:
         """`head`: None in a layer shard (layer_slice.py), which has no head."""
         self.config, self.lib, self.num_threads = config, lib, num_threads
-        self._keep = [dense[n].float().contiguous() for n in
-                      [f"blk.{i}.{k}_norm.weight" for i in range(config.num_layers)
-                       for k in ("attn", "ffn")] + ["output_norm.weight"][:head is not None]]
+        names = [f"blk.{i}.{k}_norm.weight" for i in range(config.num_layers)
+                 for k in ("attn", "ffn")]
+        if head is not None:
+            names.append("output_norm.weight")
+        self._keep = [dense[n].float().contiguous() for n in names]
         norms = iter(t.data_ptr() for t in self._keep)
         self._layers, self._head_parts = layers, head  # the kernels read their memory
         self.boundaries = [IntBoundary() for _ in range(config.num_layers + 1)]

@@ -222,11 +222,8 @@ class LlamaModel:
 
         Writes this step's K/V into `kv_cache` at `meta.slot_mapping`.
         """
-        cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
-        h = self.embed[input_ids]  # [T, D], the residual stream
-        if cfg.embedding_scale != 1.0:
-            h = h * torch.tensor(cfg.embedding_scale, dtype=h.dtype)
-        h, delta = self._layers(h, positions, meta, kv_cache)
+        ops, eps = self.ops, self.config.rms_norm_eps
+        h, delta = self._layers(self.embed_tokens(input_ids), positions, meta, kv_cache)
         self._residual, self._delta = h, delta  # for last_hidden
         # Only the positions that sample pay for the norm and the vocab projection.
         tail = None if delta is None else delta[logits_indices]

@@ -65,6 +65,11 @@ def executor_shard(engine_id: str, index: int | str, what: str) -> str:
     return f"{PREFIX}.engine.{engine_id}.executor.shard.{index}.{what}"
 
 
+# api -> every executor (request, many replies; no queue group): load or unload a LoRA adapter
+# (AdapterCommand -> one AdapterReply per engine).
+EXECUTOR_ADAPTERS = f"{PREFIX}.executor.adapters"
+
+
 def executor_grammar(engine_id: str) -> str:
     """scheduler -> executor (request/reply): compile a request's output constraint ahead."""
     return f"{PREFIX}.engine.{engine_id}.executor.grammar"
@@ -163,6 +168,12 @@ def inbox_prefix(user: str) -> str:
 RESPONSES_BUCKET = "llmbus_responses"
 RESPONSES_STREAM = f"KV_{RESPONSES_BUCKET}"
 JS_API = "$JS.API"
+
+# LoRA adapters (services/adapter_store_bus.py) live in a JetStream object store: a stream
+# OBJ_<bucket> holding each adapter's chunks ($O.<bucket>.C.<nuid>) and its metadata
+# ($O.<bucket>.M.<name, base64>). Every engine on any host reads an adapter from there.
+ADAPTERS_BUCKET = "llmbus_adapters"
+ADAPTERS_STREAM = f"OBJ_{ADAPTERS_BUCKET}"
 
 
 def js_stream_api(verb: str, stream: str) -> str:

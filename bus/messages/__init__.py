@@ -36,6 +36,8 @@ from llmbus.bus.messages.to_api import (
 from llmbus.bus.messages.to_detokenizer import CompletionStart, RequestTokens, TokenBatch
 from llmbus.bus.messages.to_every_stage import Heartbeat, Ping, Pong
 from llmbus.bus.messages.to_executor import (
+    AdapterCommand,
+    AdapterReply,
     BlockCopy,
     ExecutorInfo,
     ExecutorInfoRequest,
@@ -86,7 +88,7 @@ from llmbus.bus.messages.to_tokenizer import (
 )
 
 __all__ = [
-    "NOT_SET_UP", "AbortRequest", "Admission", "ApiMetricsRequest", "ApiMetricsSnapshot",
+    "NOT_SET_UP", "AbortRequest", "AdapterCommand", "AdapterReply", "Admission", "ApiMetricsRequest", "ApiMetricsSnapshot",
     "BlockCopy",
     "CacheEvent", "ChatMessage", "CompletionStart", "DecodeRequest", "DecodeResult", "DeltaBatch",
     "EncodeRequest", "EncodeResult", "EngineStats", "EngineStatsRequest", "ErrorCode",

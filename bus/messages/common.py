@@ -68,6 +68,10 @@ class SamplingParams(Message):
     # An embedding request: how its prompt's final hidden states pool into one vector
     # ("mean", "cls", "last"; "model": the model's own default). Nothing is sampled.
     pooling: str = ""
+    # The LoRA adapter that generates (its name, as in /v1/models); empty: the base model.
+    # It rides here so that every path a request takes (migration, a prefill on another
+    # engine) carries it; the prefix cache keys blocks by it (bus/block_hash.py).
+    adapter: str = ""
 
 
 class TokenLogprobs(Message):

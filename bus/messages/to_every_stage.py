@@ -26,6 +26,9 @@ class Heartbeat(Message):
     # A layer shard of the engine's executor ("1/2": shard 1 of 2; layer_slice.py); its
     # engine's scheduler watches the lead shard (0), which answers for every shard.
     shard: str = ""
+    # An engine's LoRA adapters resident in its executor (by name): routers prefer an engine
+    # that holds a request's adapter, the pipeline page shows them.
+    adapters: list[str] = []
 
 
 class Ping(Message):

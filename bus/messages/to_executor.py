@@ -23,6 +23,23 @@ class ExecutorInfo(Message):
     whole_prompts: bool = False
     embed_only: bool = False  # an encoder, or `--task embed`: generation is refused
     num_shards: int = 1  # processes its model is split over by layers (layer_slice.py)
+    # LoRA adapters one step may mix (`--max-loras`); 0: the executor serves none.
+    max_adapters: int = 0
+
+
+class AdapterCommand(Message):
+    """api -> every executor (request, many replies): load the adapter `name` from the bus's
+    adapter store (services/adapter_store_bus.py) and check that it fits the base model
+    (`load`), or forget it (`unload`: requests already running on it finish first)."""
+
+    name: str
+    action: str  # "load" | "unload"
+
+
+class AdapterReply(Message):
+    engine_id: str
+    error: str = ""  # empty: done; else why this engine refused (one line)
+    enabled: bool = True  # false: this engine was started without adapters (--max-loras 0)
 
 
 class KvLayout(Message):

@@ -14,7 +14,7 @@ PARAMS = m.SamplingParams(
     presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1, min_tokens=1,
     logprobs=2, logit_bias={5: -1.0},
     structured=m.StructuredOutput(kind="regex", spec="[0-9]+", param="guided_regex"),
-    pooling="mean")
+    pooling="mean", adapter="a1")
 LOGPROBS = m.TokenLogprobs(logprob=-0.5, top_token_ids=[42, 7], top_logprobs=[-0.5, -1.5])
 CHAT = m.ChatMessage(role="user", content="hi", tool_calls_json="[]", tool_call_id="c1")
 START = m.CompletionStart(reply_subject="api.x", num_prompt_tokens=2, stop=["x"],
@@ -76,7 +76,7 @@ EXAMPLES = [
     m.ExecutorInfoRequest(),
     m.ExecutorInfo(model_name="m", max_model_len=8192, num_blocks=100, block_size=16,
                    eos_token_ids=[2], vocab_size=49152, layout=LAYOUT, whole_prompts=True,
-                   embed_only=True, num_shards=2),
+                   embed_only=True, num_shards=2, max_adapters=4),
     LAYOUT, DESTINATION,
     m.KvReceive(transfer_id="r1>1", block_ids=[7, 8], layout=LAYOUT),
     m.KvChunk(transfer_id="r1>1", block_ids=[7], first_layer=2, num_layers=3, k=b"k", v=b"v"),
@@ -117,7 +117,9 @@ EXAMPLES = [
     m.Heartbeat(service="scheduler", instance_id="s1", engine_id="e0", num_running=1,
                 num_waiting=2, num_free_blocks=3, num_total_blocks=4, block_size=16,
                 num_handled=5, num_reconnects=6, role="decode", num_queued_tokens=7,
-                num_evictable_blocks=8, shard="1/2"),
+                num_evictable_blocks=8, shard="1/2", adapters=["a1"]),
+    m.AdapterCommand(name="a1", action="load"),
+    m.AdapterReply(engine_id="e0", error="e", enabled=False),
     m.ShardSetup(num_blocks=64, block_size=16, max_model_len=1024),
     m.ShardInfoRequest(),
     m.ShardInfo(model_name="m", model_bytes=9, num_model_layers=30, first_layer=15,
@@ -137,17 +139,17 @@ EXAMPLES = [
 # the new field's value to its example and its bytes here.
 GOLDEN = {
     "SamplingParams": (
-        "dc0012cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999999999999acb3f"
+        "dc0013cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999999999999acb3f"
         "e0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff000000000000094a57265"
-        "676578a65b302d395d2bac6775696465645f7265676578a0a46d65616e"),
+        "676578a65b302d395d2bac6775696465645f7265676578a0a46d65616ea26131"),
     "TokenLogprobs": "93cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000",
     "ChatMessage": "94a475736572a26869a25b5da26331",
     "GenerateRequest": (
-        "9ea27231a56170692e78a16ddc0012cb3fe0000000000000cb3feccccccccccccd280807c3910291a10a"
+        "9ea27231a56170692e78a16ddc0013cb3fe0000000000000cb3feccccccccccccd280807c3910291a10a"
         "c3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cb"
-        "bff000000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616e91"
-        "94a475736572a26869a25b5da26331a1709101c202a25b5d01919201912aa27331b97b22656e61626c65"
-        "5f7468696e6b696e67223a66616c73657d"),
+        "bff000000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616ea2"
+        "61319194a475736572a26869a25b5da26331a1709101c202a25b5d01919201912aa27331b97b22656e61"
+        "626c655f7468696e6b696e67223a66616c73657d"),
     "Admission": "980302a8746f6f206c6f6e67a86d65737361676573a2733102c3c3",
     "EncodeRequest": "969194a475736572a26869a25b5da26331a170c2c2a27b7da25b5d",
     "EncodeResult": "92920102a165",
@@ -155,10 +157,10 @@ GOLDEN = {
     "DecodeResult": "92a174a165",
     "CacheEvent": "95a26530910b910cc3a27331",
     "SubmitRequest": (
-        "98a27231a56170692e78920102dc0012cb3fe0000000000000cb3feccccccccccccd280807c3910291a1"
+        "98a27231a56170692e78920102dc0013cb3fe0000000000000cb3feccccccccccccd280807c3910291a1"
         "0ac3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105"
         "cbbff000000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616e"
-        "cb3ff80000000000000201919201912a"),
+        "a26131cb3ff80000000000000201919201912a"),
     "ResumedCompletion": "9201912a",
     "AbortRequest": "93a272310102",
     "UnknownCompletion": "93a2723101a26431",
@@ -169,7 +171,7 @@ GOLDEN = {
     "ModelInfoRequest": "90",
     "ModelInfo": "93a16dcd2000a26530",
     "ExecutorInfoRequest": "90",
-    "ExecutorInfo": "9aa16dcd200064109102cdc00095a7666c6f61743136101e0340c3c302",
+    "ExecutorInfo": "9ba16dcd200064109102cdc00095a7666c6f61743136101e0340c3c30204",
     "KvLayout": "95a7666c6f61743136101e0340",
     "KvDestination": "94a472313e31a2643001920708",
     "KvReceive": "93a472313e3192070895a7666c6f61743136101e0340",
@@ -177,11 +179,11 @@ GOLDEN = {
     "KvReply": "91a165",
     "KvTransferReport": "95a472313e3104cb3fe0000000000000a165cb3fd0000000000000",
     "PrefillRequest": (
-        "98a2723101920102dc0012cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa9"
+        "98a2723101920102dc0013cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa9"
         "99999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff00000"
-        "0000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616e94a472313e"
-        "31a264300192070895a7666c6f61743136101e0340ae652e64302e70726566696c6c6564a930302d742d"
-        "732d3031"),
+        "0000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616ea2613194a4"
+        "72313e31a264300192070895a7666c6f61743136101e0340ae652e64302e70726566696c6c6564a93030"
+        "2d742d732d3031"),
     "PrefillReply": "91a165",
     "PrefillDone": (
         "99a472313e312a93cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000a16504"
@@ -191,17 +193,17 @@ GOLDEN = {
     "GrammarRequest": "9194ab6a736f6e5f6f626a656374a0af726573706f6e73655f666f726d6174a0",
     "GrammarReply": "91a165",
     "NewRequestData": (
-        "96a27231920102dc0012cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999"
+        "96a27231920102dc0013cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3fa999"
         "999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff0000000"
-        "00000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616ea930302d742d"
-        "732d3031910394a472313e31a2643001920708"),
+        "00000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616ea26131a93030"
+        "2d742d732d3031910394a472313e31a2643001920708"),
     "ScheduledRequest": "97a2723100029105c2910903",
     "BlockCopy": "920102",
     "StepPlan": (
-        "97039196a272319101dc0012cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3f"
+        "97039196a272319101dc0013cb3fe0000000000000cb3feccccccccccccd280807c3910291a10ac3cb3f"
         "a999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cbbff000"
-        "000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616ea090c091"
-        "97a27231000190c3900191a2723091a272399192010291a472323e31"),
+        "000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616ea26131a0"
+        "90c09197a27231000190c3900191a2723091a272399192010291a472323e31"),
     "StepResult": (
         "9b03912acb3f847ae147ae147b0102a165cb3fe00000000000009293cbbfe0000000000000922a0792cb"
         "bfe0000000000000cbbff8000000000000c091019195a472313e3100cb0000000000000000a0cb000000"
@@ -233,7 +235,10 @@ GOLDEN = {
     "ApiMetricsSnapshot": (
         "93a26131a47820310a919aaa63686174636d706c2d31a26131cb3ff8000000000000a866696e69736865"
         "64a473746f700203cb3fd0000000000000cb3fe0000000000000a26162"),
-    "Heartbeat": "9ea97363686564756c6572a27331a2653001020304100506a66465636f64650708a3312f32",
+    "Heartbeat": (
+        "9fa97363686564756c6572a27331a2653001020304100506a66465636f64650708a3312f3291a26131"),
+    "AdapterCommand": "92a26131a46c6f6164",
+    "AdapterReply": "93a26530a165c2",
     "ShardSetup": "934010cd0400",
     "ShardInfoRequest": "90",
     "ShardInfo": "9ca16d091e0f1ea162a7666c6f6174313663060708a165",

@@ -118,7 +118,8 @@ class Cluster:
         for host in (1, 2, 3):
             self.start_nats(host)
         self.start_service(1, "api", "api", ["--host", self.hosts.address(1), "--port", "8000",
-                                             "--responses-replicas", "3"])
+                                             "--responses-replicas", "3",
+                                             "--adapters-replicas", "3"])
         for host, stage, instance, extra in LAYOUT:
             self.start_service(host, stage, instance, extra)
 

@@ -1,7 +1,8 @@
-"""What the LoRA api tests (tests/api/test_lora_*.py) share: the real api (its app and
-EngineClient, served by uvicorn) on a real nats-server with JetStream and the services' users,
-and stand-ins for the stages around it, each connected as its own bus user, so that every
-subject they use is one its permissions allow:
+"""What the LoRA api tests (tests/api/test_lora_api.py, test_lora_loading.py,
+test_lora_pages.py) share: the real api (its app and EngineClient, served by uvicorn) on a real
+nats-server with JetStream and the services' users, and stand-ins for the stages around it,
+each connected as its own bus user, so that every subject they use is one its permissions
+allow:
 
 - FakePipeline: the tokenizer (admits requests, remembers them) and the scheduler (the model's
   description, engine stats, and two tokens of text for every request);

@@ -85,6 +85,16 @@ async def resolve_model(state: State, model: str | None) -> ModelChoice:
     return ModelChoice(model, model, base)
 
 
+async def base_model(state: State, model: str | None) -> str:
+    """The base model's name where `model` names it (or is absent); a 404 for any other name,
+    adapters' too, without asking the store: for the routes outside the API key (/tokenize,
+    /detokenize), which must not tell who has no key which adapters exist."""
+    base = (await state.engine.model_info()).model_name
+    if model is not None and model != base:
+        raise model_not_found(model, base)
+    return base
+
+
 def load_refusal(replies: list[AdapterReply], engine_ids: set[str],
                  timeout: float) -> OpenAIError | None:
     """Why a load did not take, from the replies of the engines that were alive when it was

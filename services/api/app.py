@@ -22,7 +22,7 @@ from litestar.response import ServerSentEvent
 
 from llmbus.bus.messages import EncodeRequest
 from llmbus.services.adapter_store_bus import AdapterStore
-from llmbus.services.api.adapters import AdapterNames, resolve_model
+from llmbus.services.api.adapters import AdapterNames, base_model, resolve_model
 from llmbus.services.api.anthropic_messages import MESSAGES_ROUTER
 from llmbus.services.api.chat import include_usage, metrics_for, start_chat
 from llmbus.services.api.constraints import output_constraint
@@ -105,7 +105,7 @@ async def completions(request: Request, state: State) -> Response:
 async def tokenize(request: Request, state: State) -> dict:
     engine: EngineClient = state.engine
     req = decode_body(await request.body(), TokenizeRequest)
-    await resolve_model(state, req.model)  # an adapter tokenizes as its base
+    await base_model(state, req.model)
     info = await engine.model_info()  # cached after the first call
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
@@ -124,7 +124,7 @@ async def tokenize(request: Request, state: State) -> dict:
 async def detokenize(request: Request, state: State) -> dict:
     engine: EngineClient = state.engine
     req = decode_body(await request.body(), DetokenizeRequest)
-    await resolve_model(state, req.model)
+    await base_model(state, req.model)
     return {"prompt": await engine.decode(req.tokens)}
 
 

@@ -85,9 +85,10 @@ async def test_the_model_picks_the_adapter_on_every_generating_route(world, tmp_
     assert len(world.pipeline.requests) == num_sent
 
 
-async def test_embeddings_and_tokenize_take_an_adapter_as_its_base(world, tmp_path):
+async def test_embeddings_refuse_an_adapter_and_tokenize_does_not_tell_of_one(world, tmp_path):
     """Embeddings come from the base alone: an adapter's name is refused by name (not
-    silently embedded by the base); tokenizing with an adapter's name is the base's."""
+    silently embedded by the base). /tokenize needs no key, so it never says whether an
+    adapter of some name exists: it takes the base's name only."""
     await world.engine("e1")
     http = await world.api()
     await _loaded(world, http, tmp_path, "sql-lora")
@@ -96,6 +97,14 @@ async def test_embeddings_and_tokenize_take_an_adapter_as_its_base(world, tmp_pa
     assert refused.json()["error"]["code"] == "model_not_supported"
     missing = await http.post("/v1/embeddings", json={"model": "gpt-9", "input": "hi"})
     assert missing.status_code == 404
+    for route, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        answers = [await http.post(route, json=body | {"model": model},
+                                   headers={"Authorization": ""})  # no key
+                   for model in ("sql-lora", "gpt-9")]
+        assert [a.status_code for a in answers] == [404, 404]
+        adapter, unknown = (a.text.replace(model, "?") for a, model in
+                            zip(answers, ("sql-lora", "gpt-9"), strict=True))
+        assert adapter == unknown
 
 
 async def test_an_adapter_loaded_through_one_copy_serves_through_another(world, tmp_path):

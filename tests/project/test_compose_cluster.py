@@ -66,8 +66,9 @@ def test_compose_cluster_spreads_the_stages_over_three_locked_servers():
             assert environment[route_variable(host)] == route_url(f"{host}:6222",
                                                                   route_password)
     assert all("ports" not in stage for name, stage in stages.items() if name != "api")
-    # a stored response is kept on every server, so that losing one loses none
-    assert parser.parse_args(stages["api"]["command"]).responses_replicas == 3
+    # a stored response and a LoRA adapter are kept on every server: losing one loses none
+    api_args = parser.parse_args(stages["api"]["command"])
+    assert (api_args.responses_replicas, api_args.adapters_replicas) == (3, 3)
     for name, stage in stages.items():
         environment = stage["environment"]
         urls = environment["LLMBUS_NATS_URL"].split(",")

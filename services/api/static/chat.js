@@ -1,16 +1,18 @@
 // The chat page: a conversation kept in this browser, answers streamed from
 // /v1/chat/completions (the route any client uses), a stop button that ends the request on
-// the server (closing the stream is the server's abort), settings, and per-answer speed.
+// the server (closing the stream is the server's abort), settings, per-answer speed, and a
+// model picker: the base model or one of its LoRA adapters, as /v1/models lists them.
 import { $, api, errorText, setUpKeyForm, whenKeySaved } from "./common.js";
 import { renderMarkdown } from "./markdown.js";
 
 const CHAT = "llmbus.chat";
 const SETTINGS = "llmbus.settings";
+const MODEL = "llmbus.model";  // the model picked last, kept while /v1/models lists it
 const FIELDS = ["system", "temperature", "top_p", "max_tokens"];
 
 let messages = JSON.parse(localStorage.getItem(CHAT) || "[]");
 let running = null;  // the AbortController of the answer being streamed
-let model = null;  // the served model's id, from /v1/models
+let listed = false;  // the picker holds /v1/models' answer
 
 const save = () => localStorage.setItem(CHAT, JSON.stringify(messages));
 
@@ -130,6 +132,7 @@ async function send(text) {
     running = null;
     setRunning(false);
     save();
+    showModels();  // adapters come and go: the picker follows
   }
 }
 
@@ -139,17 +142,30 @@ function setRunning(on) {
   document.body.dataset.state = on ? "streaming" : "idle";
 }
 
-async function modelName() {
-  if (!model) {
-    const response = await api("/v1/models");
-    if (!response.ok) throw new Error(await errorText(response));
-    model = (await response.json()).data[0].id;
-    $("#model").textContent = model;
-  }
-  return model;
+// The picker's options: the base model first, then its adapters (`parent` set); the choice
+// stays where it is (or was, before a reload) while it is listed, else the base.
+async function listModels() {
+  const response = await api("/v1/models");
+  if (!response.ok) throw new Error(await errorText(response));
+  const { data } = await response.json();
+  const picker = $("#model");
+  const wanted = picker.value || localStorage.getItem(MODEL);
+  picker.replaceChildren(...data.map((m) => {
+    const option = document.createElement("option");
+    option.value = m.id;
+    option.textContent = m.parent ? `${m.id} (LoRA)` : m.id;
+    return option;
+  }));
+  if (data.some((m) => m.id === wanted)) picker.value = wanted;
+  listed = true;
 }
 
-const showModel = () => modelName().catch(() => {});  // a 401 opens the key form
+async function modelName() {
+  if (!listed) await listModels();
+  return $("#model").value;
+}
+
+const showModels = () => listModels().catch(() => {});  // a 401 opens the key form
 
 function setUp() {
   const saved = JSON.parse(localStorage.getItem(SETTINGS) || "{}");
@@ -180,10 +196,12 @@ function setUp() {
     save();
     render();
   });
+  $("#model").addEventListener("change", () => localStorage.setItem(MODEL, $("#model").value));
+  $("#model").addEventListener("pointerenter", showModels);  // before it opens: fresh
   setUpKeyForm();
-  whenKeySaved(showModel);
+  whenKeySaved(showModels);
   render();
-  showModel();
+  showModels();
   setRunning(false);
 }
 

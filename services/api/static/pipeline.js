@@ -15,19 +15,22 @@ function cell(text, className) {
   return td;
 }
 
+const adapters = (names) => cell(names?.length ? names.join(", ") : "–", "adapters");
+
 function engineCells(engine) {
   return [cell(engine.role), cell(`${engine.num_running} / ${engine.num_waiting}`),
     cell(percent(engine.kv_usage)), cell(percent(engine.prefix_hit_rate)),
-    cell(fixed(engine.tokens_per_second))];
+    cell(fixed(engine.tokens_per_second)), adapters(engine.adapters)];
 }
 
 function stageCard(stage) {
   const card = document.createElement("article");
   card.className = "stage";
   card.dataset.stage = stage.name;
-  const isEngine = stage.name === "scheduler";
+  const isEngine = stage.name === "scheduler", isExecutor = stage.name === "executor";
   const heads = ["copy", "engine", "heartbeat", "handled",
-    ...(isEngine ? ["role", "running / waiting", "KV used", "prefix hits", "tok/s"] : [])];
+    ...(isEngine ? ["role", "running / waiting", "KV used", "prefix hits", "tok/s"] : []),
+    ...(isEngine || isExecutor ? ["adapters"] : [])];
   card.innerHTML = `<h2></h2><table><thead><tr></tr></thead><tbody></tbody></table>`;
   card.querySelector("h2").textContent = `${stage.name} · ${stage.copies.length}`;
   card.querySelector("tr").append(...heads.map((h) => {
@@ -42,7 +45,8 @@ function stageCard(stage) {
     const engine = (copy.engine_id ?? "") + (copy.shard ? ` (shard ${copy.shard})` : "");
     row.append(cell(copy.instance_id), cell(engine),
       cell(seconds(copy.heartbeat_age_seconds), copy.heartbeat_age_seconds > 2 ? "late" : ""),
-      cell(String(copy.num_handled)), ...(copy.engine ? engineCells(copy.engine) : []));
+      cell(String(copy.num_handled)), ...(copy.engine ? engineCells(copy.engine) : []),
+      ...(isExecutor ? [adapters(copy.adapters)] : []));
     card.querySelector("tbody").append(row);
   }
   if (!stage.copies.length) card.classList.add("empty");

@@ -1,24 +1,19 @@
 """The pages' LoRA parts in a real browser (Debian's chromium, headless, driven by Playwright),
 without the model: the real api on a real nats-server, the other stages stood in for
 (tests/lora_fakes.py). The chat page's model picker lists what /v1/models lists and sends the
-model picked; the pipeline page shows each executor's resident adapters. Screenshots go to
-test-artifacts/web/ (or $LLMBUS_TEST_ARTIFACTS/web/)."""
+model picked; the pipeline page shows each executor's resident adapters. Screenshots go where
+tests/browser.py keeps them."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.browser import CHROMIUM, chromium, screenshot
 from tests.bus_users import connect_as
 from tests.lora_fakes import KEY, MODEL, lora_world, wait_for_engines, write_adapter
-from tests.stack import REPO
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARTIFACTS = Path(os.environ.get("LLMBUS_TEST_ARTIFACTS", REPO / "test-artifacts")) / "web"
 
 pytestmark = [pytest.mark.adapter,  # a real nats-server, no model
               pytest.mark.skipif(not Path(CHROMIUM).is_file()
@@ -28,14 +23,8 @@ pytestmark = [pytest.mark.adapter,  # a real nats-server, no model
 
 @pytest.fixture(scope="module")
 async def browser():
-    from playwright.async_api import async_playwright
-
-    async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--no-first-run"])
+    async with chromium() as browser:
         yield browser
-        await browser.close()
 
 
 @pytest.fixture
@@ -56,8 +45,7 @@ async def served(monkeypatch, tmp_path, browser, request):
         try:
             yield world, str(http.base_url).rstrip("/"), page
         finally:
-            ARTIFACTS.mkdir(parents=True, exist_ok=True)
-            await page.screenshot(path=ARTIFACTS / f"{request.node.name}.png", full_page=True)
+            await screenshot(page, request.node.name)
             await context.close()
 
 

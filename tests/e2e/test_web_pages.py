@@ -6,9 +6,7 @@ test-artifacts/web/ (or $LLMBUS_TEST_ARTIFACTS/web/)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -17,12 +15,11 @@ import httpx
 import pytest
 from playwright.async_api import expect
 
-from tests.stack import API_KEY, AUTH, MODEL_NAME, REPO, needs_default_model
+from tests.browser import CHROMIUM, chromium, screenshot
+from tests.stack import API_KEY, AUTH, MODEL_NAME, needs_default_model
 
 pytestmark = [pytest.mark.model, needs_default_model()]
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARTIFACTS = Path(os.environ.get("LLMBUS_TEST_ARTIFACTS", REPO / "test-artifacts")) / "web"
 WAIT_MS = 120_000  # a busy 2-core machine: answers and heartbeats may be slow
 # Records the last assistant message's text at every animation frame where it changed: what
 # the user saw painted, in order.
@@ -50,14 +47,8 @@ def web_stack(two_of_each):
 
 @pytest.fixture(scope="module")
 async def browser():
-    from playwright.async_api import async_playwright  # only where a browser runs
-
-    async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--no-first-run"])
+    async with chromium() as browser:
         yield browser
-        await browser.close()
 
 
 @pytest.fixture
@@ -68,13 +59,8 @@ async def page(browser, request):
     page = await context.new_page()
     page.set_default_timeout(WAIT_MS)
     yield page
-    await _screenshot(page, request.node.name)
+    await screenshot(page, request.node.name)
     await context.close()
-
-
-async def _screenshot(page, name: str) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    await page.screenshot(path=ARTIFACTS / f"{name}.png", full_page=True)
 
 
 async def _settings(page, **values: str) -> None:
@@ -149,7 +135,7 @@ async def test_no_call_succeeds_until_the_key_is_entered(web_stack, browser, req
         assert (await answer.locator(".body").inner_text()).strip()
         assert any(status == 200 and "/v1/chat/completions" in url for url, status in statuses)
     finally:
-        await _screenshot(page, request.node.name)
+        await screenshot(page, request.node.name)
         await context.close()
 
 
@@ -240,7 +226,7 @@ async def test_the_pipeline_page_shows_the_live_stack(web_stack, page):
     await page.wait_for_selector("#recent tbody tr")
     link = await page.get_attribute("#recent tbody tr a", "href")
     assert re.fullmatch(r"http://127\.0\.0\.1:16686/trace/[0-9a-f]{32}", link), link
-    await _screenshot(page, "test_the_pipeline_page_before_the_kill")
+    await screenshot(page, "test_the_pipeline_page_before_the_kill")
     [victim] = [c for c in stack.children if c.name == "detokenizer.1"]
     victim.process.send_signal(signal.SIGKILL)
     await expect(_copies(page, "detokenizer")).to_have_count(1, timeout=WAIT_MS)

@@ -88,8 +88,8 @@ from llmbus.bus.messages.to_tokenizer import (
 )
 
 __all__ = [
-    "NOT_SET_UP", "AbortRequest", "AdapterCommand", "AdapterReply", "Admission", "ApiMetricsRequest", "ApiMetricsSnapshot",
-    "BlockCopy",
+    "NOT_SET_UP", "AbortRequest", "AdapterCommand", "AdapterReply", "Admission",
+    "ApiMetricsRequest", "ApiMetricsSnapshot", "BlockCopy",
     "CacheEvent", "ChatMessage", "CompletionStart", "DecodeRequest", "DecodeResult", "DeltaBatch",
     "EncodeRequest", "EncodeResult", "EngineStats", "EngineStatsRequest", "ErrorCode",
     "ExecutorInfo", "ExecutorInfoRequest", "FinishReason", "GenerateRequest", "GrammarReply",

@@ -41,6 +41,7 @@ class EncoderBackend:
 
     dtype = torch.float32
     device = torch.device("cpu")
+    step_adapters = None  # an encoder serves no LoRA adapters (lora/backend_support.py)
 
     def __init__(self, model: EncoderModel) -> None:
         self.model = model

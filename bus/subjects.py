@@ -192,3 +192,15 @@ def kv_key(bucket: str, key: str) -> str:
     """client -> JetStream (publish, acknowledged): the value of `key` in a key-value bucket
     (the same subject with a KV-Operation header deletes it)."""
     return f"$KV.{bucket}.{key}"
+
+
+def object_chunks(bucket: str, nuid: str) -> str:
+    """client -> JetStream (publish, acknowledged): one object's chunks in an object store."""
+    return f"$O.{bucket}.C.{nuid}"
+
+
+def object_meta(bucket: str, name_b64: str) -> str:
+    """client -> JetStream (publish, acknowledged): an object's metadata (its name, size,
+    digest, chunks' nuid; a deleted object's marker), the name in URL-safe base64."""
+    return f"$O.{bucket}.M.{name_b64}"
+

@@ -11,7 +11,8 @@ no stage can read the replies another asked for (an executor's step results, say
 
 Every server the project starts runs JetStream (server_config's `store_dir`): the api keeps
 stored responses (the Responses API's `store: true`) in its key-value store, and only the api
-may reach that bucket.
+may reach that bucket; LoRA adapters' bytes live in its object store, which the api (load,
+list, unload) and the executors (read; store those given at their start) may reach.
 
 Services read their credentials from LLMBUS_NATS_USER / LLMBUS_NATS_PASSWORD (not from the
 command line, which `ps` shows). `llmbus up --nats-tls-cert/--nats-tls-key` adds a `tls` block,
@@ -44,13 +45,33 @@ _RESPONSE_STORE = [
     f"{S.js_stream_api('DIRECT.GET', S.RESPONSES_STREAM)}.{S.kv_key(S.RESPONSES_BUCKET, ANY)}",
     S.kv_key(S.RESPONSES_BUCKET, ANY)]
 
+# LoRA adapters (services/adapter_store_bus.py), a JetStream object store, as nats-py 2.16 uses
+# it (seen by recording its publishes): opening it is the stream's creation (a no-op where it
+# exists) or its info; every call first reads an object's metadata (the stream's message get);
+# reading an object's chunks (get) or every object's metadata (list) goes through an ephemeral
+# ordered push consumer, whose stream nats-py looks up by subject (the stream names request),
+# which delivers on this user's own inbox (its flow-control replies answer messages the server
+# sent, which `allow_responses` permits: measured, a 200 MB read runs as fast without a grant
+# of `$JS.FC.>`); writing is the
+# chunks ($O.<bucket>.C.<nuid>) and then the metadata ($O.<bucket>.M.<name, base64>), deleting
+# a metadata marker; both purge the chunks they leave behind. Each token is one (a nuid, a
+# base64 name: no dots), so `*`. No other stream, no deleting or changing the bucket, no
+# durable consumers.
+_ADAPTER_STORE = [
+    *(S.js_stream_api(verb, S.ADAPTERS_STREAM)
+      for verb in ("STREAM.INFO", "STREAM.CREATE", "STREAM.MSG.GET", "STREAM.PURGE",
+                   "CONSUMER.CREATE")),
+    f"{S.JS_API}.STREAM.NAMES", S.object_chunks(S.ADAPTERS_BUCKET, ANY),
+    S.object_meta(S.ADAPTERS_BUCKET, ANY)]
+
 
 # Built from bus/subjects.py (never spelled out here), so a renamed subject cannot drift.
 PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "api": {
         "publish": [S.TOKENIZER_GENERATE, S.TOKENIZER_ENCODE, S.TOKENIZER_DECODE,
                     S.SCHEDULER_ABORT, S.ENGINE_MODEL, S.ENGINE_STATS, S.ping(ANY),
-                    S.heartbeat("api"), S.API_METRICS, *_RESPONSE_STORE],
+                    S.heartbeat("api"), S.API_METRICS, S.EXECUTOR_ADAPTERS, *_RESPONSE_STORE,
+                    *_ADAPTER_STORE],
         "subscribe": [S.api_deltas(ANY), S.API_METRICS, S.heartbeat(ANY), S.ping("api"),
                       _inbox("api")],
     },
@@ -75,8 +96,10 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
                       S.engine_unknown_completion(ANY), S.ping("scheduler"), _inbox("scheduler")],
     },
     "executor": {
-        "publish": [S.heartbeat("executor"), S.executor_kv(ANY), S.executor_shard(ANY, ANY, ANY)],
+        "publish": [S.heartbeat("executor"), S.executor_kv(ANY), S.executor_shard(ANY, ANY, ANY),
+                    *_ADAPTER_STORE],
         "subscribe": [S.executor_info(ANY), S.executor_step(ANY), S.executor_grammar(ANY),
+                      S.EXECUTOR_ADAPTERS,
                       S.executor_shard(ANY, ANY, ANY), S.heartbeat("executor"),
                       S.executor_kv_receive(ANY), S.executor_kv(ANY), S.ping("executor"),
                       _inbox("executor")],
@@ -189,10 +212,10 @@ class ClusterRoutes:
     name: str = "llmbus"
 
 
-# What JetStream may take on each server. Only the api's stored responses use it, a file-stored
-# bucket of --responses-max-bytes (1 GiB by default), which the server reserves in full when
-# the bucket is made: room for it several times over, and little memory (nothing asks for
-# memory storage).
+# What JetStream may take on each server. Two file-stored buckets use it, the api's stored
+# responses (--responses-max-bytes, 1 GiB by default) and the LoRA adapters
+# (--adapters-max-bytes, 4 GiB by default), which the server reserves in full when each is
+# made: room for both, and little memory (nothing asks for memory storage).
 JETSTREAM_MAX_FILE_STORE = 8 * 2**30
 JETSTREAM_MAX_MEMORY_STORE = 64 * 2**20
 COMPOSE_STORE_DIR = "/data/jetstream"  # a volume of each nats container (compose*.yaml)
@@ -206,7 +229,7 @@ def server_config(host: str, port: int, passwords: dict[str, str] | None,
     `cluster`, routes to the cluster's other servers. Each server tells its clients of the
     others (`connect_urls`), so a client given one server reconnects to any. With `store_dir`
     (this server's own directory), JetStream, whose servers in a cluster form one JetStream
-    cluster (by their server_name): the api keeps stored responses there."""
+    cluster (by their server_name): stored responses and LoRA adapters live there."""
     text = f"host: {json.dumps(host)}\nport: {port}\n"
     if store_dir is not None:
         text += "jetstream: " + json.dumps({

@@ -15,20 +15,16 @@ exception, with a message an operator can act on, so that it needs nothing of na
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-import nats.errors
 import structlog
 from nats.js import JetStreamContext, api
-from nats.js.errors import APIError, BadRequestError, KeyNotFoundError, ServiceUnavailableError
+from nats.js.errors import BadRequestError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from llmbus.bus import subjects
 from llmbus.bus.runtime import ServiceRuntime
+from llmbus.services.jetstream_bus import STREAM_NAME_IN_USE, errors_as, open_bucket
 
 log = structlog.get_logger()
 
@@ -36,7 +32,6 @@ REQUEST_TIMEOUT = 2.0  # seconds one JetStream request waits for the server's an
 # Seconds open() keeps asking while JetStream does not answer: a new cluster's servers take a
 # few to elect the leader that creates streams (tests shorten it).
 OPEN_TIMEOUT = 30.0
-STREAM_NAME_IN_USE = 10058  # JetStream's error: the stream exists with another configuration
 # A response id becomes the last token of a subject: letters, digits and `-_/=` (what a KV key
 # may hold) but no `.` (a subject's separator), `*` or `>` (wildcards); and short, since the
 # server drops a connection whose protocol line is too long.
@@ -66,28 +61,11 @@ class ResponseStore:
         config = api.KeyValueConfig(
             bucket=subjects.RESPONSES_BUCKET, ttl=ttl_s, max_bytes=max_bytes, history=1,
             storage=api.StorageType.FILE, replicas=replicas, direct=True)
-        js = runtime.jetstream(timeout=REQUEST_TIMEOUT)
-        deadline = time.monotonic() + OPEN_TIMEOUT
-        while True:
-            try:
-                return cls(runtime, await _create_or_bind(js, config))
-            except ServiceUnavailableError as exc:
-                if exc.err_code is None:  # no responders: this server runs no JetStream
-                    raise ResponseStoreUnavailable(
-                        "the NATS server has no JetStream, where stored responses live: "
-                        "enable it (a `jetstream` block in its configuration; `llmbus up` "
-                        "and the compose files do)") from exc
-                error: Exception = exc  # JetStream not ready yet (a cluster's leader)
-            except nats.errors.TimeoutError as exc:
-                error = exc
-            except APIError as exc:
-                raise ResponseStoreUnavailable(
-                    f"JetStream refused the response store's bucket: {exc.description}") from exc
-            if time.monotonic() > deadline:
-                raise ResponseStoreUnavailable(
-                    f"JetStream did not answer within {OPEN_TIMEOUT:g} s ({error}): is the "
-                    "cluster up, and may this bus user use the bucket (services/nats_auth.py)?")
-            await asyncio.sleep(0.25)
+        kv = await open_bucket(
+            runtime, lambda js: _create_or_bind(js, config), store="the response store",
+            holds="stored responses", unavailable=ResponseStoreUnavailable,
+            request_timeout=REQUEST_TIMEOUT, open_timeout=OPEN_TIMEOUT)
+        return cls(runtime, kv)
 
     async def put(self, response_id: str, value: bytes) -> None:
         """Store `value` under `response_id` (replacing what was there), for the bucket's TTL.
@@ -99,7 +77,7 @@ class ResponseStore:
         if len(value) > limit:
             raise ValueError(f"a stored response of {len(value)} bytes is over the bus's "
                              f"limit of {limit} bytes (the NATS server's max_payload)")
-        with _unavailable("store the response"):
+        with errors_as(ResponseStoreUnavailable, "store the response"):
             await self._kv.put(response_id, value)
 
     async def get(self, response_id: str) -> bytes | None:
@@ -107,7 +85,7 @@ class ResponseStore:
         deleted, expired) or the id is not one a key can hold."""
         if not _VALID_ID.fullmatch(response_id):
             return None
-        with _unavailable("read the response"):
+        with errors_as(ResponseStoreUnavailable, "read the response"):
             try:
                 entry = await self._kv.get(response_id)
             except KeyNotFoundError:  # also deleted ones (their marker)
@@ -119,7 +97,7 @@ class ResponseStore:
         one a key can hold). Another copy deleting the same id at once may also see True."""
         if await self.get(response_id) is None:
             return False
-        with _unavailable("delete the response"):
+        with errors_as(ResponseStoreUnavailable, "delete the response"):
             await self._kv.delete(response_id)
         return True
 
@@ -142,14 +120,3 @@ async def _create_or_bind(js: JetStreamContext, config: api.KeyValueConfig) -> K
                     replicas=found.num_replicas, wanted_replicas=config.replicas)
     return kv
 
-
-@contextmanager
-def _unavailable(doing: str) -> Iterator[None]:
-    """nats-py's errors (no answer, a refusal, a full bucket) as ResponseStoreUnavailable."""
-    try:
-        yield
-    except APIError as exc:
-        raise ResponseStoreUnavailable(
-            f"could not {doing}: JetStream answered {exc.description!r}") from exc
-    except nats.errors.Error as exc:
-        raise ResponseStoreUnavailable(f"could not {doing}: {exc}") from exc

@@ -10,10 +10,8 @@ import asyncio
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 
-import nats
 import pytest
 from structlog.testing import capture_logs
 
@@ -23,6 +21,13 @@ from llmbus.services.api import response_store_bus
 from llmbus.services.api.response_store_bus import ResponseStore, ResponseStoreUnavailable
 from llmbus.services.launcher import Stack, wait_for_port
 from llmbus.services.nats_auth import PERMISSIONS
+from tests.bus_users import (
+    ConnectAs,
+    connect_as,
+    nats_server,
+    refusals,
+    without_jetstream,
+)
 
 pytestmark = pytest.mark.adapter  # a real nats-server, no model
 
@@ -30,32 +35,15 @@ TTL_S, MAX_BYTES = 3600.0, 64 * 2**20
 TIMEOUT = 15.0  # seconds for what takes well under one (or, for the TTL, about one)
 
 
-def _nats_server():
-    """A nats-server with JetStream and the services' users, as `llmbus up` starts it."""
-    stack = Stack()
-    url = stack.start_nats()
-    yield stack, url
-    stack.stop()
-
-
 # One for the tests that can share it; one of a test's own, where the bucket must not exist
 # yet or the server is killed.
-server = pytest.fixture(_nats_server, scope="module", name="server")
-fresh_server = pytest.fixture(_nats_server, name="fresh_server")
+server = pytest.fixture(nats_server, scope="module", name="server")
+fresh_server = pytest.fixture(nats_server, name="fresh_server")
 
 
 @pytest.fixture
-def as_user(monkeypatch) -> Callable:
-    """`async with as_user(stack, url, "api") as runtime`: a ServiceRuntime of that user."""
-
-    @asynccontextmanager
-    async def connect(stack: Stack, url: str, user: str) -> AsyncIterator[ServiceRuntime]:
-        monkeypatch.setenv("LLMBUS_NATS_USER", user)
-        monkeypatch.setenv("LLMBUS_NATS_PASSWORD", stack.passwords[user])
-        async with ServiceRuntime(user, url, handle_signals=False) as runtime:
-            yield runtime
-
-    return connect
+def as_user(monkeypatch) -> ConnectAs:
+    return connect_as(monkeypatch)
 
 
 async def _open(runtime: ServiceRuntime, ttl_s: float = TTL_S) -> ResponseStore:
@@ -181,30 +169,13 @@ async def test_an_existing_bucket_with_other_limits_is_kept_with_a_warning(serve
 async def test_no_other_bus_user_reaches_the_bucket(server, user):
     """Every JetStream subject the api's store uses is a permissions violation for the
     other users (the server refuses the publish; the request itself goes unanswered)."""
-    stack, url = server
-    errors: list[str] = []
-
-    async def on_error(exc: Exception) -> None:
-        errors.append(str(exc).lower())
-
-    client = await nats.connect(url, user=user, password=stack.passwords[user],
-                                error_cb=on_error)
     key = subjects.kv_key(subjects.RESPONSES_BUCKET, _response_id(1))
     used = [subjects.js_stream_api(verb, subjects.RESPONSES_STREAM)
             for verb in ("STREAM.INFO", "STREAM.CREATE", "STREAM.MSG.GET")]
     used += [f"{subjects.js_stream_api('DIRECT.GET', subjects.RESPONSES_STREAM)}.{key}", key]
-    try:
-        for subject in used:
-            await client.publish(subject, b"{}", reply="_INBOX.x")
-        await client.flush()
-
-        async def all_refused() -> bool:
-            return len(errors) >= len(used)
-
-        await _until(all_refused, f"permission errors for {user}: {errors}")
-        assert all("permissions violation for publish" in e for e in errors), errors
-    finally:
-        await client.close()
+    errors = await refusals(*server, user, used)
+    assert len(errors) == len(used), errors
+    assert all("permissions violation for publish" in e for e in errors), errors
 
 
 async def test_the_tokenizer_cannot_open_the_store(server, as_user, monkeypatch):
@@ -219,15 +190,9 @@ async def test_the_tokenizer_cannot_open_the_store(server, as_user, monkeypatch)
 
 
 async def test_a_server_without_jetstream_makes_the_store_unavailable(monkeypatch):
-    monkeypatch.delenv("LLMBUS_NATS_USER", raising=False)
-    stack = Stack()
-    url = stack.start_nats(auth=False, jetstream=False)
-    try:
-        async with ServiceRuntime("api", url, handle_signals=False) as runtime:
-            with pytest.raises(ResponseStoreUnavailable, match="no JetStream.*llmbus up"):
-                await _open(runtime)
-    finally:
-        stack.stop()
+    async with without_jetstream(monkeypatch) as runtime:
+        with pytest.raises(ResponseStoreUnavailable, match="no JetStream.*llmbus up"):
+            await _open(runtime)
 
 
 async def test_a_cluster_keeps_the_bucket_on_every_server(as_user):

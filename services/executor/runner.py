@@ -112,8 +112,7 @@ class ModelRunner:
         `<arch>.pooling_type`, else mean). `embed_only`: refuse generation (an encoder always).
         `layers`: the lead shard's part of a model split by layers (layer_slice.py); the rest
         runs where its `model_forward` sends the hidden states (pipeline_lead.py).
-        `max_adapters`: LoRA adapters one step may mix (lora/adapter_slots.py; 0: none), each of
-        rank at most `max_adapter_rank`."""
+        `max_adapters`: LoRA adapters a step mixes (lora/adapter_slots.py; 0: none)."""
         if choice is None:
             choice = choose_backend(model_path, backend=backend, exact=exact,
                                     dtype=str(dtype).removeprefix("torch."), device=str(device))
@@ -133,17 +132,11 @@ class ModelRunner:
         if max_model_len is not None and max_model_len > config.context_length:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
                              f"length {config.context_length}")
-        kv_dtype = getattr(torch, choice.kv_dtype)
         self.encoder = choice.backend == "encoder"
         self.embed_only = embed_only or self.encoder
-        if num_blocks is None and self.encoder:  # blocks only count its tokens: no KV
-            num_blocks = ENCODER_SEQUENCES * -(-config.context_length // block_size) + 1
-        if num_blocks is None:
-            budget = (kv_cache_bytes if kv_cache_bytes is not None
-                      else default_budget_bytes(self.device))
-            num_blocks = num_blocks_for_budget(config, block_size, kv_dtype, budget)
         self.asked_max_model_len = max_model_len or config.context_length
-        self.set_num_blocks(num_blocks)
+        self.set_num_blocks(num_blocks if num_blocks is not None
+                            else self._default_num_blocks(kv_cache_bytes))
         # A split model's copy-on-write copies, for its layer shards (pipeline_lead_bus.py).
         self.copies_for_shards: list[BlockCopy] | None = None
         self.requests: dict[str, RequestState] = {}  # by sequence_id
@@ -156,6 +149,17 @@ class ModelRunner:
             model_path, config.vocab_size, config.eos_token_ids), config.vocab_size)
         self.adapters = (adapter_slots(self.model, layers, max_adapters, max_adapter_rank)
                          if max_adapters else None)
+
+    def _default_num_blocks(self, kv_cache_bytes: int | None) -> int:
+        """Blocks for `kv_cache_bytes` (None: the device's default budget); an encoder's only
+        count its tokens (it keeps no KV)."""
+        config, block_size = self.config, self.block_size
+        if self.encoder:
+            return ENCODER_SEQUENCES * -(-config.context_length // block_size) + 1
+        budget = (kv_cache_bytes if kv_cache_bytes is not None
+                  else default_budget_bytes(self.device))
+        return num_blocks_for_budget(config, block_size, getattr(torch, self.choice.kv_dtype),
+                                     budget)
 
     def set_num_blocks(self, num_blocks: int) -> None:
         """A fresh KV cache of `num_blocks` (a split model's: as many as its smallest shard

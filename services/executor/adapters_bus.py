@@ -106,8 +106,8 @@ class ExecutorAdapters:
         adapters = self.runner.adapters
         if adapters is None:
             return AdapterReply(engine_id=self.engine_id, enabled=False)
-        if command.action == "unload":
-            await asyncio.get_running_loop().run_in_executor(self.compute, adapters.forget,
+        if command.action == "unload":  # on the forward thread, between two steps
+            await asyncio.get_running_loop().run_in_executor(self.compute, self._unload,
                                                              command.name)
             return AdapterReply(engine_id=self.engine_id)
         if command.action != "load":
@@ -121,6 +121,12 @@ class ExecutorAdapters:
             self._preparing[command.name] = pending
             pending.add_done_callback(lambda _: self._preparing.pop(command.name, None))
         return AdapterReply(engine_id=self.engine_id, error=await asyncio.shield(pending))
+
+    def _unload(self, name: str) -> None:
+        """Forget `name` now, or once the requests running on it end (runner.py collects)."""
+        assert self.runner.adapters is not None
+        self.runner.adapters.forget(name)
+        self.runner.adapters.collect({s.params.adapter for s in self.runner.requests.values()})
 
     async def _fetch_and_prepare(self, name: str) -> str:
         assert self.store is not None

@@ -253,9 +253,11 @@ class ServiceRuntime:
         return decode(msg.data, reply_type)
 
     async def gather(self, subject: str, message: msgspec.Struct, reply_type: type[R], *,
-                     expected: int, timeout: float) -> list[R]:
+                     expected: int, timeout: float,
+                     done: Callable[[list[R]], bool] | None = None) -> list[R]:
         """Scatter-gather: every subscriber of `subject` answers; returns once `expected`
-        replies are in, or after `timeout` with those that came."""
+        replies are in (and, given `done`, `done(replies)` says they are the ones awaited),
+        or after `timeout` with those that came."""
         assert self.nc is not None
         inbox = self.nc.new_inbox()
         replies: list[R] = []
@@ -265,7 +267,7 @@ class ServiceRuntime:
             if not msg.data:  # the server's "no responders" status: nobody serves `subject`
                 return
             replies.append(decode(msg.data, reply_type))
-            if len(replies) >= expected:
+            if len(replies) >= expected and (done is None or done(replies)):
                 enough.set()
 
         subscription = await self.nc.subscribe(inbox, cb=collect)

@@ -21,9 +21,10 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from llmbus.bus.messages import EncodeRequest
+from llmbus.services.api.adapters import resolve_model
 from llmbus.services.api.anthropic_events import Event, MessageStream, message_of
 from llmbus.services.api.anthropic_requests import MessagesRequest, chat_request, thinking_budget
-from llmbus.services.api.chat import check_model, start_chat
+from llmbus.services.api.chat import start_chat
 from llmbus.services.api.constraints import tool_use
 from llmbus.services.api.errors import OpenAIError, log
 from llmbus.services.api.generation import Generation
@@ -80,7 +81,7 @@ async def create_message(request: Request, state: State) -> Response:
 async def count_tokens(request: Request, state: State) -> dict:
     """The prompt's tokens as /v1/messages would make them: template, system and tools."""
     chat = chat_request(decode_body(await request.body(), MessagesRequest), counting=True)
-    await check_model(state.engine, chat.model)
+    await resolve_model(state, chat.model)  # an adapter counts as its base
     tools, _ = tool_use(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
     token_ids = await state.engine.encode(EncodeRequest(
         messages=chat_messages(chat.messages), tools_json=tools.tools_json if tools else "",
@@ -103,9 +104,7 @@ def error_response(status_code: int, message: str, headers: dict | None = None) 
 
 
 def _openai_error(_: Request, exc: OpenAIError) -> Response:
-    # An unknown model is Anthropic's 404 (the chat path calls it a 400).
-    status = 404 if exc.code == "model_not_found" else exc.status_code
-    return error_response(status, exc.message, exc.headers)
+    return error_response(exc.status_code, exc.message, exc.headers)
 
 
 def _http_exception(_: Request, exc: HTTPException) -> Response:

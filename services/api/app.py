@@ -21,13 +21,16 @@ from litestar.handlers import BaseRouteHandler
 from litestar.response import ServerSentEvent
 
 from llmbus.bus.messages import EncodeRequest
+from llmbus.services.adapter_store_bus import AdapterStore
+from llmbus.services.api.adapters import AdapterNames, resolve_model
 from llmbus.services.api.anthropic_messages import MESSAGES_ROUTER
-from llmbus.services.api.chat import check_model, include_usage, metrics_for, start_chat
+from llmbus.services.api.chat import include_usage, metrics_for, start_chat
 from llmbus.services.api.constraints import output_constraint
 from llmbus.services.api.embeddings import DEFAULT_MAX_INPUTS, EMBEDDING_ROUTES
 from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.errors import EXCEPTION_HANDLERS, OpenAIError, bad_request
 from llmbus.services.api.generation import Generation
+from llmbus.services.api.lora_routes import LORA_ROUTES, PackAdapter, pack_adapter_files
 from llmbus.services.api.pages import PAGE_ROUTES
 from llmbus.services.api.pipeline import TokenRates, pipeline_view
 from llmbus.services.api.response_store_bus import ResponseStore
@@ -53,6 +56,7 @@ class ApiSettings:
     api_key: str | None = None
     trace_url: str | None = None  # a trace viewer's URL with `{trace_id}` in it
     max_embedding_inputs: int = DEFAULT_MAX_INPUTS
+    adapter_load_timeout: float = 60.0  # seconds a LoRA load waits for the engines' answers
 
 
 def _version() -> str:
@@ -79,10 +83,11 @@ async def chat_completions(request: Request, state: State) -> Response:
 async def completions(request: Request, state: State) -> Response:
     engine: EngineClient = state.engine
     req = decode_body(await request.body(), CompletionRequest)
-    model = await check_model(engine, req.model)
+    choice = await resolve_model(state, req.model)
     prompts = completion_prompts(req, state.settings.limits)
     params = sampling_params(req, max_tokens=req.max_tokens, default_max_tokens=16,
                              num_logprobs=req.logprobs, limits=state.settings.limits)
+    params.adapter = choice.adapter
     params.structured, _ = await asyncio.to_thread(output_constraint, req, chat=False)
     echo_texts = None
     if req.echo:
@@ -90,25 +95,17 @@ async def completions(request: Request, state: State) -> Response:
     sources = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}
                for p in prompts]
     generation = await Generation.start(
-        engine, chat=False, model=model, params=params, n=req.n, sources=sources,
+        engine, chat=False, model=choice.name, params=params, n=req.n, sources=sources,
         include_usage=include_usage(req), echo_texts=echo_texts,
-        metrics=metrics_for(state, model))
+        metrics=metrics_for(state, choice.base))
     return await _respond(generation, req.stream)
-
-
-@get("/models")
-async def models(state: State) -> dict:
-    info = await state.engine.model_info()
-    return {"object": "list", "data": [{
-        "id": info.model_name, "object": "model", "created": 0, "owned_by": "llmbus",
-        "max_model_len": info.max_model_len}]}
 
 
 @post("/tokenize", status_code=200)
 async def tokenize(request: Request, state: State) -> dict:
     engine: EngineClient = state.engine
     req = decode_body(await request.body(), TokenizeRequest)
-    await check_model(engine, req.model)
+    await resolve_model(state, req.model)  # an adapter tokenizes as its base
     info = await engine.model_info()  # cached after the first call
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
@@ -127,7 +124,7 @@ async def tokenize(request: Request, state: State) -> dict:
 async def detokenize(request: Request, state: State) -> dict:
     engine: EngineClient = state.engine
     req = decode_body(await request.body(), DetokenizeRequest)
-    await check_model(engine, req.model)
+    await resolve_model(state, req.model)
     return {"prompt": await engine.decode(req.tokens)}
 
 
@@ -200,8 +197,12 @@ def _require_api_key(connection: ASGIConnection, _handler: BaseRouteHandler) -> 
 
 
 def create_app(engine: EngineClient, settings: ApiSettings | None = None, *,
-               response_store: ResponseStore | None = None) -> Litestar:
-    """`response_store`: the bus's stored responses, None where they are off."""
+               response_store: ResponseStore | None = None,
+               adapter_store: AdapterStore | None = None,
+               pack_adapter: PackAdapter = pack_adapter_files) -> Litestar:
+    """`response_store`: the bus's stored responses, None where they are off;
+    `adapter_store`: the bus's LoRA adapters, None where they are off (the base alone serves);
+    `pack_adapter`: what makes a blob of the adapter at a path."""
     settings = settings or ApiSettings()
 
     @asynccontextmanager
@@ -209,10 +210,13 @@ def create_app(engine: EngineClient, settings: ApiSettings | None = None, *,
         app.state.engine = engine
         app.state.settings = settings
         app.state.response_store = response_store
+        app.state.adapter_store = adapter_store
+        app.state.adapter_names = AdapterNames()
+        app.state.pack_adapter = pack_adapter
         app.state.token_rates = TokenRates()
         yield
 
-    v1 = Router(path="/v1", route_handlers=[chat_completions, completions, models, pipeline,
+    v1 = Router(path="/v1", route_handlers=[chat_completions, completions, *LORA_ROUTES, pipeline,
                                             *RESPONSES_ROUTES, MESSAGES_ROUTER,
                                             *EMBEDDING_ROUTES],
                 guards=[_require_api_key])

@@ -8,6 +8,7 @@ from typing import Any
 
 from litestar.datastructures import State
 
+from llmbus.services.api.adapters import resolve_model
 from llmbus.services.api.constraints import output_constraint
 from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.errors import bad_request
@@ -22,12 +23,15 @@ from llmbus.services.api.schemas import (
 )
 
 
-async def check_model(engine: EngineClient, model: str | None) -> str:
-    info = await engine.model_info()
-    if model is not None and model != info.model_name:
-        raise bad_request(f"the model `{model}` does not exist; this server serves "
-                          f"`{info.model_name}`", param="model", code="model_not_found")
-    return info.model_name
+async def check_model(state: State, model: str | None) -> str:
+    """The base model's name, for the routes that only the base serves (embeddings, score):
+    a LoRA adapter's name is a 400 there, any other name a 404."""
+    choice = await resolve_model(state, model)
+    if choice.adapter:
+        raise bad_request(f"`{choice.adapter}` is a LoRA adapter; this route serves the base "
+                          f"model `{choice.base}` only", param="model",
+                          code="model_not_supported")
+    return choice.name
 
 
 def metrics_for(state: State, model: str) -> ApiMetrics:
@@ -48,15 +52,16 @@ def include_usage(req: Any) -> bool:
 async def start_chat(state: State, req: ChatCompletionRequest) -> Generation:
     """Validate a chat request and admit it into the pipeline."""
     engine: EngineClient = state.engine
-    model = await check_model(engine, req.model)
+    choice = await resolve_model(state, req.model)
     messages = chat_messages(req.messages)
     params = sampling_params(req, max_tokens=req.max_completion_tokens or req.max_tokens,
                              default_max_tokens=0, num_logprobs=chat_logprobs(req),
                              limits=state.settings.limits)
+    params.adapter = choice.adapter
     # Compiling a big schema to check it takes a while: not on the event loop.
     params.structured, tools = await asyncio.to_thread(output_constraint, req, chat=True)
     return await Generation.start(
-        engine, chat=True, model=model, params=params, n=req.n,
+        engine, chat=True, model=choice.name, params=params, n=req.n,
         sources=[{"messages": messages, "tools_json": tools.tools_json if tools else "",
                   "chat_template_kwargs_json": template_kwargs_json(req.chat_template_kwargs)}],
-        include_usage=include_usage(req), metrics=metrics_for(state, model), tools=tools)
+        include_usage=include_usage(req), metrics=metrics_for(state, choice.base), tools=tools)

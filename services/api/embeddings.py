@@ -155,7 +155,7 @@ async def embeddings(request: Request, state: State) -> dict:
         raise bad_request("`encoding_format` must be `float` or `base64`",
                           param="encoding_format")
     engine: EngineClient = state.engine
-    model = await check_model(engine, req.model)
+    model = await check_model(state, req.model)
     inputs = inputs_of(req.input, state.settings.max_embedding_inputs)
     started = time.monotonic()
     with _tracer.start_as_current_span("embeddings", kind=SpanKind.SERVER, attributes={
@@ -180,7 +180,7 @@ async def score(request: Request, state: State) -> dict:
     `text_1` pairs with every `text_2`, or the lists pair up in order."""
     req = decode_body(await request.body(), ScoreRequest)
     engine: EngineClient = state.engine
-    model = await check_model(engine, req.model)
+    model = await check_model(state, req.model)
     limit = state.settings.max_embedding_inputs
     firsts, seconds = inputs_of(req.text_1, limit, "text_1"), inputs_of(req.text_2, limit,
                                                                         "text_2")

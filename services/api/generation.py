@@ -157,6 +157,7 @@ class Generation:
         if ttft is not None:
             span.set_attribute("llmbus.time_to_first_token_s", ttft)
         if self.metrics is not None and admitted:
+            self.metrics.count_model(self.model, self.num_prompt_tokens, num_output)
             self.metrics.recent.ended(
                 self.id, status="finished" if error is None
                 else "aborted" if error == CLIENT_GONE else "error",
@@ -170,8 +171,7 @@ class Generation:
                     [fmt.finish_reason_name(c.finish_reason) or "abort" for c in self.choices])
         elif self.metrics is not None:
             self.metrics.observe_request(
-                ttft=ttft,
-                itls=self._itls, e2e=time.monotonic() - self.started_at,
+                ttft=ttft, itls=self._itls, e2e=time.monotonic() - self.started_at,
                 queue=self.queue_seconds, num_prompt_tokens=self.num_prompt_tokens,
                 num_output_tokens=num_output, finish_reasons=reasons)
         span.end()

@@ -38,6 +38,10 @@ _GAPS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
          0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 R = ("model_name", "replica")
+# Series per LoRA adapter one api copy keeps at most; adapters past it count as `other`
+# (adapters come and go at run time: their names must not grow the exposition without end).
+MAX_ADAPTER_SERIES = 64
+OTHER_ADAPTERS = "other"
 
 
 
@@ -141,8 +145,43 @@ class ApiMetrics:
         self.embedding_latency = histogram("llmbus:embedding_request_latency_seconds",
                                            "Time from an embedding request's arrival to its "
                                            "vectors.", _LATENCY)
+        adapter_labels = (*R, "lora_name")
+        self.adapter_requests = Counter(
+            "llmbus:lora_requests", "Requests a LoRA adapter generated for, however they "
+            "ended.", adapter_labels, registry=reg)
+        self.adapter_prompt_tokens = Counter(
+            "llmbus:lora_prompt_tokens", "Prompt tokens of a LoRA adapter's requests.",
+            adapter_labels, registry=reg)
+        self.adapter_generation_tokens = Counter(
+            "llmbus:lora_generation_tokens", "Tokens a LoRA adapter generated.",
+            adapter_labels, registry=reg)
+        self._adapter_series: set[str] = set()
         self.engine_stats: list[EngineStats] = []
         self.recent = RecentRequests(replica)  # for the pipeline page
+
+    def count_model(self, model: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """A request for `model` ended (finished, failed or aborted): counted by adapter where
+        `model` is one (the base model's requests have the series above)."""
+        if model == self.labels[0]:
+            return
+        adapter = model
+        if adapter not in self._adapter_series:
+            if len(self._adapter_series) >= MAX_ADAPTER_SERIES:
+                adapter = OTHER_ADAPTERS
+            self._adapter_series.add(adapter)
+        labels = (*self.labels, adapter)
+        self.adapter_requests.labels(*labels).inc()
+        self.adapter_prompt_tokens.labels(*labels).inc(num_prompt_tokens)
+        self.adapter_generation_tokens.labels(*labels).inc(num_output_tokens)
+
+    def forget_adapter(self, adapter: str) -> None:
+        """An adapter unloaded: its series go (a scrape sees its counters end), and its room
+        is free for another."""
+        if adapter in self._adapter_series and adapter != OTHER_ADAPTERS:
+            self._adapter_series.discard(adapter)
+            for counter in (self.adapter_requests, self.adapter_prompt_tokens,
+                            self.adapter_generation_tokens):
+                counter.remove(*self.labels, adapter)
 
     def observe_embeddings(self, num_inputs: int, num_tokens: int, seconds: float) -> None:
         labels = self.labels

@@ -122,6 +122,9 @@ def pipeline_view(*, model: str | None, replica: str,
     """The `/v1/pipeline` body. `copies`: each stage's live copies with the seconds since
     each one's last heartbeat; `stats` and `rates` by engine; `recent` from every api copy."""
     stats_of = {s.engine_id: s for s in stats}
+    adapters_of: dict[str, set[str]] = {}  # each engine's resident LoRA adapters
+    for heartbeat, _ in copies.get("executor", []):
+        adapters_of.setdefault(heartbeat.engine_id, set()).update(heartbeat.adapters)
     stages = []
     for name in STAGE_ORDER:
         listed = []
@@ -131,6 +134,9 @@ def pipeline_view(*, model: str | None, replica: str,
             if name == "scheduler":
                 item["engine"] = _engine(stats_of.get(heartbeat.engine_id), heartbeat,
                                          rates.get(heartbeat.engine_id))
+                item["engine"]["adapters"] = sorted(adapters_of.get(heartbeat.engine_id, ()))
+            elif name == "executor":
+                item["adapters"] = sorted(heartbeat.adapters)
             listed.append(item)
         stages.append({"name": name, "copies": listed})
     newest = sorted(recent, key=lambda r: r.created, reverse=True)[:NUM_RECENT_SHOWN]

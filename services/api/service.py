@@ -16,6 +16,11 @@ from nats.aio.msg import Msg
 from llmbus.bus import subjects
 from llmbus.bus.messages import ApiMetricsRequest, ApiMetricsSnapshot
 from llmbus.bus.runtime import ServiceRuntime
+from llmbus.services.adapter_store_bus import (
+    DEFAULT_MAX_BYTES,
+    AdapterStore,
+    AdapterStoreUnavailable,
+)
 from llmbus.services.api.app import ApiSettings, create_app
 from llmbus.services.api.embeddings import DEFAULT_MAX_INPUTS
 from llmbus.services.api.engine_client_bus import EngineClient
@@ -88,6 +93,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--responses-replicas", type=_positive(int), default=1,
                         help="NATS servers that keep a copy of each stored response: 3 on a "
                              "cluster, so that losing a server loses none (default: 1)")
+    parser.add_argument("--adapter-load-timeout", type=_positive(float), default=60.0,
+                        help="seconds POST /v1/load_lora_adapter waits for every engine to "
+                             "check and load the adapter (default: 60)")
+    parser.add_argument("--adapters-max-bytes", type=_positive(int), default=DEFAULT_MAX_BYTES,
+                        help="most bytes the LoRA adapters in the bus's JetStream bucket "
+                             "llmbus_adapters may take; past it, loading is refused "
+                             f"(default: {DEFAULT_MAX_BYTES // 2**30} GiB)")
+    parser.add_argument("--adapters-replicas", type=_positive(int), default=1,
+                        help="NATS servers that keep a copy of each LoRA adapter: 3 on a "
+                             "cluster (default: 1)")
 
 
 def _positive(kind: type) -> Callable[[str], float]:
@@ -150,6 +165,18 @@ async def _open_response_store(runtime: ServiceRuntime,
         return None
 
 
+async def _open_adapter_store(runtime: ServiceRuntime,
+                              args: argparse.Namespace) -> AdapterStore | None:
+    """The bus's LoRA adapters; None, with one warning line, where they cannot be had (the
+    base model serves alone, and loading an adapter answers why not)."""
+    try:
+        return await AdapterStore.open(runtime, args.adapters_replicas,
+                                       max_bytes=args.adapters_max_bytes)
+    except AdapterStoreUnavailable as exc:
+        log.warning(f"LoRA adapters are off: {exc}")
+        return None
+
+
 async def main(args: argparse.Namespace) -> None:
     # uvicorn takes SIGINT/SIGTERM itself: stops accepting, finishes streams, then returns.
     async with ServiceRuntime("api", args.nats_url, args.instance_id,
@@ -162,9 +189,10 @@ async def main(args: argparse.Namespace) -> None:
                           max_prompts=args.max_prompts),
             max_body_bytes=args.max_body_size, api_key=args.api_key,
             max_embedding_inputs=args.max_embedding_inputs,
-            trace_url=args.trace_url)
+            trace_url=args.trace_url, adapter_load_timeout=args.adapter_load_timeout)
         store = await _open_response_store(runtime, args)
-        app = create_app(engine, settings, response_store=store)
+        adapters = await _open_adapter_store(runtime, args)
+        app = create_app(engine, settings, response_store=store, adapter_store=adapters)
         server = DrainingServer(app, uvicorn.Config(
             app, host=args.host, port=args.port, log_config=None, access_log=False,
             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"))

@@ -68,6 +68,12 @@ class PipelineStats:
                         for h in liveness.alive(alive_at)]
                 for stage, liveness in self.copies.items()}
 
+    def live_engine_ids(self) -> set[str]:
+        """The engines whose executors sent heartbeats lately (each once, however many layer
+        shards it has)."""
+        return {h.engine_id for h in self.copies["executor"].alive(self.runtime.bus_time())
+                if h.engine_id}
+
     async def stage_health(self) -> dict[str, bool]:
         """Ready state of every pipeline stage (cached for a second)."""
         checked_at, health = self._health

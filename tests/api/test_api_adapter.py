@@ -4,13 +4,11 @@ engine refusals, auth, streaming and /metrics, in seconds rather than through th
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
 import nats
 import pytest
-import uvicorn
 
 from llmbus.bus import subjects
 from llmbus.bus.codec import decode, encode
@@ -33,7 +31,8 @@ from llmbus.services.api.app import ApiSettings, create_app
 from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.service import answer_metrics
 from llmbus.services.api.stats_bus import PIPELINE_STAGES
-from llmbus.services.launcher import Stack, free_port
+from llmbus.services.launcher import Stack
+from tests.served_app import served
 
 pytestmark = pytest.mark.adapter  # a real nats-server, no model
 
@@ -117,20 +116,10 @@ async def client():
             await engine.start()
             app = create_app(engine, ApiSettings(api_key=KEY))
             await answer_metrics(runtime, app)
-            port = free_port()
-            server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                   log_config=None, access_log=False,
-                                                   lifespan="on"))
-            serving = asyncio.create_task(server.serve())
-            async with asyncio.timeout(30):
-                while not server.started:
-                    await asyncio.sleep(0.01)
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
-                                         timeout=30) as http:
+            async with served(app) as root, httpx.AsyncClient(base_url=root,
+                                                              timeout=30) as http:
                 http.stages = stages
                 yield http
-            server.should_exit = True
-            await serving
     finally:
         await stages.nc.close()
         stack.stop()
@@ -150,7 +139,6 @@ CASES = [
     ("body not an object", b"[1, 2]", None),
     ("missing messages", {"model": MODEL}, "messages"),
     ("unknown role", {"model": MODEL, "messages": [{"role": "x", "content": "a"}]}, "messages"),
-    ("unknown model", {"model": "gpt-9", "messages": HELLO}, "model"),
     ("max_tokens zero", {"model": MODEL, "messages": HELLO, "max_tokens": 0}, "max_tokens"),
     ("temperature out of range", {"model": MODEL, "messages": HELLO, "temperature": 7},
      "temperature"),
@@ -176,6 +164,14 @@ async def test_bad_input_is_a_400_with_openai_error(client, name, body, param):
     assert error["type"] == "invalid_request_error"
     if name.startswith("refused"):
         assert error["code"] == "context_length_exceeded"
+
+
+@pytest.mark.asyncio
+async def test_an_unknown_model_is_a_404(client):
+    error = _error(await client.post("/v1/chat/completions", headers=AUTH,
+                                     json={"model": "gpt-9", "messages": HELLO}), 404, "model")
+    assert (error["type"], error["code"]) == ("not_found_error", "model_not_found")
+    assert client.stages.requests == []
 
 
 @pytest.mark.asyncio

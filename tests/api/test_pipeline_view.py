@@ -63,7 +63,10 @@ def test_the_view_lists_every_stage_in_order_and_engines_with_their_load():
                              num_total_blocks=10, num_free_blocks=9), 0.2),
                       (_beat("scheduler", "s0", engine_id="engine0", role="decode"), 0.4)],
         "api": [(_beat("api", "a1"), 0.0)],
-        "executor": [(_beat("executor", "x1", engine_id="engine0", shard="1/2"), 0.1)]}
+        "executor": [(_beat("executor", "x1", engine_id="engine0", shard="1/2",
+                            adapters=["sql-lora"]), 0.1),
+                     (_beat("executor", "x0", engine_id="engine0", shard="0/2",
+                            adapters=["sql-lora", "poet"]), 0.1)]}
     stats = [EngineStats(engine_id="engine0", num_steps=1, num_running=3, num_waiting=2,
                          num_free_blocks=60, num_total_blocks=100, max_batch_size=4,
                          num_preemptions=1, num_finished=5, num_evictable_blocks=15,
@@ -73,18 +76,22 @@ def test_the_view_lists_every_stage_in_order_and_engines_with_their_load():
     assert [s["name"] for s in view["stages"]] == list(STAGE_ORDER)
     stages = {s["name"]: s["copies"] for s in view["stages"]}
     assert stages["tokenizer"] == []  # none alive: shown empty
-    [shard] = stages["executor"]  # a layer shard of a split executor says which it is
+    lead, shard = stages["executor"]  # a layer shard of a split executor says which it is
     assert (shard["engine_id"], shard["shard"]) == ("engine0", "1/2")
     assert "engine" not in shard  # the engine's load is its scheduler's
+    # The LoRA adapters resident in each executor process, and in each engine (all of them)
+    assert (lead["adapters"], shard["adapters"]) == (["poet", "sql-lora"], ["sql-lora"])
     assert [c["instance_id"] for c in stages["detokenizer"]] == ["d1", "d2"]
     engine0, engine1 = stages["scheduler"]
     assert engine0["engine"] == {"role": "decode", "num_running": 3, "num_waiting": 2,
                                  "kv_usage": 0.25, "prefix_hit_rate": 0.25,
-                                 "tokens_per_second": 12.5, "num_preemptions": 1}
+                                 "tokens_per_second": 12.5, "num_preemptions": 1,
+                                 "adapters": ["poet", "sql-lora"]}
     # No stats from engine1 (it missed the gather): its heartbeat's load, nothing invented.
     assert engine1["engine"] == {"role": "mixed", "num_running": 9, "num_waiting": 0,
                                  "kv_usage": 0.1, "prefix_hit_rate": None,
-                                 "tokens_per_second": None, "num_preemptions": None}
+                                 "tokens_per_second": None, "num_preemptions": None,
+                                 "adapters": []}
     assert "engine" not in stages["api"][0]
     assert view["tracing"] is False
 

@@ -21,7 +21,6 @@ CASES = [
     ("empty messages", CHAT, {"model": MODEL_NAME, "messages": []}, "messages"),
     ("unknown role", CHAT, {"model": MODEL_NAME, "messages": [{"role": "x", "content": "a"}]},
      "messages"),
-    ("unknown model", CHAT, {"model": "gpt-9", "messages": HELLO}, "model"),
     ("max_tokens zero", CHAT, {"model": MODEL_NAME, "messages": HELLO, "max_tokens": 0},
      "max_tokens"),
     ("max_tokens negative", COMPLETIONS,
@@ -76,6 +75,16 @@ def test_bad_input_is_a_400_with_openai_error(stack, name, path, body, param):
     assert error["type"] == "invalid_request_error"
     assert error["message"] and "Traceback" not in error["message"]
     assert error["param"] == param
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_an_unknown_model_is_a_404_model_not_found(stack, path):
+    body = {"model": "gpt-9", "messages": HELLO} if path == CHAT else {"model": "gpt-9",
+                                                                         "prompt": "hi"}
+    response = httpx.post(f"{stack.base_url}{path}", json=body, headers=AUTH, timeout=30)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
 
 
 def test_unknown_route_is_a_404_with_openai_error(stack):

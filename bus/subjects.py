@@ -70,6 +70,12 @@ def executor_shard(engine_id: str, index: int | str, what: str) -> str:
 EXECUTOR_ADAPTERS = f"{PREFIX}.executor.adapters"
 
 
+def executor_adapter(engine_id: str) -> str:
+    """scheduler -> its executor (request/reply, AdapterCommand): prepare a request's LoRA
+    adapter before the request is scheduled."""
+    return f"{PREFIX}.engine.{engine_id}.executor.adapter"
+
+
 def executor_grammar(engine_id: str) -> str:
     """scheduler -> executor (request/reply): compile a request's output constraint ahead."""
     return f"{PREFIX}.engine.{engine_id}.executor.grammar"

@@ -24,12 +24,14 @@ import re
 import nats.errors
 import structlog
 from nats.js import JetStreamContext, api
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.object_store import ObjectStore
 
 from llmbus.bus import subjects
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.jetstream_bus import STREAM_NAME_IN_USE, errors_as, open_bucket
+
+INSUFFICIENT_RESOURCES = 10047  # JetStream's error: its storage limit would be passed
 
 log = structlog.get_logger()
 
@@ -142,14 +144,19 @@ class AdapterStore:
 
 
 async def _create_or_bind(js: JetStreamContext, config: api.ObjectStoreConfig) -> ObjectStore:
-    """The bucket, made with `config` (a no-op where it exists with the same one), or as it is
-    where it exists with another, with one warning line naming both."""
+    """The bucket as it is where it exists (kept, with one warning line where its limits are
+    not `config`'s), else made with `config`. Binding comes first: copies that start at once
+    (every api copy and executor) would otherwise race to create it, and JetStream refuses the
+    losers (the name in use, or its storage counted as reserved once per request)."""
     try:
-        return await js.create_object_store(subjects.ADAPTERS_BUCKET, config=config)
-    except BadRequestError as exc:
-        if exc.err_code != STREAM_NAME_IN_USE:
-            raise
-    objects = await js.object_store(subjects.ADAPTERS_BUCKET)
+        objects = await js.object_store(subjects.ADAPTERS_BUCKET)
+    except BucketNotFoundError:
+        try:
+            return await js.create_object_store(subjects.ADAPTERS_BUCKET, config=config)
+        except APIError as exc:  # made meanwhile by another copy, or refused for good
+            if exc.err_code not in (STREAM_NAME_IN_USE, INSUFFICIENT_RESOURCES):
+                raise
+            objects = await js.object_store(subjects.ADAPTERS_BUCKET)
     found = (await objects.status()).stream_info.config
     if (found.max_bytes, found.num_replicas) != (config.max_bytes, config.replicas):
         log.warning("the adapter store's bucket exists with other limits; keeping them",

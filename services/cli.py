@@ -80,6 +80,8 @@ class ServiceOption:
         """The command-line words that give this option `value` (none for the default)."""
         if value == self.default:
             return []
+        if self.kwargs.get("action") == "append":  # each value its own option
+            return [word for item in value for word in (self.flags[0], str(item))]
         return [self.flags[0]] if self.is_flag else [self.flags[0], str(value)]
 
 

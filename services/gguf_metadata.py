@@ -101,22 +101,28 @@ def read_layout(path: str | PathLike[str]) -> GGUFLayout:
     """The metadata and every tensor's shape, type and data offset, from the header alone (the
     data is not read)."""
     with open(path, "rb") as f:
-        metadata, num_tensors = _read_header(f, path)
-        entries = []
-        for _ in range(num_tensors):
-            name = _string(f)
-            dims = [_read(f, "<Q") for _ in range(_read(f, "<I"))]
-            ggml_type = _read(f, "<I")
-            relative = _read(f, "<Q")  # to the data section, which starts aligned
-            entries.append((name, TensorInfo(tuple(reversed(dims)), ggml_type), relative))
-        alignment = metadata.get("general.alignment", 32)
-        if not (isinstance(alignment, int) and alignment > 0 and alignment & (alignment - 1) == 0):
-            raise GGUFFormatError(f"{path}: general.alignment {alignment!r} is not a power of two")
-        names = [name for name, _, _ in entries]
-        if len(set(names)) != len(names):
-            twice = sorted({name for name in names if names.count(name) > 1})
-            raise GGUFFormatError(f"{path}: tensors named twice: {', '.join(twice)}")
-        data_start = -(-f.tell() // alignment) * alignment
+        return read_layout_from(f, path)
+
+
+def read_layout_from(f: BinaryIO, source: str | PathLike[str]) -> GGUFLayout:
+    """read_layout's answer from a stream at the file's start (a GGUF held in memory, such as
+    a LoRA adapter's bytes from the bus); `source` names it in errors."""
+    metadata, num_tensors = _read_header(f, source)
+    entries = []
+    for _ in range(num_tensors):
+        name = _string(f)
+        dims = [_read(f, "<Q") for _ in range(_read(f, "<I"))]
+        ggml_type = _read(f, "<I")
+        relative = _read(f, "<Q")  # to the data section, which starts aligned
+        entries.append((name, TensorInfo(tuple(reversed(dims)), ggml_type), relative))
+    alignment = metadata.get("general.alignment", 32)
+    if not (isinstance(alignment, int) and alignment > 0 and alignment & (alignment - 1) == 0):
+        raise GGUFFormatError(f"{source}: general.alignment {alignment!r} is not a power of two")
+    names = [name for name, _, _ in entries]
+    if len(set(names)) != len(names):
+        twice = sorted({name for name in names if names.count(name) > 1})
+        raise GGUFFormatError(f"{source}: tensors named twice: {', '.join(twice)}")
+    data_start = -(-f.tell() // alignment) * alignment
     return GGUFLayout(metadata, [TensorEntry(name, info, data_start + relative)
                                  for name, info, relative in entries])
 

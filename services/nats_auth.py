@@ -84,6 +84,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     },
     "scheduler": {
         "publish": [S.executor_info(ANY), S.executor_step(ANY), S.executor_grammar(ANY),
+                    S.executor_adapter(ANY),
                     S.DETOKENIZER_TOKENS, S.detokenizer_tokens(ANY), S.ENGINE_CACHE_EVENTS,
                     S.api_deltas(ANY),  # embedding answers go straight to their api copy
                     S.heartbeat("scheduler"), S.executor_kv_receive(ANY), S.engine_prefill(ANY),
@@ -99,7 +100,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
         "publish": [S.heartbeat("executor"), S.executor_kv(ANY), S.executor_shard(ANY, ANY, ANY),
                     *_ADAPTER_STORE],
         "subscribe": [S.executor_info(ANY), S.executor_step(ANY), S.executor_grammar(ANY),
-                      S.EXECUTOR_ADAPTERS,
+                      S.EXECUTOR_ADAPTERS, S.executor_adapter(ANY),
                       S.executor_shard(ANY, ANY, ANY), S.heartbeat("executor"),
                       S.executor_kv_receive(ANY), S.executor_kv(ANY), S.ping("executor"),
                       _inbox("executor")],

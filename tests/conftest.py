@@ -64,7 +64,8 @@ TRACE_URL = "http://127.0.0.1:16686/trace/{trace_id}"  # the api's links to a tr
 @pytest.fixture(scope="session")
 def two_of_each() -> tuple[Stack, str, str]:
     """Two copies of every stage behind an API key, exact mode (test_replicas compares their
-    outputs with the shared stack's), started one by one: not `llmbus up`, which stops
+    outputs with the shared stack's), the engines serving LoRA adapters (test_lora), started
+    one by one: not `llmbus up`, which stops
     everything when one dies. test_replicas kills an engine's scheduler and starts it again;
     test_web_pages, after it, kills a detokenizer copy last. Yields the stack, its api's root
     URL (`/v1` and the pages below it) and its nats URL."""
@@ -74,7 +75,8 @@ def two_of_each() -> tuple[Stack, str, str]:
     port = free_port()
     url = stack.start_nats()
     argv = {"api": ["--port", str(port), "--api-key", API_KEY, "--trace-url", TRACE_URL],
-            "scheduler": ["--max-num-seqs", "32"], "executor": ["--threads", "1", "--exact"]}
+            "scheduler": ["--max-num-seqs", "32"],
+            "executor": ["--threads", "1", "--exact", "--enable-lora"]}
     copies = _start_services(stack, url, argv,
                              {"api": 2, "tokenizer": 2, "detokenizer": 2, "engine": 2})
     assert wait_until_ready(stack, f"http://127.0.0.1:{port}/health", 300, copies) is None

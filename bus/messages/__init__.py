@@ -89,8 +89,7 @@ from llmbus.bus.messages.to_tokenizer import (
 
 __all__ = [
     "NOT_SET_UP", "AbortRequest", "AdapterCommand", "AdapterReply", "Admission",
-    "ApiMetricsRequest", "ApiMetricsSnapshot",
-    "BlockCopy",
+    "ApiMetricsRequest", "ApiMetricsSnapshot", "BlockCopy",
     "CacheEvent", "ChatMessage", "CompletionStart", "DecodeRequest", "DecodeResult", "DeltaBatch",
     "EncodeRequest", "EncodeResult", "EngineStats", "EngineStatsRequest", "ErrorCode",
     "ExecutorInfo", "ExecutorInfoRequest", "FinishReason", "GenerateRequest", "GrammarReply",

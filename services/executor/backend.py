@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from llmbus.services.executor.attention.metadata import AttentionMetadata
     from llmbus.services.executor.kv_cache import KVCache
+    from llmbus.services.executor.lora.adapter_slots import StepAdapters
     from llmbus.services.executor.weights.model_config import LlamaConfig
 
 
@@ -22,6 +23,9 @@ class Backend(Protocol):
     config: LlamaConfig
     dtype: torch.dtype  # of the activations it takes and the logits' source
     device: torch.device
+    # The next forward's LoRA adapters (lora/adapter_slots.py; None: the base alone), which
+    # the runner sets before each forward.
+    step_adapters: StepAdapters | None
     def set_max_positions(self, max_positions: int) -> None:
         """Size the rotary tables for positions [0, max_positions)."""
 

@@ -60,8 +60,12 @@ class BackendChoice:
 
 def choose_backend(model_path: str | PathLike[str] | None, *, backend: str = "auto",
                    exact: bool = False, dtype: str = "float32", device: str = "auto",
-                   cuda_available: bool = False, isa: str | None = None) -> BackendChoice:
+                   cuda_available: bool = False, isa: str | None = None,
+                   adapters: bool = False) -> BackendChoice:
     """The backend for these options on this machine; ValueError names what cannot run.
+
+    `adapters`: it serves LoRA adapters, which ONNX Runtime's graphs cannot add
+    (lora/backend_support.py): the torch backend runs where they would.
 
     `model_path` None skips the file check (the integer kernel is then assumed to take it)."""
     if backend not in BACKENDS:
@@ -88,17 +92,33 @@ def choose_backend(model_path: str | PathLike[str] | None, *, backend: str = "au
     if moe and (backend == "onnxruntime" or exact):
         raise ValueError(f"ONNX Runtime's graphs cannot run a mixture of experts ({arch}); "
                          "the integer kernel (the fast mode) or --backend torch can")
+    _check_cpu_options(backend, device, dtype)
+    choice = _cpu_choice(model_path, backend, exact, isa)
+    if adapters and choice.backend == "onnxruntime":
+        return _torch_for_adapters(choice, forced=backend == "onnxruntime")
+    if moe and choice.backend != "integer-kernel":  # no compiler, or matrices it does not take
+        return replace(_torch_choice(device, exact, dtype),
+                       note=f"a mixture of experts, and {choice.note or 'no integer kernel'}")
+    return choice
+
+
+def _check_cpu_options(backend: str, device: str, dtype: str) -> None:
     if device != "cpu":
         raise ValueError(f"the {backend} backend runs on the CPU, not {device}; use --backend "
                          "torch there")
     if dtype != "float32":
         raise ValueError(f"--dtype {dtype} is for the torch backend; the CPU backends compute "
                          "in float32 (--exact or not chooses their precision)")
-    choice = _cpu_choice(model_path, backend, exact, isa)
-    if moe and choice.backend != "integer-kernel":  # no compiler, or matrices it does not take
-        return replace(_torch_choice(device, exact, dtype),
-                       note=f"a mixture of experts, and {choice.note or 'no integer kernel'}")
-    return choice
+
+
+def _torch_for_adapters(choice: BackendChoice, forced: bool) -> BackendChoice:
+    """The torch backend where ONNX Runtime's graphs would run a model serving adapters."""
+    if forced:
+        raise ValueError("ONNX Runtime's graphs cannot add LoRA adapters; leave --backend at "
+                         "auto")
+    why = "the exact mode" if choice.exact else choice.note
+    return replace(_torch_choice("cpu", choice.exact, "float32"),
+                   note=f"LoRA adapters, and {why}: ONNX Runtime's graphs take none")
 
 
 def _architecture(model_path: str | PathLike[str] | None) -> str | None:

@@ -46,6 +46,7 @@ from llmbus.services.executor.kv_cache import (
     num_blocks_for_budget,
 )
 from llmbus.services.executor.kv_gathering import KvGathering, layout_of
+from llmbus.services.executor.lora.backend_support import adapter_slots
 from llmbus.services.executor.multi_step import more_steps
 from llmbus.services.executor.request_state import RequestState, check_scheduled, seed_positions
 from llmbus.services.executor.sampling.constraints import Grammars, Vocabulary, apply_masks
@@ -99,7 +100,8 @@ class ModelRunner:
                  num_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  max_model_len: int | None = None, num_threads: int | None = None,
                  small_step_threads: int | None = None, pooling: str | None = None,
-                 embed_only: bool = False, layers: LayerSlice | None = None) -> None:
+                 embed_only: bool = False, layers: LayerSlice | None = None,
+                 max_adapters: int = 0, max_adapter_rank: int = 64) -> None:
         """`choice` (backend_choice.py) says which backend runs; without one, it is chosen
         here from `backend`, `exact`, `dtype` and `device` (tests and benchmarks pick so).
 
@@ -109,7 +111,8 @@ class ModelRunner:
         `pooling`: how embedding requests that leave it to the model pool (None: the file's
         `<arch>.pooling_type`, else mean). `embed_only`: refuse generation (an encoder always).
         `layers`: the lead shard's part of a model split by layers (layer_slice.py); the rest
-        runs where its `model_forward` sends the hidden states (pipeline_lead.py)."""
+        runs where its `model_forward` sends the hidden states (pipeline_lead.py).
+        `max_adapters`: LoRA adapters a step mixes (lora/adapter_slots.py; 0: none)."""
         if choice is None:
             choice = choose_backend(model_path, backend=backend, exact=exact,
                                     dtype=str(dtype).removeprefix("torch."), device=str(device))
@@ -129,17 +132,11 @@ class ModelRunner:
         if max_model_len is not None and max_model_len > config.context_length:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
                              f"length {config.context_length}")
-        kv_dtype = getattr(torch, choice.kv_dtype)
         self.encoder = choice.backend == "encoder"
         self.embed_only = embed_only or self.encoder
-        if num_blocks is None and self.encoder:  # blocks only count its tokens: no KV
-            num_blocks = ENCODER_SEQUENCES * -(-config.context_length // block_size) + 1
-        if num_blocks is None:
-            budget = (kv_cache_bytes if kv_cache_bytes is not None
-                      else default_budget_bytes(self.device))
-            num_blocks = num_blocks_for_budget(config, block_size, kv_dtype, budget)
         self.asked_max_model_len = max_model_len or config.context_length
-        self.set_num_blocks(num_blocks)
+        self.set_num_blocks(num_blocks if num_blocks is not None
+                            else self._default_num_blocks(kv_cache_bytes))
         # A split model's copy-on-write copies, for its layer shards (pipeline_lead_bus.py).
         self.copies_for_shards: list[BlockCopy] | None = None
         self.requests: dict[str, RequestState] = {}  # by sequence_id
@@ -150,6 +147,19 @@ class ModelRunner:
         self._embeddings: list[PooledEmbedding] = []  # of the step under way
         self.grammars = Grammars(lambda: Vocabulary.from_gguf(
             model_path, config.vocab_size, config.eos_token_ids), config.vocab_size)
+        self.adapters = (adapter_slots(self.model, layers, max_adapters, max_adapter_rank)
+                         if max_adapters else None)
+
+    def _default_num_blocks(self, kv_cache_bytes: int | None) -> int:
+        """Blocks for `kv_cache_bytes` (None: the device's default budget); an encoder's only
+        count its tokens (it keeps no KV)."""
+        config, block_size = self.config, self.block_size
+        if self.encoder:
+            return ENCODER_SEQUENCES * -(-config.context_length // block_size) + 1
+        budget = (kv_cache_bytes if kv_cache_bytes is not None
+                  else default_budget_bytes(self.device))
+        return num_blocks_for_budget(config, block_size, getattr(torch, self.choice.kv_dtype),
+                                     budget)
 
     def set_num_blocks(self, num_blocks: int) -> None:
         """A fresh KV cache of `num_blocks` (a split model's: as many as its smallest shard
@@ -169,7 +179,8 @@ class ModelRunner:
             # A split model's blocks are spread over its shards: none moves between engines.
             layout=layout_of(self.kv_cache) if self.copies_for_shards is None else None,
             whole_prompts=self.encoder,
-            embed_only=self.embed_only)
+            embed_only=self.embed_only,
+            max_adapters=self.adapters.max_adapters if self.adapters is not None else 0)
 
     def step(self, plan: StepPlan) -> StepResult:
         """`execute(plan).result()`: the StepResult of a step run without a bus (tests,
@@ -205,6 +216,8 @@ class ModelRunner:
         self.kv_gathering.stop(sequence_id)
 
     def _register(self, new: NewRequestData) -> None:
+        if new.params.adapter and self.adapters is None:
+            raise ValueError(f"adapter {new.params.adapter!r}: this executor serves none")
         self._forget(new.sequence_id)
         generator = None
         if new.params.seed is not None:  # seeded at each position: see seed_positions
@@ -235,6 +248,8 @@ class ModelRunner:
             self._register(new)
         for copy in plan.copy_blocks:  # copy-on-write of blocks shared by forked requests
             self.kv_cache.copy_block(copy.src, copy.dst)
+        if self.adapters is not None:  # unloaded adapters no request runs on any more
+            self.adapters.collect({s.params.adapter for s in self.requests.values()})
         if self.copies_for_shards is not None:
             self.copies_for_shards.extend(plan.copy_blocks)
 
@@ -279,6 +294,9 @@ class ModelRunner:
         samplers = [scheduled[i] for i in sampling_rows]
         rows = torch.tensor(sampling_rows, dtype=torch.int64, device=self.device)  # [S]
         last = meta.cu_seqlens_q[1:][rows] - 1  # [S] last token of each sampler
+        if self.adapters is not None:
+            self.model.step_adapters = self.adapters.step(
+                [self.requests[s.sequence_id].params.adapter for s in scheduled], query_lens)
         logits = self.model_forward(ids, meta.positions, meta, self.kv_cache,
                                     logits_indices(last, samplers))
         self._embeddings += pool_step(scheduled, meta.cu_seqlens_q.tolist(),

@@ -1,6 +1,6 @@
 # Over 300 lines: the executor's options, its start-up (whole, lead shard or layer shard) and
 # its handlers, which share the runner and the forward thread.
-"""The executor's bus adapter: answers the scheduler's step plans with sampled tokens.
+"""The executor's bus side: answers the scheduler's step plans with sampled tokens.
 
 The forward runs in a worker thread so that the event loop keeps answering pings while the
 model computes: always the same one, since OpenMP gives every thread that starts parallel work
@@ -40,6 +40,7 @@ from llmbus.bus.messages import (
     StepResult,
 )
 from llmbus.bus.runtime import ServiceRuntime
+from llmbus.services.executor import adapters_bus
 from llmbus.services.executor.backend_choice import BACKENDS, DTYPES, BackendChoice, choose_backend
 from llmbus.services.executor.kernels.cpu.library import configure_openmp
 from llmbus.services.executor.step_traces import StepTraces
@@ -48,7 +49,7 @@ from llmbus.services.executor.weights.layer_slice import (
     parse_shard,
     slice_file_bytes,
 )
-from llmbus.services.executor.weights.matrices import matrix_types
+from llmbus.services.executor.weights.matrices import architecture, matrix_types
 from llmbus.services.model_files import model_name_for, resolve_model
 
 if TYPE_CHECKING:
@@ -117,6 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how an embedding pools the prompt's final hidden states "
                              "(default: the file's <arch>.pooling_type, else mean)")
     _add_shard_arguments(parser)
+    adapters_bus.add_adapter_arguments(parser)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to keep serving steps while the scheduler "
                              "finishes its requests (default: 30)")
@@ -156,7 +158,8 @@ def _cuda_available() -> bool:
 def backend_choice_for(args: argparse.Namespace, cuda_available: bool) -> BackendChoice:
     """The executor's backend from its options, this machine and the model file."""
     return choose_backend(resolve_model(args.model), backend=args.backend, exact=args.exact,
-                          dtype=args.dtype, device=args.device, cuda_available=cuda_available)
+                          dtype=args.dtype, device=args.device, cuda_available=cuda_available,
+                          adapters=adapters_bus.max_adapters(args) > 0)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -211,8 +214,9 @@ def _load_runner(args: argparse.Namespace, choice: BackendChoice, path: Path,
             num_blocks=args.num_blocks, kv_cache_bytes=kv_bytes,
             max_model_len=args.max_model_len, num_threads=threads,
             small_step_threads=args.small_step_threads or default_small_step_threads(threads),
-            pooling=args.pooling, embed_only=args.task == "embed", layers=layers)
-    except UnsupportedModelError as exc:
+            pooling=args.pooling, embed_only=args.task == "embed", layers=layers,
+            max_adapters=adapters_bus.max_adapters(args), max_adapter_rank=args.max_lora_rank)
+    except (UnsupportedModelError, ValueError) as exc:  # the file, or options it cannot take
         raise SystemExit(f"llmbus executor: {path.name}: {exc}") from None
 
 
@@ -233,6 +237,9 @@ async def serve(args: argparse.Namespace, runtime: ServiceRuntime, choice: Backe
             await PipelineLead(runtime, args.engine_id, num_shards, args.shard_timeout
                                ).connect(runner, str(path), layers)
         service = ExecutorService(runtime, runner, args.engine_id, compute, num_shards)
+        adapters = adapters_bus.ExecutorAdapters(runtime, runner, args.engine_id, compute,
+                                                 architecture(path))
+        await adapters.start(args.lora)
     except BaseException:
         compute.shutdown(wait=False)  # the forward thread of a model that never served
         raise
@@ -245,7 +252,7 @@ async def serve(args: argparse.Namespace, runtime: ServiceRuntime, choice: Backe
         await service.subscribe()
         await runtime.serve(lambda: Heartbeat(
             service="executor", instance_id=runtime.instance_id, engine_id=args.engine_id,
-            num_handled=runtime.num_handled))
+            num_handled=runtime.num_handled, adapters=adapters.names()))
         await service.linger(args.shutdown_timeout)
     finally:
         service.close()

@@ -32,7 +32,8 @@ class BlockTables:
         if request.num_computed_tokens or request.embeds:  # pooling reads every prompt row
             return 0
         block_ids = self.kv.match(request.token_ids(),
-                                  (request.target_tokens - 1) // self.block_size)
+                                  (request.target_tokens - 1) // self.block_size,
+                                  request.params.adapter)
         request.block_table = block_ids
         request.num_cached_blocks = len(block_ids)
         request.num_computed_tokens = len(block_ids) * self.block_size
@@ -43,7 +44,7 @@ class BlockTables:
         num_full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_size
         if num_full > request.num_cached_blocks:
             self.kv.cache(request.token_ids()[:num_full * self.block_size],
-                          request.block_table[:num_full])
+                          request.block_table[:num_full], request.params.adapter)
             request.num_cached_blocks = num_full
 
     def reserve(self, request: Request, num_new: int) -> bool:

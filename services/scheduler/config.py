@@ -60,6 +60,7 @@ class SchedulerConfig:
     # an embedding engine refuses generation.
     whole_prompts: bool = False
     embed_only: bool = False
+    max_adapters: int = 0  # LoRA adapters one step may mix (the executor's slots)
 
     def __post_init__(self) -> None:
         check_speculation(self.num_speculative_tokens, self.spec_ngram_min,
@@ -88,7 +89,8 @@ class SchedulerConfig:
         return dataclasses.replace(
             self, num_blocks=info.num_blocks, block_size=info.block_size,
             max_model_len=info.max_model_len, eos_token_ids=tuple(info.eos_token_ids),
-            disaggregation=rule, whole_prompts=info.whole_prompts, embed_only=info.embed_only)
+            disaggregation=rule, whole_prompts=info.whole_prompts, embed_only=info.embed_only,
+            max_adapters=info.max_adapters)
 
 
 def check_speculation(num_tokens: int, ngram_min: int, ngram_max: int) -> None:

@@ -77,19 +77,21 @@ class KVManager:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def match(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
-        """The blocks of the longest cached prefix of `token_ids` (at most `max_blocks`),
-        locked for the caller."""
+    def match(self, token_ids: Sequence[int], max_blocks: int, adapter: str = "") -> list[int]:
+        """The blocks of the longest cached prefix of `token_ids` under LoRA `adapter` (at
+        most `max_blocks`), locked for the caller."""
         if self.tree is None:
             return []
-        block_ids = self.tree.match(token_ids, max_blocks)
+        block_ids = self.tree.match(token_ids, max_blocks, adapter)
         self.lock(block_ids)
         return block_ids
 
-    def cache(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Offer full blocks holding `token_ids` (a prefix from position 0) to the cache."""
+    def cache(self, token_ids: Sequence[int], block_ids: Sequence[int],
+              adapter: str = "") -> None:
+        """Offer full blocks holding `token_ids` (a prefix from position 0), computed under
+        `adapter`, to the cache."""
         if self.tree is not None:
-            self.tree.insert(token_ids, block_ids)
+            self.tree.insert(token_ids, block_ids, adapter)
 
     def clear_cache(self) -> None:
         """Evict every cached block nobody holds (after a failed step: its blocks may never

@@ -36,6 +36,7 @@ class Peers:
         self.apis = Liveness()
         self.executor = Liveness()
         self._executor_reconnects: dict[str, int] = {}  # by executor instance
+        self.executor_adapters: list[str] = []  # the LoRA adapters it holds
         self.scheduler: Scheduler | None = None
         self.loop: EngineLoop | None = None
 
@@ -100,6 +101,7 @@ class Peers:
         if heartbeat.engine_id != self.engine_id or heartbeat.shard:  # the lead answers
             return
         self.executor.seen(heartbeat, time.monotonic())
+        self.executor_adapters = heartbeat.adapters  # the engine's heartbeat passes them on
         before = self._executor_reconnects.get(heartbeat.instance_id, heartbeat.num_reconnects)
         self._executor_reconnects[heartbeat.instance_id] = heartbeat.num_reconnects
         if heartbeat.num_reconnects > before and self.loop is not None:

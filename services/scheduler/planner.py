@@ -209,7 +209,7 @@ class StepPlanner:
                           now: float) -> None:
         """Then waiting requests, in order, while budget, sequence slots and blocks allow."""
         num_seqs = sum(r.num_forks for r in self.running) + len(self.remote)
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and self._adapter_fits_first():
             request = self.waiting[0]
             if (num_seqs + request.num_forks > self.config.max_num_seqs
                     or request.spec.draft_token_ids):  # preempted while its drafts are verified
@@ -238,6 +238,20 @@ class StepPlanner:
             scheduled.append((request, num_new, 1))
             budget -= num_new
             num_seqs += request.num_forks
+
+    def _adapter_fits_first(self) -> bool:
+        """Bring to the head of the queue the first waiting request whose LoRA adapter fits
+        beside the running ones (the executor's slots: a step mixes at most `max_adapters`);
+        False if none does. The others keep their order."""
+        running = {r.params.adapter for r in self.running} - {""}
+        for request in self.waiting:
+            adapter = request.params.adapter
+            if not adapter or adapter in running or len(running) < self.config.max_adapters:
+                if request is not self.waiting[0]:
+                    self.waiting.remove(request)
+                    self.waiting.appendleft(request)
+                return True
+        return False
 
     def _count_prefix_hits(self, num_query_tokens: int, num_matched_blocks: int) -> None:
         self.counters.num_prefix_query_tokens += num_query_tokens

@@ -1,15 +1,17 @@
 """Radix tree over full KV blocks: finished work stays cached and new requests reuse it.
 
-Each node is one full block of `block_size` token ids, keyed under its parent by those ids, so
-a path from the root spells a token prefix. The tree holds one reference on each cached block
-(`BlockAllocator.incref`); requests using the block hold more. A block whose only reference is
-the tree's, at a leaf, is *evictable*: when the allocator runs dry, evictable leaves go least
-recently used first, and a parent whose last child went becomes a leaf in turn.
+Each node is one full block of `block_size` token ids, keyed under its parent by those ids, so a
+path from a root spells a token prefix. There is a root per LoRA adapter (the base model's is
+""): the same tokens under another adapter have another KV, so no block is shared across them.
+The tree holds one reference on each cached block (`BlockAllocator.incref`); requests using the
+block hold more. A block whose only reference is the tree's, at a leaf, is *evictable*: when the
+allocator runs dry, evictable leaves go least recently used first, and a parent whose last child
+went becomes a leaf in turn.
 
 Every holder of a cached block also holds the blocks before it (a request's block table is a
 path from the root), so a block nobody but the tree holds has no held block below it: all such
-blocks can go, leaves first. The tree keeps their number as it changes, so the scheduler's
-"can eviction free n blocks?" costs O(1) however large the cache grows.
+blocks can go, leaves first. The tree keeps their number as it changes, so the scheduler's "can
+eviction free n blocks?" costs O(1) however large the cache grows.
 
 Contract: `match` only reads; callers must `lock` (incref) the matched blocks before anything
 can evict, i.e. before the next allocation.
@@ -22,7 +24,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from llmbus.bus.block_hash import chain_hash
+from llmbus.bus.block_hash import adapter_hash, chain_hash
 from llmbus.services.scheduler.block_allocator import BlockAllocator
 
 
@@ -40,7 +42,7 @@ class PrefixTree:
     def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
         self.allocator = allocator
         self.block_size = block_size
-        self.root = Node(block_id=0, key=(), parent=None)
+        self.roots: dict[str, Node] = {}  # by adapter ("": the base model)
         self.nodes_by_block: dict[int, Node] = {}
         self._clock = itertools.count(1)
         # (last_access, tiebreak, node) candidates; validated lazily when popped.
@@ -60,9 +62,17 @@ class PrefixTree:
     def num_cached_blocks(self) -> int:
         return len(self.nodes_by_block)
 
-    def match(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
-        """Block ids of the longest cached prefix of `token_ids`, at most `max_blocks` long."""
-        node, block_ids, size = self.root, [], self.block_size
+    def _root(self, adapter: str) -> Node:
+        root = self.roots.get(adapter)
+        if root is None:
+            root = self.roots[adapter] = Node(block_id=0, key=(), parent=None,
+                                              hash=adapter_hash(adapter))
+        return root
+
+    def match(self, token_ids: Sequence[int], max_blocks: int, adapter: str = "") -> list[int]:
+        """Block ids of the longest cached prefix of `token_ids` under `adapter`, at most
+        `max_blocks` long."""
+        node, block_ids, size = self._root(adapter), [], self.block_size
         now = next(self._clock)
         for i in range(min(max_blocks, len(token_ids) // size)):
             child = node.children.get(tuple(token_ids[i * size:(i + 1) * size]))
@@ -73,15 +83,17 @@ class PrefixTree:
             node = child
         return block_ids
 
-    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Cache the full blocks `block_ids` holding `token_ids` (a prefix from position 0).
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int],
+               adapter: str = "") -> None:
+        """Cache the full blocks `block_ids` holding `token_ids` (a prefix from position 0)
+        computed under `adapter`.
 
         Blocks already cached under the same tokens (another request computed them first)
         are left alone; the caller's copy stays private to it, and so do the caller's blocks
         after it: cached under the other copy, they would be held by a request that does not
         hold their parent.
         """
-        node, size = self.root, self.block_size
+        node, size = self._root(adapter), self.block_size
         now = next(self._clock)
         for i, block_id in enumerate(block_ids):
             key = tuple(token_ids[i * size:(i + 1) * size])
@@ -121,7 +133,7 @@ class PrefixTree:
                 self._push_if_evictable(node)
 
     def _evictable(self, node: Node) -> bool:
-        return (node is not self.root and not node.children
+        return (node.parent is not None and not node.children
                 and self.nodes_by_block.get(node.block_id) is node
                 and self.allocator.ref_counts[node.block_id] == 1)
 
@@ -161,7 +173,7 @@ class PrefixTree:
         """num_evictable from scratch, for checks: every node whose block only the tree holds
         and whose whole subtree is free too. Iterative, children before parents: a cached
         prompt of n blocks is a chain n deep, deeper than Python's recursion allows."""
-        order, stack = [], [self.root]
+        order, stack = [], list(self.roots.values())
         while stack:
             node = stack.pop()
             order.append(node)
@@ -171,13 +183,13 @@ class PrefixTree:
         for node in reversed(order):
             free[id(node)] = (all(free[id(child)] for child in node.children.values())
                               and self.allocator.ref_counts[node.block_id] == 1)
-            total += free[id(node)] and node is not self.root
+            total += free[id(node)] and node.parent is not None
         return total
 
     def check_integrity(self) -> None:
         """Walk the tree: every node is indexed, keyed by its tokens, and holds a reference."""
         seen = 0
-        stack = [self.root]
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             for key, child in node.children.items():

@@ -1,11 +1,13 @@
+# Over 300 lines: the engine's subjects and their handlers share the scheduler and its loop.
 """The scheduler's bus adapter: its entry point, and the handlers of the engine's subjects.
 
 One engine = one scheduler + its executor. The engine loop (engine_loop.py) plans a step,
 sends it to the executor (request/reply here), applies the result and publishes the step's
 tokens (here: one message per detokenizer copy). Beside this file, the stage's other modules
 that touch NATS are named `*_bus.py`: peers_bus.py watches the copies the engine depends on
-(its executor, detokenizer and api copies), grammar_bus.py has a constrained request's grammar
-compiled before it is admitted, disaggregation/remote_prefill_bus.py carries remote prefills.
+(its executor, detokenizer and api copies), grammar_bus.py and adapter_bus.py have a request's
+grammar compiled and LoRA adapter fetched before it is admitted, and
+disaggregation/remote_prefill_bus.py carries remote prefills.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from llmbus.bus.messages import (
 )
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.bus.tracing import current_traceparent
+from llmbus.services.scheduler.adapter_bus import AdapterAdmission
 from llmbus.services.scheduler.admission import AdmissionError
 from llmbus.services.scheduler.config import SchedulerConfig, config_from_args
 from llmbus.services.scheduler.config import add_arguments as config_options
@@ -77,6 +80,7 @@ class SchedulerService:
         self.detokenizers = DetokenizerRouting()
         self.peers = Peers(runtime, self.engine_id, self.detokenizers)
         self.grammars = GrammarAdmission(runtime, self.engine_id)
+        self.adapters = AdapterAdmission(runtime, self.engine_id, max_adapters=0)  # see start
         self.draining = False  # SIGTERM: finish what is held, take nothing new
         self._next_expiry_check = 0.0
         # Disaggregated serving (disaggregation/remote_prefill_bus.py): one side, by --role
@@ -86,6 +90,7 @@ class SchedulerService:
     async def start(self) -> None:
         self.info = await self._wait_for_executor()
         self.scheduler = Scheduler(self.config.with_executor(self.info))
+        self.adapters.max_adapters = self.info.max_adapters
         step_subject = subjects.executor_step(self.engine_id)
 
         async def execute(plan: StepPlan) -> StepResult:
@@ -109,7 +114,7 @@ class SchedulerService:
         if self.config.role == "prefill":  # the router sends it nothing; decode engines do
             self.prefill_side = PrefillSide(runtime, self.scheduler, self.engine_id,
                                             self.info.layout, self.loop.wakeup,
-                                            self._refusal)
+                                            self._refusal, self.adapters)
             await self.prefill_side.start()
         else:
             await runtime.on_request(subjects.engine_submit(self.engine_id), SubmitRequest,
@@ -141,7 +146,7 @@ class SchedulerService:
 
     def heartbeat(self) -> Heartbeat:
         assert self.scheduler is not None
-        return heartbeat(self.scheduler, self.runtime.instance_id)
+        return heartbeat(self.scheduler, self.runtime.instance_id, self.peers.executor_adapters)
 
     async def _wait_for_executor(self) -> ExecutorInfo:
         """The executor may still be loading weights: ask until it answers."""
@@ -156,17 +161,21 @@ class SchedulerService:
 
     async def on_submit(self, submit: SubmitRequest, _: Msg) -> Admission:
         """Admit a request, or say why not. Submits are handled concurrently: a plain one has
-        no await before add_request (so plain ones queue in arrival order); a constrained one
-        awaits its compile (grammar_bus.py), which an abort meanwhile refuses."""
+        no await before add_request (so plain ones queue in arrival order); one for an adapter or
+        a constraint awaits its executor's preparation (adapter_bus.py, grammar_bus.py), which
+        an abort meanwhile refuses."""
         scheduler = self.scheduler
         assert scheduler is not None
         refused = self._refusal(len(submit.prompt_token_ids))
         if refused:
             return Admission(error_code=ErrorCode.OVERLOADED, error_message=refused)
-        if submit.params.structured is not None:
-            refused = await self.grammars.compile(submit)
-            if refused is not None:
-                return refused
+        preparations = [p for needed, p in ((submit.params.adapter, self.adapters.prepare),
+                                            (submit.params.structured, self.grammars.compile))
+                        if needed]
+        for prepare in preparations:  # the executor's, before the request is scheduled
+            refusal = await prepare(submit)
+            if refusal is not None:
+                return refusal
             if self.draining:  # began shutting down meanwhile: another engine may take it
                 return Admission(error_code=ErrorCode.OVERLOADED,
                                  error_message="this engine is shutting down; retry shortly")
@@ -204,6 +213,7 @@ class SchedulerService:
         assert self.scheduler is not None
         if abort.index is None:  # one compiling is refused once it has compiled
             self.grammars.abort(abort.request_id, abort.up_to_attempt)
+            self.adapters.abort(abort.request_id, abort.up_to_attempt)
         if self.scheduler.abort_request(abort.request_id, abort.index,
                                         up_to_attempt=abort.up_to_attempt):
             log.info("aborted", request_id=abort.request_id, index=abort.index)

@@ -8,7 +8,9 @@ from llmbus.bus.messages import EngineStats, Heartbeat
 from llmbus.services.scheduler.scheduler import Scheduler
 
 
-def heartbeat(scheduler: Scheduler, instance_id: str) -> Heartbeat:
+def heartbeat(scheduler: Scheduler, instance_id: str, adapters: list[str] | None = None
+              ) -> Heartbeat:
+    """`adapters`: the LoRA adapters its executor holds (for routers to prefer)."""
     s, config = scheduler, scheduler.config
     return Heartbeat(
         service="scheduler", instance_id=instance_id, engine_id=config.engine_id,
@@ -16,7 +18,7 @@ def heartbeat(scheduler: Scheduler, instance_id: str) -> Heartbeat:
         num_free_blocks=s.kv.num_free, num_total_blocks=s.kv.num_usable,
         block_size=config.block_size, num_handled=s.counters.num_finished,
         role=config.role, num_queued_tokens=s.num_uncomputed_tokens,
-        num_evictable_blocks=s.kv.num_evictable())
+        num_evictable_blocks=s.kv.num_evictable(), adapters=adapters or [])
 
 
 def engine_stats(scheduler: Scheduler, busy_seconds: float, idle_seconds: float) -> EngineStats:

@@ -1,11 +1,14 @@
 """Cache-aware routing of requests across engines (pure: no bus, time is an argument).
 
 Each engine announces the blocks it caches (CacheEvent) and its load (Heartbeat). The router
-keeps, per engine, the set of cached block hashes, and sends a prompt to the engine holding
-its longest cached prefix, unless that engine is much busier than the least loaded one; a
-prompt nobody caches goes to the least loaded engine. After routing, the prompt's blocks are
-counted as cached on the chosen engine right away (it will cache them within a step), so a
-burst of requests sharing a prefix sticks together before the first events arrive.
+keeps, per engine, the set of cached block hashes, and sends a prompt to the engine holding its
+longest cached prefix, unless that engine is much busier than the least loaded one; a prompt
+nobody caches goes to the least loaded engine. A request for a LoRA adapter hashes its blocks
+under the adapter (bus/block_hash.py), and prefers, among the least loaded, an engine that holds
+the adapter already (its heartbeat's `adapters`): another would first fetch it. After routing,
+the prompt's blocks are counted as cached on the chosen engine right away (it will cache them
+within a step), so a burst of requests sharing a prefix sticks together before the first events
+arrive.
 """
 
 from __future__ import annotations
@@ -58,8 +61,9 @@ class Router:
         return dead
 
     def choose(self, prompt_token_ids: list[int], now: float,
-               exclude: frozenset[str] = frozenset()) -> Heartbeat | None:
-        """The engine (its latest heartbeat) for this prompt; None if no engine is alive."""
+               exclude: frozenset[str] = frozenset(), adapter: str = "") -> Heartbeat | None:
+        """The engine (its latest heartbeat) for this prompt under LoRA `adapter` ("": the
+        base model); None if no engine is alive."""
         engines = [h for h in self.liveness.alive(now)  # prefill engines take no requests
                    if h.instance_id not in exclude and h.role != "prefill"]
         if not engines:
@@ -72,8 +76,12 @@ class Router:
             return h.num_running + h.num_waiting + (view.num_routed if view else 0)
 
         least = min(engines, key=lambda h: (load(h), -h.num_free_blocks, h.instance_id))
+        holding = [h for h in engines if adapter in h.adapters]
+        if adapter and holding:
+            nearest = min(holding, key=lambda h: (load(h), -h.num_free_blocks, h.instance_id))
+            least = nearest if load(nearest) <= load(least) + BALANCE_SLACK else least
         block_size = engines[0].block_size or 16
-        hashes = block_hashes(prompt_token_ids, block_size)
+        hashes = block_hashes(prompt_token_ids, block_size, adapter=adapter)
         best, best_match = least, 0
         for h in engines:
             cached = self.views.get(h.instance_id, EngineView(h.engine_id)).cached

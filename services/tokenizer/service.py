@@ -78,8 +78,9 @@ async def submit_to_an_engine(runtime: ServiceRuntime, router: Router, submit: S
                                             if submit.resumed else [])
     while True:
         now = runtime.bus_time()
-        chosen = (router.choose(routed_ids, now, exclude=frozenset(tried | {avoid_instance_id}))
-                  or router.choose(routed_ids, now, exclude=frozenset(tried)))
+        adapter = submit.params.adapter
+        chosen = (router.choose(routed_ids, now, frozenset(tried | {avoid_instance_id}), adapter)
+                  or router.choose(routed_ids, now, frozenset(tried), adapter))
         subject = (subjects.engine_submit(chosen.engine_id) if chosen is not None
                    else subjects.ENGINE_SUBMIT)  # no heartbeat yet: any engine
         try:

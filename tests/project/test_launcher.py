@@ -165,7 +165,7 @@ def test_up_hands_each_service_its_own_options_and_no_defaults():
 
     args = build_parser().parse_args(["up", "--threads", "3", "--no-prefix-caching",
                                       "--engine-id", "e9", "--port", "9000",
-                                      "--api-key", "secret"])
+                                      "--api-key", "secret", "--lora", "a=/x", "--lora", "b=/y"])
     common = ["--log-format", args.log_format, "--log-level", args.log_level]
     argv = {name: _argv_for(name, args)[len(common):] for name in
             ("executor", "scheduler", "api", "tokenizer", "detokenizer")}
@@ -173,6 +173,7 @@ def test_up_hands_each_service_its_own_options_and_no_defaults():
         "--threads") + 1] == "3"
     assert sorted(argv["scheduler"]) == sorted(["--engine-id", "e9", "--no-prefix-caching"])
     assert "--engine-id" in argv["executor"]
+    assert argv["executor"][-4:] == ["--lora", "a=/x", "--lora", "b=/y"]  # repeated as given
     assert argv["api"] == ["--port", "9000"]  # the key travels in the environment, not argv
     assert argv["tokenizer"] == argv["detokenizer"] == []
 

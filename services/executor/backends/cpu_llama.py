@@ -23,6 +23,7 @@ The dense work runs in one of two places (backend_choice.py decides which, once)
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
@@ -54,6 +55,9 @@ from llmbus.services.executor.weights.quant_parts import (
     kernel_takes,
     layer_parts,
 )
+
+if TYPE_CHECKING:
+    from llmbus.services.executor.lora.adapter_slots import StepAdapters
 
 ACCURACY_EXACT = 0  # float32 activations: the weights are the GGUF's values, the exact path
 ACCURACY_FAST = 4  # int8 activations per block, like llama.cpp's
@@ -191,6 +195,7 @@ class CpuLlamaModel:
                              and all(n is None for n in self.qk_norms))
         self.set_max_positions(max_positions)
         self.scale = config.scale
+        self.step_adapters: StepAdapters | None = None  # the runner's, for the next forward
         _return_freed_memory()  # the load's temporaries: unpacked codes, dequantized blocks
 
     def _build_graphs(self, config: LlamaConfig, dense: dict[str, torch.Tensor],
@@ -289,13 +294,16 @@ class CpuLlamaModel:
         def attend(index: int, qkv: torch.Tensor) -> torch.Tensor:
             return self._attend_layer(index, qkv, rope, kv_cache, meta)
 
+        lora = self.step_adapters.kernel_pointer if self.step_adapters is not None else None
+        if lora is not None and self.int_step is None:
+            raise ValueError("LoRA adapters run in the integer kernel or the torch backend")
         if self.int_moe is not None:
             return self.int_moe.layers(hidden, attend)
         if self.int_step is not None and self.fused_layers and PagedAttention.takes_whole(meta):
             return self.int_step.layers_with_attention(hidden, *rope[0], kv_cache, meta,
-                                                       self.scale)
+                                                       self.scale, lora)
         if self.int_step is not None:
-            return self.int_step.layers(hidden, attend)
+            return self.int_step.layers(hidden, attend, lora)
         graphs = (self.single_thread_graphs if hidden.shape[0] <= SINGLE_THREAD_TOKENS
                   else self.graphs)
         return self._layers(graphs[:self.config.num_layers + 1], hidden, rope, kv_cache, meta)

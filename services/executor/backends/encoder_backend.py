@@ -12,6 +12,7 @@ pools.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from llmbus.services.executor.backends.torch_encoder import EncoderModel
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.encoder_config import EncoderConfig
 from llmbus.services.executor.weights.model_config import LlamaConfig
+
+if TYPE_CHECKING:
+    from llmbus.services.executor.lora.adapter_slots import StepAdapters
 
 # Blocks of an encoder's (empty) cache: enough for this many prompts of the whole context.
 ENCODER_SEQUENCES = 256
@@ -41,6 +45,7 @@ class EncoderBackend:
 
     dtype = torch.float32
     device = torch.device("cpu")
+    step_adapters: StepAdapters | None = None  # an encoder serves none (lora/backend_support.py)
 
     def __init__(self, model: EncoderModel) -> None:
         self.model = model

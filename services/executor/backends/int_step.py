@@ -125,8 +125,9 @@ class IntStep:
         self._boundary_table = (ctypes.c_void_p * len(self.boundaries))(
             *[ctypes.addressof(b) for b in self.boundaries])
 
-    def layers(self, hidden: torch.Tensor,
-               attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def layers(self, hidden: torch.Tensor, attend: Callable[[int, torch.Tensor], torch.Tensor],
+               lora: int | None = None) -> torch.Tensor:
+        """`lora`: the address of the step's adapters (lora/kernel_tables.LoraStep), or None."""
         cfg, lib = self.config, self.lib
         hidden = hidden.contiguous().clone()  # updated in place
         tokens = hidden.shape[0]
@@ -136,7 +137,7 @@ class IntStep:
             status = lib.int_boundary(ctypes.addressof(boundary), tokens, cfg.hidden_size,
                                       cfg.rms_norm_eps, hidden.data_ptr(),
                                       attn.data_ptr() if attn is not None else None,
-                                      qkv.data_ptr(), self.num_threads)
+                                      qkv.data_ptr(), self.num_threads, lora, index)
             if status != 0:
                 raise RuntimeError(f"int_boundary {index} failed ({status})")
             if index < cfg.num_layers:
@@ -145,7 +146,7 @@ class IntStep:
 
     def layers_with_attention(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                               kv_cache: KVCache, meta: AttentionMetadata, scale: float,
-                              ) -> torch.Tensor:
+                              lora: int | None = None) -> torch.Tensor:
         """`layers` with every layer's attention in paged_attention.cpp, the whole loop one
         C++ call (step_layers.cpp), the same bits: for models without QKV bias, on steps whose
         queries the attention kernel takes whole (PagedAttention.takes_whole)."""
@@ -166,7 +167,7 @@ class IntStep:
             k.data_ptr(), v.data_ptr(), k.stride(0), cfg.num_heads, cfg.num_kv_heads, head_dim,
             cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
             tables.shape[1], meta.cu_seqlens_q.data_ptr(), meta.context_lens.data_ptr(),
-            tables.shape[0], meta.block_size, KERNEL_MAX_QUERY_LEN, scale, q.data_ptr(),
+            tables.shape[0], meta.block_size, KERNEL_MAX_QUERY_LEN, scale, q.data_ptr(), lora,
             self.num_threads)
         if status != 0:
             what = "boundary" if status < 2000 else "attention of layer"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from llmbus.services.executor.backends.moe import moe_mlp
 from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import qk_norm_weights, qkv_bias
 from llmbus.services.executor.weights.model_config import LlamaConfig
+
+if TYPE_CHECKING:
+    from llmbus.services.executor.lora.adapter_slots import StepAdapters
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,6 +120,7 @@ class LlamaModel:
         self.ops = select_ops(kernels, self.device)
         self._residual: torch.Tensor = torch.empty(0)  # the last forward's (last_hidden)
         self._delta: torch.Tensor | None = None
+        self.step_adapters: StepAdapters | None = None  # the runner's, for the next forward
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype)
@@ -179,10 +184,13 @@ class LlamaModel:
         cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
         rope = [(cos[positions], sin[positions]) for cos, sin in self.rope]  # [T, Dh] each
         delta: torch.Tensor | None = None  # [T, D]
+        adapters = self.step_adapters
         for index, layer in enumerate(self.layers):
             cos, sin = rope[cfg.local_rope(index)]
             x, h = ops.add_rms_norm(h, delta, layer.attn_norm, eps)
             qkv = self.linear(x, layer.qkv)  # [T, (H + 2 Hkv) * Dh]
+            if adapters is not None:
+                self._add_qkv_deltas(adapters, index, x, qkv)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             if layer.qk_norm is not None:
@@ -193,6 +201,8 @@ class LlamaModel:
             attn = ops.attention(q, k_cache, v_cache, meta, self.scale,
                                  layer.window)  # [T, H * Dh]
             out = self.linear(attn, layer.attn_output)  # [T, D]
+            if adapters is not None:
+                adapters.add(index, "o", attn, out)
             if layer.post_attention_norm is not None:
                 out = rms_norm(out, layer.post_attention_norm, eps)
             x, h = ops.add_rms_norm(h, out, layer.ffn_norm, eps)
@@ -201,11 +211,24 @@ class LlamaModel:
                                 cfg.num_experts_used)
             else:
                 gate_up = self.linear(x, layer.gate_up)  # [T, 2F]
-                delta = self.linear(gelu_mul(gate_up) if cfg.gelu else ops.silu_mul(gate_up),
-                                    layer.down)
+                if adapters is not None:
+                    adapters.add(index, "gate", x, gate_up)
+                    adapters.add(index, "up", x, gate_up, gate_up.shape[1] // 2)
+                act = gelu_mul(gate_up) if cfg.gelu else ops.silu_mul(gate_up)
+                delta = self.linear(act, layer.down)
+                if adapters is not None:
+                    adapters.add(index, "down", act, delta)
             if layer.post_ffw_norm is not None:
                 delta = rms_norm(delta, layer.post_ffw_norm, eps)
         return h, delta
+
+    def _add_qkv_deltas(self, adapters: StepAdapters, index: int, x: torch.Tensor,
+                        qkv: torch.Tensor) -> None:
+        """LoRA deltas of Q, K and V into their columns of the stacked projection."""
+        cfg = self.config
+        widths = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+        for target, column in zip("qkv", (0, widths[0], widths[0] + widths[1]), strict=True):
+            adapters.add(index, target, x, qkv, column)
 
     def forward_layers(self, hidden: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata,

@@ -60,7 +60,7 @@ def _add_native(name: str, tensor: Any, shape: tuple[int, ...], parse: Callable[
         native[name] = piece if transform is None else transform(name, piece)
 
 
-def _interleaved_heads(config: LlamaConfig, name: str) -> int | None:
+def interleaved_heads(config: LlamaConfig, name: str) -> int | None:
     """The heads of a Q or K matrix whose rotary pairs the file interleaves, else None."""
     if not config.rotary_pairs_interleaved:
         return None
@@ -98,7 +98,7 @@ def load_gguf(
         name = tensor.name if layers is None else layers.tensor_name(tensor.name)
         if name is None:  # another shard's
             continue
-        heads = _interleaved_heads(config, name)
+        heads = interleaved_heads(config, name)
         parse = parsers.get(tensor.tensor_type)
         native_form = keep_native and parse is not None and len(shapes[tensor.name]) in (2, 3)
         if dense_for_native or not native_form:

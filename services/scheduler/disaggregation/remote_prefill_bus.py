@@ -40,6 +40,7 @@ from llmbus.bus.messages import (
 )
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.bus.tracing import current_traceparent
+from llmbus.services.scheduler.adapter_bus import AdapterAdmission
 from llmbus.services.scheduler.admission import AdmissionError
 from llmbus.services.scheduler.disaggregation.transitions import RemotePrefilling
 from llmbus.services.scheduler.disaggregation.tries import RemotePrefill
@@ -174,9 +175,11 @@ class _Prefilling:
 class PrefillSide:
     def __init__(self, runtime: ServiceRuntime, scheduler: Scheduler, engine_id: str,
                  layout: KvLayout | None, wakeup: asyncio.Event,
-                 refuse: Callable[[int], str]) -> None:
-        """`refuse(num_prompt_tokens)`: why this engine takes no prefill now ("" if it does)."""
+                 refuse: Callable[[int], str], adapters: AdapterAdmission | None = None) -> None:
+        """`refuse(num_prompt_tokens)`: why this engine takes no prefill now ("" if it does);
+        `adapters`: has its executor prepare a prefill's LoRA adapter first."""
         self.runtime, self.scheduler, self.engine_id = runtime, scheduler, engine_id
+        self.adapters = adapters or AdapterAdmission(runtime, engine_id, max_adapters=0)
         self.layout, self.wakeup, self.refuse = layout, wakeup, refuse
         self.prefilling: dict[str, _Prefilling] = {}  # by transfer id
         self._cancelled: dict[str, None] = {}  # the latest cancels, oldest first
@@ -199,6 +202,10 @@ class PrefillSide:
             refused = "cancelled before it arrived"
         if refused:
             return PrefillReply(error=refused)
+        if request.params.adapter:  # its executor fetches it first, as for a submit
+            unready = await self.adapters.ready(request.params.adapter)
+            if unready is not None:
+                return PrefillReply(error=unready.error_message)
         params = msgspec.structs.replace(request.params, max_tokens=1, stop=[],
                                          min_tokens=min(request.params.min_tokens, 1))
         try:

@@ -8,9 +8,17 @@
 extern "C" {
 
 struct IntBoundary;  // int_step.cpp's, mirrored by int_step.py
+struct LoraStep;  // lora_delta.cpp's, mirrored by lora/kernel_tables.py
+
+// The projections an adapter may change, in lora_delta.cpp's table order.
+enum LoraTarget : int { LORA_Q, LORA_K, LORA_V, LORA_O, LORA_GATE, LORA_UP, LORA_DOWN,
+                        LORA_TARGETS };
 
 int int_boundary(const IntBoundary* b, int64_t T, int64_t D, float eps, float* hidden,
-                 const float* attn, float* qkv, int num_threads);
+                 const float* attn, float* qkv, int num_threads, const LoraStep* lora,
+                 int64_t layer);
+int lora_add(const LoraStep* lora, int64_t layer, int target, const float* x, int64_t k,
+             int64_t T, float* y, int64_t ldy, int64_t col, int64_t n, int num_threads);
 int paged_attention_f32(const float* qkv, int64_t num_tokens, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, const float* cos,
                         const float* sin, float* k_cache, float* v_cache, const int64_t* slots,

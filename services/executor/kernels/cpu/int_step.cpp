@@ -45,10 +45,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "entry_points.h"
 #include "exp_nonpositive.h"
+#include "fixed_order_sum.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -125,25 +127,6 @@ float block_amax(const float* v) {
 #pragma omp simd reduction(max : amax)
     for (int i = 0; i < GROUP; ++i) amax = std::max(amax, std::fabs(v[i]));
     return amax;
-}
-
-// Float sums in one fixed order on every build: 16 running lanes (lane i takes inputs i,
-// i + 16, ...), then a fixed tree. An `omp simd` reduction would sum in the order of the
-// vector width the build has (8 lanes with AVX2, 16 with AVX-512), and a last-bit difference
-// in a row's norm flips int8 roundings downstream: each build would then give its own logits.
-// With the order fixed, every x86-64-v3 or newer build gives the same bits
-// (tests/executor/kernels/cpu/test_int_step.py checks it); the plain-loop build has no FMA.
-constexpr int LANES = 16;
-
-float fixed_order_sum(const float* v, int64_t n, const float* w = nullptr) {
-    float lanes[LANES] = {};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; ++j) lanes[j] += w ? v[i + j] * w[i + j] : v[i + j];
-    for (int j = 0; i + j < n; ++j) lanes[j] += w ? v[i + j] * w[i + j] : v[i + j];
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
-    return lanes[0];
 }
 
 // One block of 32 inputs to int8 codes; returns its scale, d * sum(q) in `sum` and the sums of
@@ -520,31 +503,48 @@ int int_linear(const IntLinear* l, const float* x, int64_t T, float* y, int accu
 // One boundary (see IntBoundary) on T tokens: hidden [T, D] (the residual stream, updated in
 // place), attn [T, H * Dh] (the previous layer's attention output; unused before the first
 // layer), qkv [T, (H + 2 Hkv) * Dh] (the next layer's projection; unused after the last).
+// `lora`: the step's adapters (lora_delta.cpp; null: none), `layer`: this boundary's index, so
+// its O and FFN are layer - 1's and its QKV layer's.
 int int_boundary(const IntBoundary* b, int64_t T, int64_t D, float eps, float* hidden,
-                   const float* attn, float* qkv, int num_threads) {
+                   const float* attn, float* qkv, int num_threads, const LoraStep* lora,
+                   int64_t layer) {
     if (T < 1) return 1;
     scratch.normed.resize(T * D);
+    int refused = 0;  // a LoRA matrix that does not fit its projection
     if (b->o.num_parts) {
         if (!valid(b->o) || !valid(b->gate_up) || !valid(b->down) || width(b->o) != D ||
             width(b->gate_up) % 2 || width(b->down) != D ||
             b->down.parts[0].k * 2 != width(b->gate_up))
             return 2;
-        const int64_t I = width(b->gate_up) / 2;
+        const int64_t I = width(b->gate_up) / 2, HDh = b->o.parts[0].k;
         linear(b->o, attn, T, hidden, true, scratch, num_threads);
+        refused |= lora_add(lora, layer - 1, LORA_O, attn, HDh, T, hidden, D, 0, D, num_threads);
         rms_norm(hidden, b->ffn_norm, T, D, eps, scratch.normed.data());
         scratch.gate_up.resize(T * 2 * I);
         scratch.act.resize(T * I);
-        linear(b->gate_up, scratch.normed.data(), T, scratch.gate_up.data(), false, scratch,
-               num_threads);
-        swiglu(scratch.gate_up.data(), T, I, scratch.act.data());
+        float* gate_up = scratch.gate_up.data();
+        linear(b->gate_up, scratch.normed.data(), T, gate_up, false, scratch, num_threads);
+        for (const auto& [target, col] : {std::pair{LORA_GATE, int64_t(0)}, {LORA_UP, I}})
+            refused |= lora_add(lora, layer - 1, target, scratch.normed.data(), D, T, gate_up,
+                                2 * I, col, I, num_threads);
+        swiglu(gate_up, T, I, scratch.act.data());
         linear(b->down, scratch.act.data(), T, hidden, true, scratch, num_threads);
+        refused |= lora_add(lora, layer - 1, LORA_DOWN, scratch.act.data(), I, T, hidden, D, 0,
+                            D, num_threads);
     }
     if (b->qkv.num_parts) {
         if (!valid(b->qkv) || b->qkv.parts[0].k != D) return 3;
         rms_norm(hidden, b->attn_norm, T, D, eps, scratch.normed.data());
         linear(b->qkv, scratch.normed.data(), T, qkv, false, scratch, num_threads);
+        const IntLinear& l = b->qkv;
+        int64_t col = 0;
+        for (int64_t p = 0; p < l.num_parts; ++p) {  // Q, K, V (quant_parts.py stacks them)
+            refused |= lora_add(lora, layer, LORA_Q + int(p), scratch.normed.data(), D, T, qkv,
+                                width(l), col, l.parts[p].n, num_threads);
+            col += l.parts[p].n;
+        }
     }
-    return 0;
+    return refused ? 4 : 0;
 }
 
 // logits [T, V] = rms_norm(hidden [T, D], norm) @ head^T.

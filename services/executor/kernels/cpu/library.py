@@ -53,12 +53,15 @@ SIGNATURES = {
                              _i32, _i64], _i32),
     # int_step.cpp; its structures are int_step.py's, passed by address
     "int_linear": ([_ptr, _ptr, _i64, _ptr, _i32, _i32], _i32),
-    "int_boundary": ([_ptr, _i64, _i64, ctypes.c_float, _ptr, _ptr, _ptr, _i32], _i32),
+    "int_boundary": ([_ptr, _i64, _i64, ctypes.c_float, _ptr, _ptr, _ptr, _i32, _ptr, _i64],
+                     _i32),
     "int_head": ([_ptr, _ptr, _i64, _i64, ctypes.c_float, _ptr, _ptr, _i32], _i32),
     # step_layers.cpp
     "int_step_layers": ([_ptr, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr, _ptr, _i32, _ptr,
                          _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
-                         _i64, _i64, _i64, ctypes.c_float, _ptr, _i32], _i32),
+                         _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr, _i32], _i32),
+    # lora_delta.cpp; its structures are lora/kernel_tables.py's
+    "lora_add": ([_ptr, _i64, _i32, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i32], _i32),
 }
 SIGNATURES["paged_attention_f16"] = SIGNATURES["paged_attention_f32"]
 

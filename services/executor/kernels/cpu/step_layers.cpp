@@ -25,10 +25,11 @@ int run_layers(Attend attend, const IntBoundary* const* boundaries, int64_t num_
                int64_t num_kv_heads, int64_t head_dim, const float* cos, const float* sin,
                const int64_t* slots, const int32_t* tables, int64_t max_blocks,
                const int64_t* starts, const int64_t* ctx, int64_t num_seqs, int64_t block_size,
-               int64_t max_query_len, float scale, float* q_out, int num_threads) {
+               int64_t max_query_len, float scale, float* q_out, const LoraStep* lora,
+               int num_threads) {
     for (int64_t i = 0; i <= num_layers; ++i) {
         if (int_boundary(boundaries[i], T, D, eps, hidden, i ? attn : nullptr, qkv,
-                         num_threads) != 0)
+                         num_threads, lora, i) != 0)
             return 1000 + static_cast<int>(i);
         if (i == num_layers) break;
         if (attend(qkv, T, num_heads, num_kv_heads, head_dim, cos, sin,
@@ -52,18 +53,20 @@ int int_step_layers(const IntBoundary* const* boundaries, int64_t num_layers, in
                     const float* cos, const float* sin, const int64_t* slots,
                     const int32_t* tables, int64_t max_blocks, const int64_t* starts,
                     const int64_t* ctx, int64_t num_seqs, int64_t block_size,
-                    int64_t max_query_len, float scale, float* q_out, int num_threads) {
+                    int64_t max_query_len, float scale, float* q_out, const LoraStep* lora,
+                    int num_threads) {
     if (kv_float16)
         return run_layers(paged_attention_f16, boundaries, num_layers, T, D, eps, hidden,
                           attn, qkv, static_cast<_Float16*>(k_cache),
                           static_cast<_Float16*>(v_cache), layer_stride, num_heads,
                           num_kv_heads, head_dim, cos, sin, slots, tables, max_blocks, starts,
-                          ctx, num_seqs, block_size, max_query_len, scale, q_out, num_threads);
+                          ctx, num_seqs, block_size, max_query_len, scale, q_out, lora,
+                          num_threads);
     return run_layers(paged_attention_f32, boundaries, num_layers, T, D, eps, hidden, attn,
                       qkv, static_cast<float*>(k_cache), static_cast<float*>(v_cache),
                       layer_stride, num_heads, num_kv_heads, head_dim, cos, sin, slots, tables,
                       max_blocks, starts, ctx, num_seqs, block_size, max_query_len, scale,
-                      q_out, num_threads);
+                      q_out, lora, num_threads);
 }
 
 }  // extern "C"

@@ -10,12 +10,10 @@ import gguf
 import pytest
 import torch
 
-from llmbus.services.executor.attention.metadata import build_attention_metadata
 from llmbus.services.executor.backends.cpu_llama import CpuLlamaModel
 from llmbus.services.executor.backends.int_step import int_linear
 from llmbus.services.executor.backends.torch_llama import LlamaModel
 from llmbus.services.executor.kernels.cpu.library import load_library
-from llmbus.services.executor.kv_cache import KVCache
 from llmbus.services.executor.weights.gguf_loader import load_gguf
 from llmbus.services.executor.weights.gguf_quants import Q4_1Weight, Q8_0Weight, parse_q4_k
 from llmbus.services.executor.weights.k_quants import FORMATS, KQuantWeight
@@ -24,6 +22,7 @@ from llmbus.services.executor.weights.quant_parts import QuantPart
 from llmbus.services.model_files import default_model_path
 from tests.cpu_isas import ISAS
 from tests.gguf_fixtures import random_k_quant
+from tests.int_kernel_emulation import decode_logits, emulated_linear
 
 needs_compiler = pytest.mark.skipif(load_library() is None, reason="no C++ compiler here")
 GROUP = 32
@@ -159,40 +158,6 @@ def test_refuses_what_it_cannot_multiply():
         int_linear(lib, [part] * 4, torch.ones(1, 64))
 
 
-def _steps(model, config, kv_dtype) -> torch.Tensor:
-    """A prompt step of BATCH sequences, then decode steps of one and of BATCH sequences:
-    the decodes' logits [52, V]."""
-    prompt = [(i * 7919) % 20000 + 100 for i in range(40)]
-    kv = KVCache(config, 1 + 4 * BATCH, 16, kv_dtype)
-    tables = [list(range(1 + 4 * s, 5 + 4 * s)) for s in range(BATCH)]
-    meta = build_attention_metadata([len(prompt)] * BATCH, [len(prompt)] * BATCH, tables, 16)
-    model.forward(torch.tensor(prompt * BATCH), meta.positions, meta, kv,
-                  torch.empty(0, dtype=torch.long))  # the prompts: one big step
-    steps, lengths = [], [len(prompt)] * BATCH
-    for batch in [1, BATCH] * 4:
-        lengths[:batch] = [n + 1 for n in lengths[:batch]]
-        meta = build_attention_metadata([1] * batch, lengths[:batch], tables[:batch], 16)
-        ids = torch.tensor([(n * 31 + s) % 20000 + 100 for s, n in enumerate(lengths[:batch])])
-        steps.append(model.forward(ids, meta.positions, meta, kv, torch.arange(batch)))
-    return torch.cat(steps)
-
-
-def _emulated_linear(model: LlamaModel):
-    """The integer kernel's arithmetic in torch, on the dense float32 weights: x quantized per
-    block of 32 before each matmul (int16 into the 4-bit QKV projections, int8 elsewhere),
-    then multiplied by w = s * code + m as a whole, as the kernel's d * sum(q) for the
-    minimums' share amounts to."""
-    qkv = {id(layer.qkv) for layer in model.layers}
-
-    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        wide = id(weight) in qkv
-        blocks = x.double().view(x.shape[0], x.shape[1] // GROUP, GROUP)
-        d = blocks.abs().amax(-1, keepdim=True) / (32767 if wide else 127)
-        quantized = (torch.where(d > 0, torch.round(blocks / d), 0) * d).view_as(x)
-        return torch.nn.functional.linear(quantized.float(), weight)
-    return linear
-
-
 @pytest.mark.model
 @needs_compiler
 @pytest.mark.skipif(not default_model_path().is_file(), reason="default model not pulled")
@@ -217,12 +182,12 @@ def test_steps_follow_the_exact_forward_as_closely_as_their_arithmetic_allows():
                                  num_threads=2)
     assert exact_model.int_step is None and exact_model.graphs
     assert kernel_model.graphs == []  # the kernel replaces every ONNX Runtime session
-    exact = _steps(exact_model, config, torch.float32)
-    kernel = _steps(kernel_model, config, torch.float16)
+    exact = decode_logits(exact_model, config, torch.float32)
+    kernel = decode_logits(kernel_model, config, torch.float16)
     _, dense_weights, _ = load_gguf(default_model_path())
     torch_model = LlamaModel(config, dense_weights, max_positions=64)
-    torch_model.linear = _emulated_linear(torch_model)
-    emulated = _steps(torch_model, config, torch.float16)
+    torch_model.linear = emulated_linear(torch_model)
+    emulated = decode_logits(torch_model, config, torch.float16)
 
     def distance(logits: torch.Tensor) -> torch.Tensor:  # [rows]
         return 1 - torch.nn.functional.cosine_similarity(exact, logits, dim=-1)
@@ -243,7 +208,7 @@ def _kernel_steps(default_model, isa: str) -> torch.Tensor:
     config, dense, native = default_model
     model = CpuLlamaModel(config, dense, native, max_positions=64, integer_kernel=True,
                           isa=isa, num_threads=2)
-    return _steps(model, config, torch.float16)
+    return decode_logits(model, config, torch.float16)
 
 
 @needs_compiler
@@ -266,6 +231,6 @@ def test_the_layers_in_one_call_compute_the_bits_of_the_python_loop(default_mode
     model = CpuLlamaModel(config, dense, native, max_positions=64, integer_kernel=True,
                           num_threads=2)
     assert model.fused_layers
-    fused = _steps(model, config, kv_dtype)
+    fused = decode_logits(model, config, kv_dtype)
     model.fused_layers = False
-    assert torch.equal(fused, _steps(model, config, kv_dtype))
+    assert torch.equal(fused, decode_logits(model, config, kv_dtype))

@@ -1,0 +1,28 @@
+// Float sums in one fixed order on every build (int_step.cpp's norms, lora_delta.cpp's dot
+// products).
+#pragma once
+
+#include <cstdint>
+
+namespace {
+
+// Float sums in one fixed order on every build: 16 running lanes (lane i takes inputs i,
+// i + 16, ...), then a fixed tree. An `omp simd` reduction would sum in the order of the
+// vector width the build has (8 lanes with AVX2, 16 with AVX-512), and a last-bit difference
+// in a row's norm flips int8 roundings downstream: each build would then give its own logits.
+// With the order fixed, every x86-64-v3 or newer build gives the same bits
+// (tests/executor/kernels/cpu/test_int_step.py checks it); the plain-loop build has no FMA.
+constexpr int LANES = 16;
+
+float fixed_order_sum(const float* v, int64_t n, const float* w = nullptr) {
+    float lanes[LANES] = {};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; ++j) lanes[j] += w ? v[i + j] * w[i + j] : v[i + j];
+    for (int j = 0; i + j < n; ++j) lanes[j] += w ? v[i + j] * w[i + j] : v[i + j];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+    return lanes[0];
+}
+
+}  // namespace

@@ -47,8 +47,8 @@ class UnloadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 def pack_adapter_files(path: str) -> bytes:
     """The adapter at `path` (a PEFT folder, or a GGUF adapter) as the blob engines read.
-    Imported when first needed: the api starts without the adapter readers' dependencies."""
-    from llmbus.services.executor.weights.lora_files import pack_adapter
+    Imported when first needed: numpy and the GGUF reader are no part of the api's start."""
+    from llmbus.services.adapter_files import pack_adapter
 
     return pack_adapter(path)
 

@@ -26,8 +26,9 @@ from nats.aio.msg import Msg
 from llmbus.bus import subjects
 from llmbus.bus.messages import AdapterCommand, AdapterReply
 from llmbus.bus.runtime import ServiceRuntime
+from llmbus.services.adapter_files import pack_adapter
 from llmbus.services.adapter_store_bus import AdapterStore, AdapterStoreUnavailable
-from llmbus.services.executor.weights.lora_files import pack_adapter, read_adapter
+from llmbus.services.executor.weights.lora_files import read_adapter
 
 if TYPE_CHECKING:
     from llmbus.services.executor.runner import ModelRunner

@@ -1,6 +1,6 @@
-"""LoRA adapters' files (weights/lora_files.py): PEFT folders and llama.cpp GGUF adapters read back
-to the matrices written, mean what transformers + PEFT compute, travel as one blob, and are
-refused in one line where they do not fit.
+"""LoRA adapters' files (services/adapter_files.py, weights/lora_files.py): PEFT folders and
+llama.cpp GGUF adapters read back to the matrices written, mean what transformers + PEFT
+compute, travel as one blob, and are refused in one line where they do not fit.
 
 The meaning is checked on tiny generated models: transformers + PEFT's logits against the base's
 with every targeted weight replaced by W + scaling·B·A from OUR LoraWeights, so a wrong scaling,
@@ -16,14 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from llmbus.services.executor.weights import safetensors_blob
-from llmbus.services.executor.weights.lora_files import (
-    AdapterError,
-    LoraWeights,
-    check_fits,
-    pack_adapter,
-    read_adapter,
-)
+from llmbus.services import safetensors_blob
+from llmbus.services.adapter_files import AdapterError, pack_adapter
+from llmbus.services.executor.weights.lora_files import LoraWeights, check_fits, read_adapter
 from llmbus.services.model_files import default_model_path
 from tests.gguf_fixtures import QWEN3_SPEC, TinySpec, write_file, write_tiny_llama
 from tests.lora_adapters import (

@@ -92,7 +92,8 @@ def test_an_adapter_on_the_torch_backend_is_the_base_with_it_merged(tiny):
 def test_greedy_output_with_an_adapter_equals_transformers_with_peft(arch, tmp_path):
     """The exact mode's promise with an adapter, in process: the PEFT folder as read from disk,
     and the same adapter as a llama.cpp GGUF adapter, each give transformers + PEFT's tokens."""
-    from llmbus.services.executor.weights.lora_files import pack_adapter, read_adapter
+    from llmbus.services.adapter_files import pack_adapter
+    from llmbus.services.executor.weights.lora_files import read_adapter
 
     path = tmp_path / f"{arch}.gguf"
     write_tiny_llama(path, QWEN3_SPEC if arch == "qwen3" else TinySpec(), seed=3, arch=arch)

@@ -2,8 +2,9 @@
 
 Two formats: a PEFT folder (adapter_config.json + adapter_model.safetensors, what fine-tuning
 writes) and llama.cpp's GGUF adapter (what its convert_lora_to_gguf.py writes). Engines on other
-hosts get an adapter as bytes from the bus's object store, so `pack_adapter` turns either into
-one self-contained blob and `read_adapter` reads only blobs.
+hosts get an adapter as bytes from the bus's object store, so `pack_adapter`
+(services/adapter_files.py, shared with the api) turns either into one self-contained blob and
+`read_adapter` reads only blobs.
 
 Per (layer, target) an adapter holds A [r, in] and B [out, r]; the projection's weight W [out, in]
 (HF layout) becomes W + scaling · B·A.
@@ -18,47 +19,34 @@ Per (layer, target) an adapter holds A [r, in] and B [out, r]; the projection's 
 
 from __future__ import annotations
 
-import io
-import json
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from llmbus.services.executor.weights import safetensors_blob
+from llmbus.services import safetensors_blob
+from llmbus.services.adapter_files import (
+    CONFIG_KEY,
+    GGUF_MAGIC,
+    PROJECTIONS,
+    TARGETS,
+    AdapterError,
+    adapter_alpha,
+    gguf_layout,
+    peft_config,
+)
 from llmbus.services.executor.weights.gguf_file import view_tensors
 from llmbus.services.executor.weights.gguf_loader import interleaved_heads, unpermute_qk
 from llmbus.services.executor.weights.model_config import LlamaConfig
-from llmbus.services.gguf_metadata import GGUFFormatError, GGUFLayout, read_layout_from
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the projections an adapter may change
-GGUF_MAGIC = b"GGUF"
-CONFIG_KEY = "adapter_config"  # a packed PEFT blob's __metadata__ key for adapter_config.json
-_PROJECTIONS = ", ".join(t + "_proj" for t in TARGETS)  # for messages
 _GGUF_TARGETS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
                  "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
 _PEFT_NAME = re.compile(r"base_model\.model\.model\.layers\.(\d+)\."
                         r"(?:self_attn\.(q|k|v|o)|mlp\.(gate|up|down))_proj\.lora_(A|B)(?:\.weight)?")
 _GGUF_NAME = re.compile(r"blk\.(\d+)\.(" + "|".join(_GGUF_TARGETS) + r")\.weight\.lora_(a|b)")
-# adapter_config.json keys whose setting changes what the adapter computes beyond W + s·B·A
-# (VeLoRA, which changes only training's backward pass, is not among them).
-_UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (whole trained modules)",
-                "rank_pattern": "rank_pattern (per-module ranks)",
-                "alpha_pattern": "alpha_pattern (per-module alphas)",
-                "lora_bias": "lora_bias (a bias on lora_B)", "fan_in_fan_out": "fan_in_fan_out",
-                "target_parameters": "target_parameters", "layer_replication": "layer_replication",
-                "trainable_token_indices": "trainable_token_indices (trained embeddings)",
-                "alora_invocation_tokens": "activated LoRA", "use_qalora": "QALoRA",
-                "monteclora_config": "MonteCLoRA", "use_bdlora": "BD-LoRA",
-                "arrow_config": "Arrow routing", "kasa_config": "KaSA"}
-
-
-class AdapterError(ValueError):
-    """An adapter this executor cannot take; the message is one line naming what is wrong."""
 
 
 @dataclass
@@ -68,34 +56,6 @@ class LoraWeights:
     # (layer, target) -> (a [r, in], b [out, r]), float32, contiguous, HF layout
     matrices: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     base_model: str = ""  # adapter_config's base_model_name_or_path (only for messages)
-
-
-def pack_adapter(path: str | Path) -> bytes:
-    """A PEFT folder or a llama.cpp GGUF adapter file -> the one blob `read_adapter` takes (the
-    bus stores it, so it must be self-contained): a GGUF's bytes as they are; for PEFT the
-    safetensors file with adapter_config.json's text added to its header's __metadata__.
-    Refuses (AdapterError, one line) what is plainly no adapter we take, before it travels."""
-    path = Path(path)
-    if path.is_dir():
-        config_file, tensors_file = path / "adapter_config.json", path / "adapter_model.safetensors"
-        if not config_file.is_file():
-            raise AdapterError(f"{path} has no adapter_config.json: not a PEFT adapter folder")
-        if not tensors_file.is_file():
-            raise AdapterError(f"{path} has no adapter_model.safetensors (a pickled "
-                               "adapter_model.bin is not read: save with safe_serialization)")
-        text = config_file.read_text()
-        _peft_config(text)
-        try:
-            return safetensors_blob.with_metadata(tensors_file.read_bytes(), CONFIG_KEY, text)
-        except safetensors_blob.SafetensorsError as e:
-            raise AdapterError(f"{tensors_file}: {e}") from None
-    if not path.is_file():
-        raise AdapterError(f"{path} does not exist")
-    blob = path.read_bytes()
-    if not blob.startswith(GGUF_MAGIC):
-        raise AdapterError(f"{path} is neither a PEFT adapter folder nor a GGUF file")
-    _adapter_alpha(_gguf_layout(blob).metadata, arch=None)
-    return blob
 
 
 def read_adapter(blob: bytes, arch: str, config: LlamaConfig) -> LoraWeights:
@@ -154,35 +114,6 @@ def _pair(matrices: dict[tuple[int, str], dict[str, np.ndarray]]
 
 # --- PEFT: safetensors with adapter_config.json -------------------------------------------------
 
-def _peft_config(text: str) -> tuple[int, float, bool, str]:
-    """adapter_config.json's (r, lora_alpha, use_rslora, base_model_name_or_path), after
-    refusing what changes the meaning beyond W + s·B·A or targets other projections."""
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise AdapterError(f"adapter_config.json is not JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise AdapterError("adapter_config.json is not a JSON object")
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"peft_type {config['peft_type']!r} is not LORA")
-    for key, what in _UNSUPPORTED.items():
-        if config.get(key):
-            raise AdapterError(f"adapter_config sets {key}: {what} is not supported")
-    if config.get("bias", "none") != "none":
-        raise AdapterError(f"adapter_config's bias is {config['bias']!r}: only 'none' is "
-                           "supported")
-    targets = config.get("target_modules")
-    if isinstance(targets, list):  # a string is a regex on full names: the tensors' names decide
-        for module in targets:
-            if str(module).rsplit(".", 1)[-1].removesuffix("_proj") not in TARGETS:
-                raise AdapterError(f"target module {module!r} is not one of {_PROJECTIONS}")
-    rank, alpha = config.get("r"), config.get("lora_alpha", 8)
-    if not isinstance(rank, int) or rank <= 0 or not isinstance(alpha, int | float):
-        raise AdapterError(f"adapter_config's r {rank!r} / lora_alpha {alpha!r} are not numbers")
-    return rank, float(alpha), bool(config.get("use_rslora")), str(
-        config.get("base_model_name_or_path") or "")
-
-
 def _read_peft(blob: bytes) -> LoraWeights:
     try:
         entries, metadata, start = safetensors_blob.read_header(blob)
@@ -191,12 +122,12 @@ def _read_peft(blob: bytes) -> LoraWeights:
     text = metadata.get(CONFIG_KEY)
     if not isinstance(text, str):
         raise AdapterError("not a LoRA adapter: neither a GGUF file nor a packed PEFT adapter")
-    rank, alpha, rslora, base_model = _peft_config(text)
+    rank, alpha, rslora, base_model = peft_config(text)
     matrices: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for name, entry in entries.items():
         match = _PEFT_NAME.fullmatch(name)
         if match is None:
-            raise AdapterError(f"tensor {name!r} is not a LoRA matrix of {_PROJECTIONS}")
+            raise AdapterError(f"tensor {name!r} is not a LoRA matrix of {PROJECTIONS}")
         layer, attn, mlp, half = match.groups()
         matrices.setdefault((int(layer), attn or mlp), {})[half.lower()] = \
             _tensor(blob, start, name, entry)
@@ -218,33 +149,11 @@ def _tensor(blob: bytes, start: int, name: str, entry: Any) -> np.ndarray:
 
 # --- llama.cpp GGUF adapters -------------------------------------------------------------------
 
-def _gguf_layout(blob: bytes) -> GGUFLayout:
-    try:
-        return read_layout_from(io.BytesIO(blob), "the adapter")
-    except GGUFFormatError as e:
-        raise AdapterError(f"not a readable GGUF: {e}") from None
-
-
-def _adapter_alpha(metadata: dict[str, Any], arch: str | None) -> float:
-    """adapter.lora.alpha (0 when absent, as llama.cpp reads it), after checking the file is a
-    LoRA adapter (for the architecture `arch`, unless None)."""
-    kind = metadata.get("general.type")
-    if kind != "adapter":
-        raise AdapterError(f"not a LoRA adapter: the GGUF's general.type is {kind!r}, "
-                           "not 'adapter'")
-    if metadata.get("adapter.type") != "lora":
-        raise AdapterError(f"adapter.type is {metadata.get('adapter.type')!r}, not 'lora'")
-    if arch is not None and metadata.get("general.architecture") != arch:
-        raise AdapterError(f"the adapter is for a {metadata.get('general.architecture')!r} "
-                           f"model, the base is {arch!r}")
-    return float(metadata.get("adapter.lora.alpha", 0.0))
-
-
 def _read_gguf(blob: bytes, arch: str, config: LlamaConfig) -> LoraWeights:
     import gguf  # heavy import, only where an adapter is read
 
-    layout = _gguf_layout(blob)
-    alpha = _adapter_alpha(layout.metadata, arch)
+    layout = gguf_layout(blob)
+    alpha = adapter_alpha(layout.metadata, arch)
     try:
         tensors = view_tensors(np.frombuffer(blob, np.uint8), layout.tensors, "the adapter")
     except ValueError as e:

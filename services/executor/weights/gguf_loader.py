@@ -49,12 +49,16 @@ def _add_native(name: str, tensor: Any, shape: tuple[int, ...], parse: Callable[
     if len(shape) == 3:
         num_experts, n, k = shape
         stacked = parse(tensor.data.reshape(num_experts * n, -1), (num_experts * n, k))
-        pieces = {expert_matrix(name, e): stacked.map_rows(
-            lambda t, e=e: t[e * n:(e + 1) * n]) for e in range(num_experts)}
+        def rows_of(e: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            return lambda t: t[e * n:(e + 1) * n]
+
+        pieces = {expert_matrix(name, e): stacked.map_rows(rows_of(e))
+                  for e in range(num_experts)}
     else:
         q = parse(tensor.data, shape)
         if heads:  # the permutation moves whole rows: codes, scales and minimums alike
-            q = q.map_rows(lambda t, h=heads: torch.from_numpy(unpermute_qk(t.numpy(), h)))
+            num_heads = heads
+            q = q.map_rows(lambda t: torch.from_numpy(unpermute_qk(t.numpy(), num_heads)))
         pieces = {name: q}
     for name, piece in pieces.items():
         native[name] = piece if transform is None else transform(name, piece)
@@ -110,6 +114,7 @@ def load_gguf(
                 array = array.copy()
             weights[name] = torch.from_numpy(array).to(dtype)
         if native_form:
+            assert parse is not None
             _add_native(name, tensor, shapes[tensor.name], parse, heads, native, transform)
         reader.drop_pages(tensor)
     if "rope_freqs.weight" in weights:  # a property of the rotary embedding, not a weight

@@ -9,6 +9,7 @@ fast mode only (`native_parsers(exact=True)` leaves them to be dequantized exact
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,8 @@ import torch
 
 from llmbus.services.executor.weights import k_quants
 from llmbus.services.executor.weights.k_quants import KQuantWeight, k_scales_and_mins
+
+RowMap = Callable[[torch.Tensor], torch.Tensor]  # one tensor's rows, moved or cut
 
 QUANT_GROUP = 32  # weights per Q4_0 / Q4_1 / Q8_0 block
 Q4_1_GROUP = QUANT_GROUP  # one float16 scale and one float16 minimum, 4-bit codes
@@ -38,7 +41,7 @@ class KFactors:
     scales: torch.Tensor  # [out, in / 32] uint8, 0..63
     mins: torch.Tensor  # [out, in / 32] uint8
 
-    def map_rows(self, fn) -> KFactors:
+    def map_rows(self, fn: RowMap) -> KFactors:
         return KFactors(*(fn(t) for t in (self.d, self.neg_dmin, self.scales, self.mins)))
 
 
@@ -51,7 +54,7 @@ class Q4_1Weight:
     minimums: torch.Tensor  # [out, in / 32] float32, as scales
     k_factors: KFactors | None = None  # Q4_K: the factors of scales and minimums
 
-    def map_rows(self, fn) -> Q4_1Weight:
+    def map_rows(self, fn: RowMap) -> Q4_1Weight:
         """The same weight with `fn` applied to the rows of each tensor (a permutation)."""
         return Q4_1Weight(fn(self.codes), fn(self.scales), fn(self.minimums),
                           None if self.k_factors is None else self.k_factors.map_rows(fn))
@@ -68,7 +71,7 @@ def _float16_field(blocks: np.ndarray, offset: int) -> np.ndarray:
     return blocks[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
-def _nibbles(packed: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+def _nibbles(packed: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """16 code bytes per group -> 32 codes: low nibbles are inputs 0..15, high ones 16..31."""
     return np.concatenate([packed & 0xF, packed >> 4], axis=-1).reshape(shape)
 
@@ -147,7 +150,7 @@ class Q8_0Weight:
     codes: torch.Tensor  # [out, in] int8
     scales: torch.Tensor  # [out, in / 32] float32 (float16 values; requantized: amax / 127)
 
-    def map_rows(self, fn) -> Q8_0Weight:
+    def map_rows(self, fn: RowMap) -> Q8_0Weight:
         return Q8_0Weight(fn(self.codes), fn(self.scales))
 
     def dequantize(self) -> torch.Tensor:
@@ -191,7 +194,7 @@ def native_parsers(gguf: Any, exact: bool = False) -> dict[Any, Any]:
 
     `exact`: only the types whose native form holds the file's values exactly; the others
     (requantized in the fast mode) are then left to be dequantized, as gguf-py does."""
-    def requantized(kind: Any):
+    def requantized(kind: Any) -> Callable[[np.ndarray, tuple[int, int]], Q8_0Weight]:
         def parse(raw: np.ndarray, shape: tuple[int, int]) -> Q8_0Weight:
             rows = np.ascontiguousarray(raw).reshape(shape[0], -1)
             weight = Q8_0Weight(torch.empty(shape, dtype=torch.int8),

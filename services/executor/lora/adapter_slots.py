@@ -38,6 +38,7 @@ class StepAdapters:
     token_slot: torch.Tensor  # [T] int32
     slots: AdapterSlots
     kernel: LoraStep
+    grouped: tuple[torch.Tensor, ...] = ()  # what `kernel` points into: kept alive with it
 
     @property
     def kernel_pointer(self) -> int:
@@ -66,6 +67,7 @@ class AdapterSlots:
         self.known: dict[str, LoraWeights] = {}
         self.names: list[str | None] = [None] * max_adapters  # by slot
         self.matrices: list[Matrices] = [{} for _ in range(max_adapters)]
+        self._halves: list[list[torch.Tensor]] = [[] for _ in range(max_adapters)]  # kernel's
         self._per_slot = config.num_layers * len(KERNEL_TARGETS)
         self.table = (LoraMatrix * (max_adapters * self._per_slot))()
         self._clock = itertools.count(1)
@@ -110,9 +112,12 @@ class AdapterSlots:
             self._last_used[slot] = now
         per_sequence = torch.tensor([slot_of.get(a, -1) for a in adapters], dtype=torch.int32)
         token_slot = per_sequence.repeat_interleave(torch.tensor(query_lens))
-        kernel = LoraStep(token_slot.data_ptr(), ctypes.addressof(self.table),
-                          self.config.num_layers, self.max_adapters)
-        return StepAdapters(token_slot, self, kernel)
+        order = torch.argsort(token_slot, stable=True)  # grouped by slot, base tokens first
+        counts = torch.bincount(token_slot + 1, minlength=self.max_adapters + 1)
+        offsets = torch.cumsum(counts, 0)  # slot s's tokens end at offsets[s + 1]
+        kernel = LoraStep(order.data_ptr(), offsets.data_ptr(), ctypes.addressof(self.table),
+                          self.config.num_layers, self.max_adapters, token_slot.numel())
+        return StepAdapters(token_slot, self, kernel, (order, offsets))
 
     def _place(self, name: str, keep: set[str]) -> int:
         """The slot holding `name`, loading it into a free or the least recently used slot
@@ -131,18 +136,24 @@ class AdapterSlots:
         return slot
 
     def _fill(self, slot: int, name: str, weights: LoraWeights) -> None:
+        """The slot's matrices: float32 for the torch backend, bfloat16 for the integer kernel
+        (lora_delta.cpp says why)."""
         targets = {t: i for i, t in enumerate(KERNEL_TARGETS)}
         matrices: Matrices = {}
+        halves: list[torch.Tensor] = []
         for (layer, target), (a, b) in weights.matrices.items():
             a = a.float().contiguous()
             bt = (b.float() * weights.scaling).T.contiguous()  # [rank, n], scaled once
             matrices[layer, target] = (a, bt)
+            a16, bt16 = a.bfloat16(), bt.bfloat16()
+            halves += [a16, bt16]
             entry = self.table[slot * self._per_slot + layer * len(targets) + targets[target]]
-            entry.a, entry.bt = a.data_ptr(), bt.data_ptr()
+            entry.a, entry.bt = a16.data_ptr(), bt16.data_ptr()
             entry.rank, entry.k, entry.n = a.shape[0], a.shape[1], bt.shape[1]
         self.names[slot], self.matrices[slot] = name, matrices  # keeps the tensors alive
+        self._halves[slot] = halves
 
     def _clear(self, slot: int) -> None:
         for i in range(slot * self._per_slot, (slot + 1) * self._per_slot):
             self.table[i] = LoraMatrix()
-        self.names[slot], self.matrices[slot] = None, {}
+        self.names[slot], self.matrices[slot], self._halves[slot] = None, {}, []

@@ -17,7 +17,10 @@ class LoraMatrix(ctypes.Structure):
 
 
 class LoraStep(ctypes.Structure):
-    """token_slot [T] int32 (-1: the base alone); matrices [slots, layers, targets]."""
+    """The step's tokens grouped by slot: order [T'] int64 (token indices, the base's left
+    out), offsets [slots + 1] int64 (slot s's are order[offsets[s]:offsets[s + 1]]);
+    matrices [slots, layers, targets]; num_tokens: the step's T."""
 
-    _fields_ = [("token_slot", ctypes.c_void_p), ("matrices", ctypes.c_void_p),
-                ("num_layers", ctypes.c_int64), ("num_slots", ctypes.c_int64)]
+    _fields_ = [("order", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+                ("matrices", ctypes.c_void_p), ("num_layers", ctypes.c_int64),
+                ("num_slots", ctypes.c_int64), ("num_tokens", ctypes.c_int64)]

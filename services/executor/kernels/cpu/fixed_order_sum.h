@@ -25,4 +25,27 @@ float fixed_order_sum(const float* v, int64_t n, const float* w = nullptr) {
     return lanes[0];
 }
 
+// w . v[t] for the TOKENS rows v[t] = v + t * ldv, each in fixed_order_sum's order (so each the
+// same bits as alone), w's values (bfloat16 ones too) widened to float exactly. Several rows at
+// once: each loaded w serves all of them, and their sums are independent chains the core
+// overlaps (one row's is a chain of dependent adds, latency-bound).
+template <int TOKENS, typename W>
+void fixed_order_dots(const W* w, const float* v, int64_t ldv, int64_t n, float* out) {
+    float lanes[TOKENS][LANES] = {};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; ++j) {
+            const float wj = static_cast<float>(w[i + j]);
+            for (int t = 0; t < TOKENS; ++t) lanes[t][j] += wj * v[t * ldv + i + j];
+        }
+    for (int j = 0; i + j < n; ++j)
+        for (int t = 0; t < TOKENS; ++t)
+            lanes[t][j] += static_cast<float>(w[i + j]) * v[t * ldv + i + j];
+    for (int t = 0; t < TOKENS; ++t) {
+        for (int width = LANES / 2; width > 0; width /= 2)
+            for (int j = 0; j < width; ++j) lanes[t][j] += lanes[t][j + width];
+        out[t] = lanes[t][0];
+    }
+}
+
 }  // namespace

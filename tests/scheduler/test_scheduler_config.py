@@ -42,7 +42,7 @@ def test_every_option_sets_its_field():
                                           max_queued_tokens=77),
         remote_prefill_timeout_seconds=12.0)
     executor_fields = {"num_blocks", "block_size", "max_model_len", "eos_token_ids",
-                       "whole_prompts", "embed_only"}
+                       "whole_prompts", "embed_only", "max_adapters"}
     unset = [f.name for f in dataclasses.fields(SchedulerConfig)
              if getattr(config, f.name) == f.default and f.name not in executor_fields]
     assert unset == []  # no field without its option

@@ -60,10 +60,13 @@ class StepAdapters:
 
 
 class AdapterSlots:
-    def __init__(self, config: LlamaConfig, max_adapters: int, max_rank: int) -> None:
+    def __init__(self, config: LlamaConfig, max_adapters: int, max_rank: int,
+                 device: torch.device | str = "cpu") -> None:
+        """`device`: the model's (the torch backend's deltas are computed there)."""
         if max_adapters < 1:
             raise ValueError("--max-loras must be at least 1 where adapters are enabled")
         self.config, self.max_adapters, self.max_rank = config, max_adapters, max_rank
+        self.device = torch.device(device)
         self.known: dict[str, LoraWeights] = {}
         self.names: list[str | None] = [None] * max_adapters  # by slot
         self.matrices: list[Matrices] = [{} for _ in range(max_adapters)]
@@ -144,7 +147,9 @@ class AdapterSlots:
         for (layer, target), (a, b) in weights.matrices.items():
             a = a.float().contiguous()
             bt = (b.float() * weights.scaling).T.contiguous()  # [rank, n], scaled once
-            matrices[layer, target] = (a, bt)
+            matrices[layer, target] = (a.to(self.device), bt.to(self.device))
+            if self.device.type != "cpu":
+                continue  # the integer kernel's are the CPU's only
             a16, bt16 = a.bfloat16(), bt.bfloat16()
             halves += [a16, bt16]
             entry = self.table[slot * self._per_slot + layer * len(targets) + targets[target]]

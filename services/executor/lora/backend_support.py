@@ -26,4 +26,4 @@ def adapter_slots(model: Backend, layers: LayerSlice | None, max_adapters: int,
     if getattr(model, "int_step", True) is None:  # a CPU model on ONNX Runtime's graphs
         raise ValueError("LoRA adapters run in the integer kernel or the torch backend, not "
                          "in ONNX Runtime's graphs (--backend onnxruntime)")
-    return AdapterSlots(model.config, max_adapters, max_rank)
+    return AdapterSlots(model.config, max_adapters, max_rank, model.device)

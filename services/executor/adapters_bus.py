@@ -79,7 +79,11 @@ class ExecutorAdapters:
     async def start(self, at_start: list[str]) -> None:
         """Open the store, put and prepare the `--lora` adapters, then take commands."""
         if self.runner.adapters is not None:
-            self.store = await AdapterStore.open(self.runtime)
+            try:
+                self.store = await AdapterStore.open(self.runtime)
+            except AdapterStoreUnavailable as exc:
+                raise SystemExit(f"llmbus executor: adapters live in the bus's store: {exc}"
+                                 ) from None
             for option in at_start:
                 await self._load_at_start(*parse_lora_option(option))
         await self.runtime.on_request(subjects.EXECUTOR_ADAPTERS, AdapterCommand,
@@ -114,7 +118,7 @@ class ExecutorAdapters:
         if command.action != "load":
             return AdapterReply(engine_id=self.engine_id,
                                 error=f"unknown adapter action {command.action!r}")
-        if command.name in adapters.known:
+        if adapters.holds(command.name):
             return AdapterReply(engine_id=self.engine_id)
         pending = self._preparing.get(command.name)
         if pending is None:

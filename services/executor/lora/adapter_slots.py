@@ -86,6 +86,11 @@ class AdapterSlots:
         self._unloaded.discard(name)
         return ""
 
+    def holds(self, name: str) -> bool:
+        """Prepared and not unloaded since (a name loaded again after an unload is fetched
+        again: it may be another adapter)."""
+        return name in self.known and name not in self._unloaded
+
     def forget(self, name: str) -> None:
         """The api unloaded `name`: drop it once no live request runs on it (`collect`)."""
         if name in self.known:

@@ -152,6 +152,7 @@ def test_an_unloaded_adapter_stays_while_a_request_runs_on_it():
     slots.forget("a")
     slots.collect(live={"a"})
     assert "a" in slots.known and slots.resident() == ["a"]
+    assert not slots.holds("a")  # loaded again meanwhile, it would be fetched again
     slots.collect(live=set())
     assert "a" not in slots.known and slots.resident() == []
 

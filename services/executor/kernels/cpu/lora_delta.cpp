@@ -1,22 +1,23 @@
 // LoRA deltas inside the integer kernel's boundaries: y[t] += B_s (A_s x[t]) for each token t
 // whose request runs adapter slot s, on the float32 activations the matmul just took (before
-// they were quantized), so the base stays in the integer kernel and the adapter is float32.
+// they were quantized), so the base stays in the integer kernel and the delta is float32.
 //
 // The work is small (rank 16 on the default model's 576 -> 576 Q: 18 k multiply-adds a token,
 // against 332 k for the base) but the matrices are not: an adapter of rank 16 on all seven
 // projections is 650 KB of float32 a layer. Taken token by token, a batch whose tokens run
-// eight adapters in turn read each token's matrices from memory again (measured, 2 cores, 16
-// decodes: 36 ms more a step than the base alone). So the tokens come grouped by slot (the
-// step's `order`), and each adapter's matrices are read once a step, as S-LoRA's and Punica's
-// segmented matmuls read them: first U = X_s A_sᵀ, a row of A against each of the slot's
-// tokens, then Y_s += U B_s, a block of B's columns against each of them.
+// eight adapters in turn read each token's matrices from memory again (2 Xeon cores, 16
+// streams over 8 such adapters: 0.64x the base's output tok/s). So the tokens come grouped by
+// slot (the step's `order`), and each adapter's matrices are read once a step, as S-LoRA's
+// and Punica's segmented matmuls read them: first U = X_s A_sᵀ, a row of A against each of the
+// slot's tokens, then Y_s += U B_s, a block of B's columns against each of them.
 //
 // Layouts (lora/adapter_slots.py builds them): a [rank, k] and bt [rank, n] bfloat16, row-major,
 // bt already multiplied by the adapter's scaling. Half the bytes of float32 halve what a step
 // reads (8 adapters of rank 16 on every projection of the default model: 78 MB a step instead
 // of 157), for a rounding of 2^-9 of each weight, inside the fast mode's int8 activations'
 // (2^-8 of a block's largest). Bfloat16 and not float16: widening it is a shift, which every
-// build vectorizes (float16's conversion, scalar on most, made a step 2.5x slower). The dot
+// build vectorizes (float16's conversion, as GCC built it here, made a step with one adapter
+// twice as slow as float32 matrices). The dot
 // products A x sum in the fixed order of fixed_order_sum.h (float32), and each output adds its
 // rank terms in order, so every x86-64-v3 or newer build gives the same bits.
 

@@ -30,6 +30,10 @@
 #include "entry_points.h"
 #include "fixed_order_sum.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 // A bfloat16 value: float32's upper half.
 struct Bf16 {
     uint16_t bits;
@@ -70,6 +74,70 @@ constexpr int64_t MAX_RANK = 256;  // adapter_slots.py refuses bigger ones
 constexpr int64_t COLUMN_BLOCK = 64;  // B's columns a work item adds: 2 KB of a rank-16 B
 constexpr int GROUP_TOKENS = 4;  // a slot's tokens a row of A is dotted with at once
 
+// Sixteen float lanes (fixed_order_sum.h's LANES) as the build's vectors: one AVX-512
+// register, or two AVX2 ones. Products are fused multiply-adds on both, so both builds give
+// the same bits; a build without AVX2 takes the plain loops below.
+#if defined(__AVX512F__)
+struct Lanes {
+    __m512 v;
+};
+inline Lanes zero() { return {_mm512_setzero_ps()}; }
+inline Lanes load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store(float* p, Lanes a) { _mm512_storeu_ps(p, a.v); }
+inline Lanes splat(float x) { return {_mm512_set1_ps(x)}; }
+inline Lanes fma(Lanes a, Lanes b, Lanes c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Lanes widen(const Bf16* w) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
+#elif defined(__AVX2__)
+struct Lanes {
+    __m256 lo, hi;
+};
+inline Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Lanes load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store(float* p, Lanes a) {
+    _mm256_storeu_ps(p, a.lo);
+    _mm256_storeu_ps(p + 8, a.hi);
+}
+inline Lanes splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Lanes fma(Lanes a, Lanes b, Lanes c) {
+    return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline __m256 widen8(const Bf16* w) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline Lanes widen(const Bf16* w) { return {widen8(w), widen8(w + 8)}; }
+#endif
+
+// a . x[t] for TOKENS rows x[t] = x + t * ldx, in fixed_order_sum's order: 16 running lanes,
+// then its tree; each loaded row of A serves every token.
+template <int TOKENS>
+void dots(const Bf16* a, const float* x, int64_t ldx, int64_t k, float* out) {
+#if defined(__AVX2__)
+    float lanes[TOKENS][LANES];
+    Lanes acc[TOKENS];
+    for (int t = 0; t < TOKENS; ++t) acc[t] = zero();
+    int64_t i = 0;
+    for (; i + LANES <= k; i += LANES) {
+        const Lanes w = widen(a + i);
+        for (int t = 0; t < TOKENS; ++t) acc[t] = fma(w, load(x + t * ldx + i), acc[t]);
+    }
+    for (int t = 0; t < TOKENS; ++t) store(lanes[t], acc[t]);
+    for (int j = 0; i + j < k; ++j)
+        for (int t = 0; t < TOKENS; ++t)
+            lanes[t][j] += static_cast<float>(a[i + j]) * x[t * ldx + i + j];
+    for (int t = 0; t < TOKENS; ++t) {
+        for (int width = LANES / 2; width > 0; width /= 2)
+            for (int j = 0; j < width; ++j) lanes[t][j] += lanes[t][j + width];
+        out[t] = lanes[t][0];
+    }
+#else
+    fixed_order_dots<TOKENS>(a, x, ldx, k, out);
+#endif
+}
+
 const LoraMatrix& matrix(const LoraStep& lora, int64_t slot, int64_t layer, int target) {
     return lora.matrices[(slot * lora.num_layers + layer) * LORA_TARGETS + target];
 }
@@ -78,21 +146,25 @@ const LoraMatrix& matrix(const LoraStep& lora, int64_t slot, int64_t layer, int 
 // rows widened once for all of them; each output adds its rank terms in order.
 void add_columns(const LoraMatrix& m, const float* u, const int64_t* tokens, int64_t count,
                  float* y, int64_t ldy, int64_t col, int64_t n, int64_t j0, int64_t j1) {
-    const int64_t width = j1 - j0;
-    float acc[GROUP_TOKENS][COLUMN_BLOCK];
-    for (int64_t i = 0; i < count; ++i)
-        std::memcpy(acc[i], y + tokens[i] * ldy + col + j0, width * sizeof(float));
-    for (int64_t r = 0; r < m.rank; ++r) {
-        float b[COLUMN_BLOCK];
-        for (int64_t j = 0; j < width; ++j) b[j] = static_cast<float>(m.bt[r * n + j0 + j]);
-        for (int64_t i = 0; i < count; ++i) {
-            const float ur = u[tokens[i] * MAX_RANK + r];
-#pragma omp simd
-            for (int64_t j = 0; j < width; ++j) acc[i][j] += ur * b[j];
+    int64_t j = j0;
+#if defined(__AVX2__)
+    for (; j + LANES <= j1; j += LANES) {  // sixteen columns at a time, in registers
+        Lanes acc[GROUP_TOKENS];
+        for (int64_t i = 0; i < count; ++i) acc[i] = load(y + tokens[i] * ldy + col + j);
+        for (int64_t r = 0; r < m.rank; ++r) {
+            const Lanes b = widen(m.bt + r * n + j);
+            for (int64_t i = 0; i < count; ++i)
+                acc[i] = fma(splat(u[tokens[i] * MAX_RANK + r]), b, acc[i]);
         }
+        for (int64_t i = 0; i < count; ++i) store(y + tokens[i] * ldy + col + j, acc[i]);
     }
-    for (int64_t i = 0; i < count; ++i)
-        std::memcpy(y + tokens[i] * ldy + col + j0, acc[i], width * sizeof(float));
+#endif
+    for (int64_t i = 0; i < count && j < j1; ++i) {  // what is left, one output at a time
+        float* out = y + tokens[i] * ldy + col;
+        for (int64_t c = j; c < j1; ++c)
+            for (int64_t r = 0; r < m.rank; ++r)
+                out[c] += u[tokens[i] * MAX_RANK + r] * static_cast<float>(m.bt[r * n + c]);
+    }
 }
 
 // y [T, ldy] at columns [col, col + n) += the delta of `target` in `layer` on x [T, k].
@@ -118,13 +190,13 @@ void add_delta(const LoraStep& lora, int64_t layer, int target, const float* x, 
             const Bf16* a = matrix(lora, s, layer, target).a + r * k;
             int64_t g = lora.offsets[s];
             for (; g + GROUP_TOKENS <= lora.offsets[s + 1]; g += GROUP_TOKENS) {
-                float dots[GROUP_TOKENS];
-                fixed_order_dots<GROUP_TOKENS>(a, xs.data() + g * k, k, k, dots);
+                float products[GROUP_TOKENS];
+                dots<GROUP_TOKENS>(a, xs.data() + g * k, k, k, products);
                 for (int i = 0; i < GROUP_TOKENS; ++i)
-                    u[lora.order[g + i] * MAX_RANK + r] = dots[i];
+                    u[lora.order[g + i] * MAX_RANK + r] = products[i];
             }
             for (; g < lora.offsets[s + 1]; ++g)
-                fixed_order_dots<1>(a, xs.data() + g * k, k, k, &u[lora.order[g] * MAX_RANK + r]);
+                dots<1>(a, xs.data() + g * k, k, k, &u[lora.order[g] * MAX_RANK + r]);
         }
 #pragma omp for schedule(static)
         for (int64_t block = 0; block < blocks; ++block) {

@@ -25,6 +25,21 @@ float fixed_order_sum(const float* v, int64_t n, const float* w = nullptr) {
     return lanes[0];
 }
 
+// The end of fixed_order_dots from input i on (what is left of n, into the running lanes), and
+// each row's tree; shared with vector versions that ran the lanes in registers.
+template <int TOKENS, typename W>
+void finish_dots(float (*lanes)[LANES], const W* w, const float* v, int64_t ldv, int64_t i,
+                 int64_t n, float* out) {
+    for (int j = 0; i + j < n; ++j)
+        for (int t = 0; t < TOKENS; ++t)
+            lanes[t][j] += static_cast<float>(w[i + j]) * v[t * ldv + i + j];
+    for (int t = 0; t < TOKENS; ++t) {
+        for (int width = LANES / 2; width > 0; width /= 2)
+            for (int j = 0; j < width; ++j) lanes[t][j] += lanes[t][j + width];
+        out[t] = lanes[t][0];
+    }
+}
+
 // w . v[t] for the TOKENS rows v[t] = v + t * ldv, each in fixed_order_sum's order (so each the
 // same bits as alone), w's values (bfloat16 ones too) widened to float exactly. Several rows at
 // once: each loaded w serves all of them, and their sums are independent chains the core
@@ -38,14 +53,7 @@ void fixed_order_dots(const W* w, const float* v, int64_t ldv, int64_t n, float*
             const float wj = static_cast<float>(w[i + j]);
             for (int t = 0; t < TOKENS; ++t) lanes[t][j] += wj * v[t * ldv + i + j];
         }
-    for (int j = 0; i + j < n; ++j)
-        for (int t = 0; t < TOKENS; ++t)
-            lanes[t][j] += static_cast<float>(w[i + j]) * v[t * ldv + i + j];
-    for (int t = 0; t < TOKENS; ++t) {
-        for (int width = LANES / 2; width > 0; width /= 2)
-            for (int j = 0; j < width; ++j) lanes[t][j] += lanes[t][j + width];
-        out[t] = lanes[t][0];
-    }
+    finish_dots<TOKENS>(lanes, w, v, ldv, i, n, out);
 }
 
 }  // namespace

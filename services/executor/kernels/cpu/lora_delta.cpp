@@ -125,14 +125,7 @@ void dots(const Bf16* a, const float* x, int64_t ldx, int64_t k, float* out) {
         for (int t = 0; t < TOKENS; ++t) acc[t] = fma(w, load(x + t * ldx + i), acc[t]);
     }
     for (int t = 0; t < TOKENS; ++t) store(lanes[t], acc[t]);
-    for (int j = 0; i + j < k; ++j)
-        for (int t = 0; t < TOKENS; ++t)
-            lanes[t][j] += static_cast<float>(a[i + j]) * x[t * ldx + i + j];
-    for (int t = 0; t < TOKENS; ++t) {
-        for (int width = LANES / 2; width > 0; width /= 2)
-            for (int j = 0; j < width; ++j) lanes[t][j] += lanes[t][j + width];
-        out[t] = lanes[t][0];
-    }
+    finish_dots<TOKENS>(lanes, a, x, ldx, i, k, out);
 #else
     fixed_order_dots<TOKENS>(a, x, ldx, k, out);
 #endif

@@ -102,9 +102,10 @@ def test_the_detokenizer_drops_stale_attempts_and_ends_a_completion_missing_a_ba
     assert stale.deltas == {} and stale.unknown == []
 
 
-def _placement(n: int = 1) -> Placement:
+def _placement(n: int = 1, adapter: str = "") -> Placement:
     request = GenerateRequest(request_id="r", reply_subject="api", model="m",
-                              params=SamplingParams(max_tokens=8), prompt="p", n=n)
+                              params=SamplingParams(max_tokens=8, adapter=adapter), prompt="p",
+                              n=n)
     return Placement(request, asyncio.Queue())
 
 
@@ -116,12 +117,13 @@ def _delta(ids: list[int], total: int, attempt: int = 0, index: int = 0,
 
 
 def test_the_api_forwards_what_follows_and_resumes_from_what_its_client_has():
-    placement = _placement()
+    placement = _placement(adapter="tuned")
     assert placement.judge(_delta([1, 2], 2)) is Verdict.FORWARD
     assert placement.judge(_delta([5], 5)) is Verdict.RESUME  # tokens 3 and 4 were lost
     request = placement.next_attempt(avoid_instance_id="s1")
     assert (request.attempt, request.avoid_instance_id) == (1, "s1")
     assert request.resumed == [ResumedCompletion(0, [1, 2])]
+    assert request.params.adapter == "tuned"  # the other engine runs the same LoRA adapter
     assert placement.judge(_delta([3], 3)) is Verdict.STALE  # attempt 0, flushed late
     assert placement.judge(_delta([3], 3, attempt=1)) is Verdict.FORWARD
     error = _delta([], 3, attempt=1, finish=FinishReason.ERROR, resumable=True)

@@ -148,6 +148,12 @@ async def test_a_prefill_engine_refuses_another_layout_and_takes_its_own():
     assert held.params.min_tokens == 1 and held.params.stop == []
     busy = PrefillSide(None, s, "P", mine, asyncio.Event(), refuse=lambda n: f"busy {n}")
     assert (await busy.on_prefill(ask(mine), None)).error == "busy 10"
+    # a prefill for a LoRA adapter is taken only once this engine's executor holds it; one
+    # that serves no adapters says so, and holds nothing for it
+    tuned = replace(ask(mine), destination=replace(destination, transfer_id="b>1"),
+                    params=SamplingParams(max_tokens=50, adapter="tuned"))
+    reply = await side.on_prefill(tuned, None)
+    assert "serves none" in reply.error and not s.table.holds("b>1")
 
 
 

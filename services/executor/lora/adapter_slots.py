@@ -5,7 +5,8 @@ does so when it admits a request for it; the api when it loads one) is *known*: 
 against the base, on the host. At most `max_adapters` of them sit in *slots*, the table the
 step's deltas read; a step names each token's slot. A step needing an adapter outside the slots
 takes a free slot or the least recently used one that this step does not use, so a step may mix
-up to `max_adapters` adapters (the scheduler keeps it so: scheduler/adapter_limit.py).
+up to `max_adapters` adapters (the scheduler keeps it so: planner.py's
+`_adapter_fits_first`).
 
 An adapter the api unloads is forgotten once no request this executor holds still runs on it:
 requests already streaming finish on it.

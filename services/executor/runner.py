@@ -248,7 +248,7 @@ class ModelRunner:
             self._register(new)
         for copy in plan.copy_blocks:  # copy-on-write of blocks shared by forked requests
             self.kv_cache.copy_block(copy.src, copy.dst)
-        if self.adapters is not None:  # unloaded adapters no request runs on any more
+        if self.adapters is not None and self.adapters.unloading:  # dropped once unused
             self.adapters.collect({s.params.adapter for s in self.requests.values()})
         if self.copies_for_shards is not None:
             self.copies_for_shards.extend(plan.copy_blocks)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,7 @@ class StepAdapters:
     slots: AdapterSlots
     kernel: LoraStep
     grouped: tuple[torch.Tensor, ...] = ()  # what `kernel` points into: kept alive with it
+    _rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # `add`'s, per slot
 
     @property
     def kernel_pointer(self) -> int:
@@ -49,13 +50,14 @@ class StepAdapters:
             column: int = 0) -> None:
         """y[:, column:column + n] += the delta of `target` in `layer` on x [T, k], for each
         token with an adapter that changes it (one matmul pair per slot in the step)."""
-        for slot in self.token_slot.unique().tolist():
-            matrices = self.slots.matrices[slot] if slot >= 0 else {}
-            pair = matrices.get((layer, target))
+        if not self._rows:  # each slot's rows, found once a forward (not once a projection)
+            self._rows = [(slot, (self.token_slot == slot).nonzero().squeeze(1).to(x.device))
+                          for slot in self.token_slot.unique().tolist() if slot >= 0]
+        for slot, rows in self._rows:
+            pair = self.slots.matrices[slot].get((layer, target))
             if pair is None:
                 continue
             a, bt = pair
-            rows = (self.token_slot == slot).nonzero().squeeze(1).to(x.device)
             delta = (x.index_select(0, rows).float() @ a.T) @ bt  # [rows, n]
             y[:, column:column + bt.shape[1]].index_add_(0, rows, delta.to(y.dtype))
 
@@ -96,6 +98,11 @@ class AdapterSlots:
         """The api unloaded `name`: drop it once no live request runs on it (`collect`)."""
         if name in self.known:
             self._unloaded.add(name)
+
+    @property
+    def unloading(self) -> bool:
+        """Adapters unloaded that a live request may still run on (`collect` has work)."""
+        return bool(self._unloaded)
 
     def collect(self, live: set[str]) -> None:
         """Drop unloaded adapters that no request in `live` (the executor's) runs on."""

@@ -160,7 +160,9 @@ def _step_options(parser: argparse.ArgumentParser) -> None:
                         help="while requests decode, prompt chunks take only what keeps a "
                              "step's forward within this many ms, predicted by a model of step "
                              "time learnt from the executor's answers, so that streams never "
-                             "freeze behind a long prompt; a step with no decodes takes the "
+                             "freeze behind a long prompt; where the decodes alone take half "
+                             "of it or more (a big model), a step may take twice their own "
+                             "time, so prompts keep a share; a step with no decodes takes the "
                              "whole token budget; 0 = the token budget alone "
                              f"(default: {c.max_step_seconds * 1000:g})")
     parser.add_argument("--no-prefix-caching", action="store_true",

@@ -11,9 +11,14 @@ them. So each step's time is predicted from its shape,
 (rows: sequences in the step; tokens: rows of its matmuls; kilo_keys: thousands of
 query-key pairs attended, which grow with context), and while anything decodes, prompt chunks
 take only what fits in `--max-step-ms`. A step that only prefills (nothing decodes) takes the
-whole token budget: an idle engine's first token does not wait for the cap. Whatever the
-prediction, a step with decodes takes at least `PREFILL_FLOOR_TOKENS` of prompt, so a model
-whose decodes alone exceed the target still admits new requests.
+whole token budget: an idle engine's first token does not wait for the cap. Where the decodes
+alone take most of the target or more (a 1B model's 8 decodes take ~150 ms against 60), a fixed
+target would leave prompts a sliver, or nothing, of each step, and every step would read all the
+weights for a few tokens of work; so the target is relative there: a step may take
+`RELATIVE_STEP` x its decodes' own time (step_seconds), and prompt chunks keep a share of each
+step in proportion to what it already costs. Whatever the prediction, a step with decodes takes
+at least `PREFILL_FLOOR_TOKENS` of prompt, so new requests are admitted before the model has
+learnt anything.
 
 The fit is non-negative least squares over the last `WINDOW` steps with a prompt chunk and
 the last `WINDOW` steps of decodes only, each weighted by its age in steps (`DECAY` a step,
@@ -39,6 +44,9 @@ WINDOW = 16  # observations kept per kind (steps with prompt tokens, steps of de
 DECAY = 0.8  # an observation's weight is multiplied by this with every step observed after it
 STALE_WEIGHT = 0.01  # ... but never below this
 PREFILL_FLOOR_TOKENS = 32  # prompt tokens a step with decodes always takes, if any wait
+# A step with decodes and prompt chunks may take this many times the decodes' own time, when
+# that is over the target: the prompts get as much of such a step as the decodes.
+RELATIVE_STEP = 2.0
 # An embedding's prompt beside decodes may make their step at most this much longer than the
 # decodes alone: no one streams an embedding, the streams' tokens should not wait for it.
 YIELD_STRETCH = 1.4
@@ -169,9 +177,12 @@ class StepBudget:
     It starts from the step's decodes; `seconds` 0 is no target (the token budget alone)."""
 
     def __init__(self, model: StepTimeModel, decodes: StepShape, seconds: float) -> None:
-        self.model, self.shape, self.seconds = model, decodes, seconds
+        self.model, self.shape, self.target = model, decodes, seconds
         self.decodes = StepShape(decodes.rows, decodes.tokens, decodes.kilo_keys)  # as it began
         self.decoding = decodes.rows > 0
+        # The decodes' own time (None: not known yet), and the step's time it allows.
+        self.decodes_seconds = model.predict(decodes) if self.decoding and seconds else None
+        self.seconds = step_seconds(seconds, self.decodes_seconds)
         self.prompt_tokens = 0  # taken so far
 
     def prompt_chunk(self, start: int, wanted: int, yielding: bool = False) -> int:
@@ -181,9 +192,11 @@ class StepBudget:
         only where the decodes alone take the target (else it would wait for them forever)."""
         if not (self.seconds and self.decoding):
             return wanted
-        decodes = self.model.predict(self.decodes) if yielding else None
-        if decodes is not None and decodes < self.seconds:
-            seconds = min(self.seconds, YIELD_STRETCH * decodes)
+        decodes = self.decodes_seconds
+        if yielding and decodes is not None:
+            if decodes >= self.target:  # the floor only: no one streams an embedding
+                return min(wanted, max(PREFILL_FLOOR_TOKENS - self.prompt_tokens, 0))
+            seconds = min(self.target, YIELD_STRETCH * decodes)
             return self.model.most_tokens(self.shape, start, wanted, seconds)
         fit = self.model.most_tokens(self.shape, start, wanted, self.seconds)
         return max(fit, min(wanted, PREFILL_FLOOR_TOKENS - self.prompt_tokens))
@@ -196,6 +209,16 @@ class StepBudget:
     def add_drafts(self, start: int, num_drafts: int) -> None:
         """A decode (counted at the start as one token) verifies drafts too."""
         self.shape.add(start + 1, num_drafts, new_row=False)
+
+
+def step_seconds(target: float, decodes_seconds: float | None) -> float:
+    """The time a step with decodes may take: the target (`--max-step-ms`; 0 is none), or,
+    when its decodes alone take 1 / RELATIVE_STEP of it or more, RELATIVE_STEP x their time.
+    Continuous in the decodes' time, so a model near the target does not flip between two
+    policies from one step to the next."""
+    if not target or decodes_seconds is None:
+        return target
+    return max(target, RELATIVE_STEP * decodes_seconds)
 
 
 def _width(observation: tuple[tuple[float, ...], float, int]) -> float:

@@ -19,7 +19,7 @@ from llmbus.services.scheduler.disaggregation.rule import (
     prefill_seconds,
 )
 from llmbus.services.scheduler.request import Request
-from llmbus.services.scheduler.step_time import StepShape, StepTimeModel
+from llmbus.services.scheduler.step_time import RELATIVE_STEP, StepShape, StepTimeModel
 from tests.scheduler.sim import PREFILL_BLOCK as BLOCK
 from tests.scheduler.sim import linear_model
 from tests.scheduler.sim import prefill_heartbeat as engine
@@ -126,12 +126,17 @@ def test_the_prediction_decides_where_remote_is_slower():
 
 
 def test_local_chunks_beside_decodes_follow_the_step_cap():
-    # 16 decodes cost 0.005 + 16·0.002 + 16·0.001 = 0.053 s; a 0.06 s step leaves room for
-    # the prompt's row and 5 tokens, raised to the 32-token floor: 2000 tokens take 63 steps.
+    # 16 decodes cost 0.005 + 16·0.002 + 16·0.001 = 0.053 s, over half the 0.06 s target: a
+    # step may take RELATIVE_STEP x 0.053 = 0.106 s, room for the prompt's row and 51 tokens
+    # (0.053 + 0.002 + 0.051), so 2000 tokens take 40 steps.
+    assert RELATIVE_STEP == 2.0  # the arithmetic below
     model, shape = linear_model(), decodes(16)
     seconds = local_prefill_seconds(model, shape, 0, 2000, 256, 0.06)
-    steps = -(-2000 // 32)
+    steps = -(-2000 // 51)
     assert seconds == pytest.approx(steps * (0.053 + 0.002) + 2000 * 0.001)
+    # 2 decodes (0.011 s) keep a fixed target: (0.0605 - 0.011 - 0.002) / 0.001 = 47.5 tokens
+    seconds = local_prefill_seconds(model, decodes(2), 0, 2000, 256, 0.0605)
+    assert seconds == pytest.approx(-(-2000 // 47) * (0.011 + 0.002) + 2000 * 0.001)
 
 
 def test_without_step_times_only_decodes_stalling_send_it_away():

@@ -20,12 +20,14 @@ from llmbus.bus.messages import SamplingParams, ScheduledRequest, StepPlan, Step
 from llmbus.services.scheduler.scheduler import Scheduler
 from llmbus.services.scheduler.step_time import (
     PREFILL_FLOOR_TOKENS,
+    RELATIVE_STEP,
     STALE_WEIGHT,
     YIELD_STRETCH,
     StepBudget,
     StepShape,
     StepTimeModel,
     fit_non_negative,
+    step_seconds,
 )
 from tests.scheduler.sim import (
     FakeExecutor,
@@ -235,6 +237,39 @@ def test_decodes_slower_than_the_target_still_admit_prompt_tokens():
     steps = serve(s, formula, arrivals, 60)
     chunks = [prompt_tokens(p) for p, _ in steps[31:50] if decoding(p)]
     assert chunks and set(chunks) == {PREFILL_FLOOR_TOKENS}
+
+
+def test_a_step_may_take_its_decodes_time_times_relative_step_where_that_is_over_the_target():
+    assert step_seconds(0.06, None) == 0.06  # nothing known yet
+    assert step_seconds(0.0, 0.5) == 0.0  # no target: the token budget alone
+    assert step_seconds(0.06, 0.01) == 0.06
+    assert step_seconds(0.06, 0.06 / RELATIVE_STEP) == 0.06  # where the two rules meet
+    assert step_seconds(0.06, 0.15) == RELATIVE_STEP * 0.15
+
+
+def test_decodes_over_the_target_leave_prompts_a_share_in_proportion():
+    """The 1B case of issue 40: 8 decodes take ~150 ms against a 60 ms target, and a prompt
+    token beside them costs ~1.25 ms (the weights are read once for all the step's tokens).
+    A fixed target left the prompt its 32-token floor a step, every step reading all the
+    weights for 40 tokens of work; the relative one lets each step take RELATIVE_STEP x its
+    decodes' time, filled with as much prompt as fits."""
+    formula = Formula(0.13, 0.0, 0.00125, 0.00001)
+    s = scheduler(0.06)
+    arrivals = dict(STREAMS)
+    arrivals[30] = LONG_PROMPT[:1]
+    steps = serve(s, formula, arrivals, 60)
+    mixed = [(p, t) for p, t in steps[31:] if decoding(p) and prompt_tokens(p)]
+    assert mixed
+    for plan, seconds in mixed:
+        decodes = StepShape()
+        for item in plan.scheduled:
+            if item.num_tokens == 1:
+                decodes.add(item.start, 1)
+        allowed = RELATIVE_STEP * formula.one(decodes)
+        assert allowed > 0.06 and seconds <= allowed * (1 + EXACT), (plan, seconds)
+        if not any(i.start + i.num_tokens == 1500 for i in plan.scheduled):
+            assert prompt_tokens(plan) > 2 * PREFILL_FLOOR_TOKENS  # ~110 tokens, not 32
+            assert seconds + formula.c_tokens > allowed * (1 - EXACT)  # one token more: over
 
 
 def _chunks_beside_decodes(steps, request_id: str) -> list[tuple[int, float]]:

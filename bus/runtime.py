@@ -244,6 +244,15 @@ class ServiceRuntime:
         assert self.nc is not None
         await self.nc.publish(subject, encode(message), headers=inject_headers())
 
+    def thread_publisher(self, subject: str) -> Callable[[msgspec.Struct], None]:
+        """A publish for another thread (an executor's forward thread) that does not wait:
+        the message goes out from the event loop this is called on, in the order given."""
+        loop = asyncio.get_running_loop()
+
+        def publish(message: msgspec.Struct) -> None:
+            asyncio.run_coroutine_threadsafe(self.publish(subject, message), loop)
+        return publish
+
     async def request(self, subject: str, message: msgspec.Struct, reply_type: type[R],
                       timeout: float) -> R:
         """Request/reply; raises nats.errors.NoRespondersError / TimeoutError."""

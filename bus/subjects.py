@@ -59,6 +59,12 @@ def executor_step(engine_id: str) -> str:
     return f"{PREFIX}.engine.{engine_id}.executor.step"
 
 
+def executor_progress(engine_id: str) -> str:
+    """executor -> its scheduler (publish, StepProgress): each forward's tokens of a plan of
+    several forwards, ahead of the plan's reply."""
+    return f"{PREFIX}.engine.{engine_id}.executor.progress"
+
+
 def executor_shard(engine_id: str, index: int | str, what: str) -> str:
     """lead shard -> layer shard `index` of an engine split by layers (request/reply; `what`:
     info (ShardInfoRequest), setup (ShardSetup), step (ShardStep), fetch (ShardFetch))."""

@@ -94,10 +94,12 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
                       S.heartbeat("detokenizer"), S.heartbeat("api"), S.heartbeat("executor"),
                       S.heartbeat("scheduler"), S.engine_prefill(ANY),
                       S.engine_prefill_cancel(ANY), S.engine_prefilled(ANY),
-                      S.engine_unknown_completion(ANY), S.ping("scheduler"), _inbox("scheduler")],
+                      S.engine_unknown_completion(ANY), S.executor_progress(ANY),
+                      S.ping("scheduler"), _inbox("scheduler")],
     },
     "executor": {
         "publish": [S.heartbeat("executor"), S.executor_kv(ANY), S.executor_shard(ANY, ANY, ANY),
+                    S.executor_progress(ANY),
                     *_ADAPTER_STORE],
         "subscribe": [S.executor_info(ANY), S.executor_step(ANY), S.executor_grammar(ANY),
                       S.EXECUTOR_ADAPTERS, S.executor_adapter(ANY),

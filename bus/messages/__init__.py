@@ -53,6 +53,7 @@ from llmbus.bus.messages.to_executor import (
     PooledEmbedding,
     ScheduledRequest,
     StepPlan,
+    StepProgress,
     StepResult,
 )
 from llmbus.bus.messages.to_scheduler import (
@@ -98,7 +99,8 @@ __all__ = [
     "PooledEmbedding", "PrefillDone", "PrefillReply", "PrefillRequest", "RecentRequest",
     "RequestTokens",
     "ResumedCompletion", "SamplingParams", "ScheduledRequest", "ShardFetch", "ShardHidden",
-    "ShardInfo", "ShardInfoRequest", "ShardSetup", "ShardStep", "StepPlan", "StepResult",
+    "ShardInfo", "ShardInfoRequest", "ShardSetup", "ShardStep", "StepPlan", "StepProgress",
+    "StepResult",
     "StructuredOutput", "SubmitRequest", "TextDelta", "TextLogprob", "TokenBatch",
     "TokenLogprobs", "UnknownCompletion",
 ]

@@ -12,6 +12,7 @@ followed (grammar_state.py), prompt blocks gathered for other engines (kv_gather
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from llmbus.bus.messages import (
     PooledEmbedding,
     ScheduledRequest,
     StepPlan,
+    StepProgress,
     StepResult,
 )
 from llmbus.services.executor.attention.metadata import build_attention_metadata
@@ -128,6 +130,8 @@ class ModelRunner:
                                            layers)
         # Backend.forward's contract; a split model's lead replaces it (pipeline_lead.py).
         self.model_forward = self.model.forward
+        # A multi-step plan's tokens as each forward samples them (the service publishes them).
+        self.on_progress: Callable[[StepProgress], None] = lambda _: None
         self.config = config = self.model.config
         if max_model_len is not None and max_model_len > config.context_length:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
@@ -270,7 +274,10 @@ class ModelRunner:
             if sampled.num_sampled:  # drafts verified: a step either speculates or takes several
                 raise ValueError("a plan with drafts cannot also take several steps")
             return more_steps(plan.scheduled, sampled, self._forward,
-                              lambda sequence_id: len(self.requests[sequence_id].token_ids))
+                              lambda sequence_id: len(self.requests[sequence_id].token_ids),
+                              lambda forward, tokens: self.on_progress(StepProgress(
+                                  step_id=plan.step_id, forward=forward,
+                                  sampled_token_ids=tokens.token_ids, logprobs=tokens.logprobs)))
         return sampled
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> SampledTokens:

@@ -286,6 +286,7 @@ class ExecutorService:
     async def subscribe(self) -> None:
         runtime, engine_id = self.runtime, self.engine_id
         self.compiler.submit(self.runner.grammars.warm)
+        self.runner.on_progress = runtime.thread_publisher(subjects.executor_progress(engine_id))
         assert runtime.nc is not None
         self.runner.kv_gathering.chunk_bytes = runtime.nc.max_payload  # the server's INFO's
         await runtime.on_request(subjects.executor_kv_receive(engine_id), KvReceive,

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import msgspec
 
-from llmbus.bus.messages import ResumedCompletion, SamplingParams
+from llmbus.bus.messages import KvDestination, ResumedCompletion, SamplingParams
 from llmbus.services.scheduler.config import SchedulerConfig
-from llmbus.services.scheduler.request import Request
+from llmbus.services.scheduler.request import RemotePrefillState, Request, Sent, Trace
 
 
 class AdmissionError(ValueError):
@@ -98,6 +98,22 @@ def sequences(request_id: str, attempt: int, n: int, num_prompt_tokens: int,
     if num_prompt_tokens == 1:
         return [(f"{base}#{i}", i, 1, []) for i in range(n)]
     return [(f"{base}#prompt", 0, n, [])]
+
+
+def admitted(request_id: str, reply_subject: str, prompt_token_ids: list[int],
+             params: SamplingParams, max_tokens: int, n: int, trace: Trace, attempt: int,
+             resumed: Sequence[ResumedCompletion],
+             kv_destination: KvDestination | None) -> list[Request]:
+    """The Requests an admitted request starts as (`sequences`), each with its own `trace`
+    (only its context and arrival time are read)."""
+    return [Request(sequence_id, request_id, index, reply_subject, list(prompt_token_ids),
+                    params_for(params, index), max_tokens=max_tokens, num_forks=num_forks,
+                    attempt=attempt, output_token_ids=output_token_ids,
+                    remote=RemotePrefillState(kv_destination=kv_destination),
+                    trace=Trace(traceparent=trace.traceparent, arrival_time=trace.arrival_time),
+                    sent=Sent(num_tokens=len(output_token_ids)))  # replayed downstream
+            for sequence_id, index, num_forks, output_token_ids
+            in sequences(request_id, attempt, n, len(prompt_token_ids), resumed)]
 
 
 def enqueue(waiting: deque[Request], request: Request) -> None:

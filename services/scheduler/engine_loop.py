@@ -9,7 +9,8 @@ one at a time, in order. The rules:
   requests — otherwise rides the next plan);
 - plan nothing behind a multi-step plan (multi_step.py): it runs several forwards, which hide
   the round trip on their own, and a request that arrives meanwhile then waits for one such
-  plan, not two;
+  plan, not two; while it runs, each forward's tokens (StepProgress) are published as they
+  come (`progress`), if that plan is the one awaited;
 - when a step fails (the executor answered an error, timed out, or fell silent), cancel the
   other steps in flight and end every request with an explicit error: never hang. The same
   when the service interrupts the loop (its bus connection, or its executor's, dropped: step
@@ -32,7 +33,7 @@ from typing import Any
 
 import structlog
 
-from llmbus.bus.messages import RequestTokens, StepPlan, StepResult
+from llmbus.bus.messages import RequestTokens, StepPlan, StepProgress, StepResult
 from llmbus.services.scheduler.scheduler import Scheduler
 
 log = structlog.get_logger()
@@ -59,6 +60,7 @@ class EngineLoop:
         self.idle_seconds = 0.0  # the executor waiting for a plan while the engine was busy
         self._interrupted = ""  # why the requests held at the interrupt must end now
         self._held: set[tuple[str, int]] = set()  # those, as (request id, attempt)
+        self._awaited: StepPlan | None = None  # the step whose result the loop waits for
 
     def interrupt(self, reason: str) -> None:
         """End every request held now, and every one in a step in flight, with a resumable
@@ -81,6 +83,7 @@ class EngineLoop:
                 continuing = False
                 continue
             plan, task, counted = in_flight.popleft()
+            self._awaited = plan
             try:
                 result = await self._await_step(task)
             except Exception as exc:  # executor gone, timed out or failed: fail, never hang
@@ -93,12 +96,21 @@ class EngineLoop:
                                      f"{exc or type(exc).__name__}")
                 continuing = False
                 continue
+            finally:
+                self._awaited = None
             self.busy_seconds += result.forward_seconds
             if counted:
                 self.idle_seconds += result.idle_seconds
             now = self.clock()
             await self.publish(scheduler.update(plan, result, now) + self.expired(now), False)
             await asyncio.sleep(0)  # let submits and aborts in between steps
+
+    async def progress(self, progress: StepProgress) -> None:
+        """A forward's tokens of a plan of several (the executor's StepProgress): sent on now
+        if that plan is the one awaited; else its result brings them."""
+        plan = self._awaited
+        if plan is not None and plan.step_id == progress.step_id and _multi_step(plan):
+            await self.publish(self.scheduler.stream(plan, progress, self.clock()), False)
 
     async def _fail(self, in_flight: deque[tuple[StepPlan, asyncio.Task, bool]],
                     reason: str) -> None:

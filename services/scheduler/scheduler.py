@@ -4,14 +4,10 @@
 
 There is no prefill phase and no decode phase. Each request has tokens (prompt + sampled output)
 and computed tokens (whose KV is in the cache); every step, computed tokens catch up with tokens
-under a token budget. Running requests go first, oldest first, so decodes never stall behind a
-long prompt; then waiting requests are admitted (generations ahead of embeddings), a long prompt
-taking several steps (chunked prefill); while anything decodes, prompt chunks take only what
-keeps the step within its time target (step_time.py), so a long prompt is spread over as many
-steps as it takes and decodes keep their cadence. A new request first reuses the longest cached
-prefix of full blocks. When a running request needs a block and none is free or evictable, the
-newest running request is preempted: its blocks are freed and it returns to the front of the
-queue, to be recomputed later (cheaply: the prefix cache).
+under a token budget and a time target (planner.py, step_time.py), so decodes never stall behind
+a long prompt, which is spread over as many steps as it takes (chunked prefill). A new request
+first reuses the longest cached prefix of full blocks. When blocks run out, the newest running
+request is preempted, to be recomputed later (cheaply: the prefix cache).
 
 The scheduler plans ahead: `schedule()` counts every token it asks the executor to sample as
 already there (pending), so step N+1 can be planned and sent while step N runs. `update()` fills
@@ -39,16 +35,16 @@ from llmbus.bus.messages import (
     ResumedCompletion,
     SamplingParams,
     StepPlan,
+    StepProgress,
     StepResult,
     TokenLogprobs,
 )
 from llmbus.services.scheduler.admission import (
     AdmissionError,
+    admitted,
     enqueue,
-    params_for,
     refuse_task,
     resolve_max_tokens,
-    sequences,
 )
 from llmbus.services.scheduler.block_tables import BlockTables
 from llmbus.services.scheduler.config import SchedulerConfig
@@ -58,15 +54,14 @@ from llmbus.services.scheduler.outputs import end_updates, stop_reason, token_up
 from llmbus.services.scheduler.planner import StepPlanner
 from llmbus.services.scheduler.request import (
     Embedded,
-    RemotePrefillState,
     Request,
     RequestStatus,
-    Sent,
     Trace,
 )
 from llmbus.services.scheduler.request_table import Counters, RequestTable
 from llmbus.services.scheduler.speculation import verified
 from llmbus.services.scheduler.step_time import StepTimeModel
+from llmbus.services.scheduler.streamed_forwards import StreamedForwards
 
 
 class Scheduler:
@@ -74,7 +69,7 @@ class Scheduler:
         if not (config.num_blocks and config.block_size and config.max_model_len):
             raise ValueError("the KV cache's shape is the executor's: "
                              "SchedulerConfig.with_executor(info)")
-        self._config = config
+        self.config = config
         self.kv = KVManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.blocks = BlockTables(self.kv)
         self.waiting: deque[Request] = deque()
@@ -82,32 +77,23 @@ class Scheduler:
         self.table = RequestTable()
         self.counters = Counters()
         self.num_steps = 0
-        self._step_time = StepTimeModel()  # sizes prompt chunks and multi-step plans
+        self.step_time = StepTimeModel()  # sizes prompt chunks and multi-step plans
         self._ended_updates: list[RequestTokens] = []  # aborts, sent with the next update
         self._finished: list[Request] = []  # for the adapter's traces: take_finished()
         self._embedded: list[Embedded] = []  # embedding requests ended: take_embedded()
+        self._streamed = StreamedForwards()  # a multi-step plan's tokens sent before its result
         # Disaggregated prefill (a decode engine): the prompts prefill engines prefill.
-        self.remote = RemotePrefilling(config, self._step_time, self.counters, self.blocks,
+        self.remote = RemotePrefilling(config, self.step_time, self.counters, self.blocks,
                                        self.waiting, self.running, self._first_token)
-        self.planner = StepPlanner(config, self._step_time, self.blocks, self.waiting,
+        self.planner = StepPlanner(config, self.step_time, self.blocks, self.waiting,
                                    self.running, self.table, self.counters, self.remote)
 
-    # Swapped between steps (tests do): the planner and the remote prefills see the new ones.
-    @property
-    def config(self) -> SchedulerConfig:
-        return self._config
-
-    @config.setter
-    def config(self, config: SchedulerConfig) -> None:
-        self._config = self.planner.config = self.remote.config = config
-
-    @property
-    def step_time(self) -> StepTimeModel:
-        return self._step_time
-
-    @step_time.setter
-    def step_time(self, model: StepTimeModel) -> None:
-        self._step_time = self.planner.step_time = self.remote.step_time = model
+    def swap(self, config: SchedulerConfig | None = None,
+             step_time: StepTimeModel | None = None) -> None:
+        """Another config or step-time model, between steps (tests do), for all who plan."""
+        for holder in (self, self.planner, self.remote):
+            holder.config = config or holder.config
+            holder.step_time = step_time or holder.step_time
 
     # ------------------------------------------------------------------ admission
 
@@ -127,15 +113,9 @@ class Scheduler:
         max_tokens = resolve_max_tokens(self.config, self.kv.num_usable,
                                         len(prompt_token_ids), params, n)
         self.abort_request(request_id)  # an earlier attempt: its owner moved on
-        family = [Request(sequence_id, request_id, index, reply_subject, list(prompt_token_ids),
-                          params_for(params, index), max_tokens=max_tokens,
-                          num_forks=num_forks, attempt=attempt,
-                          output_token_ids=output_token_ids,
-                          remote=RemotePrefillState(kv_destination=kv_destination),
-                          trace=Trace(traceparent=traceparent, arrival_time=arrival_time),
-                          sent=Sent(num_tokens=len(output_token_ids)))  # replayed downstream
-                  for sequence_id, index, num_forks, output_token_ids
-                  in sequences(request_id, attempt, n, len(prompt_token_ids), resumed)]
+        family = admitted(request_id, reply_subject, prompt_token_ids, params, max_tokens, n,
+                          Trace(traceparent=traceparent, arrival_time=arrival_time), attempt,
+                          resumed, kv_destination)
         self.table.add(family)
         for request in family:
             last = request.output_token_ids[-1:]
@@ -258,24 +238,22 @@ class Scheduler:
         sampled = iter(result.sampled_token_ids)
         logprobs = iter(result.logprobs or [None] * len(result.sampled_token_ids))
         counts = iter(result.num_sampled) if result.num_sampled else None
+        streamed = self._streamed.sent_of(plan)
         for item in plan.scheduled:
             if not item.sample:
                 continue
             count = next(counts) if counts is not None else 1
-            tokens = ([(next(sampled), next(logprobs))] if count == 1
-                      else [(next(sampled), next(logprobs)) for _ in range(count)])
+            tokens = [(next(sampled), next(logprobs)) for _ in range(count)]
             request = self.table.get(item.sequence_id)
             if request is None:
                 continue  # it finished or was aborted after this step was planned
-            request.num_pending_tokens -= item.num_steps
+            num_streamed = streamed.get(item.sequence_id, 0)  # as the forwards sampled them
             if item.draft_token_ids:
                 self.counters.num_draft_tokens += len(item.draft_token_ids)
                 self.counters.num_accepted_tokens += count - 1
                 verified(request, item.start, item.num_tokens, count - 1)
-            if request.trace.first_token_time is None:
-                request.trace.first_token_time = now
-            self._append_tokens(request, tokens, now)
-            updates.append(token_update(request, self.num_steps))
+            updates += self._sampled(request, tokens[num_streamed:],
+                                     item.num_steps - num_streamed, now)
         for pooled in result.embeddings:  # embedding requests whose prompt was computed
             if (request := self.table.get(pooled.sequence_id)) is not None:
                 request.trace.first_token_time = request.trace.finish_time = now
@@ -283,6 +261,24 @@ class Scheduler:
                 self._finish(request, FinishReason.STOP)
                 self._embedded.append(Embedded(request, pooled.vector))
         return updates
+
+    def stream(self, plan: StepPlan, progress: StepProgress,
+               now: float = 0.0) -> list[RequestTokens]:
+        """A forward's tokens of the plan awaited (several forwards), before its result:
+        appended and sent on now (streamed_forwards.py)."""
+        updates: list[RequestTokens] = []
+        for item, token, logprobs in self._streamed.take(plan, progress):
+            if (request := self.table.get(item.sequence_id)) is not None:
+                updates += self._sampled(request, [(token, logprobs)], 1, now)
+        return updates
+
+    def _sampled(self, request: Request, tokens: list[tuple[int, TokenLogprobs | None]],
+                 num_steps: int, now: float) -> list[RequestTokens]:  # of its planned steps
+        request.num_pending_tokens -= num_steps
+        if request.trace.first_token_time is None:
+            request.trace.first_token_time = now
+        self._append_tokens(request, tokens, now)
+        return [token_update(request, self.num_steps)]
 
     def _append_tokens(self, request: Request,
                        tokens: list[tuple[int, TokenLogprobs | None]], now: float) -> None:

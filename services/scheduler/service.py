@@ -36,6 +36,7 @@ from llmbus.bus.messages import (
     ModelInfoRequest,
     RequestTokens,
     StepPlan,
+    StepProgress,
     StepResult,
     SubmitRequest,
     TextDelta,
@@ -106,6 +107,9 @@ class SchedulerService:
                                depth=self.config.pipeline_depth, name=f"engine {self.engine_id}")
         await self.peers.start(self.scheduler, self.loop)
         runtime, group = self.runtime, subjects.queue_group("scheduler")
+        loop = self.loop  # a multi-step plan's tokens, each forward's as it is sampled
+        await runtime.on_message(subjects.executor_progress(self.engine_id), StepProgress,
+                                 lambda progress, _: loop.progress(progress))
         if self.info.num_shards > 1 and (self.config.role == "prefill"
                                          or self.config.disaggregation is not None):
             raise SystemExit(f"llmbus scheduler: engine {self.engine_id}'s executor is in "

@@ -1,3 +1,4 @@
+# Over 300 lines: an example of every bus message and its pinned bytes, one table each.
 """The wire format is the field order of each message: every struct's bytes are pinned."""
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ EXAMPLES = [
                  num_tokens=2, error="e", idle_seconds=0.5, logprobs=[LOGPROBS, None],
                  num_sampled=[1], transfers=[m.KvTransferReport(transfer_id="r1>1")],
                  embeddings=[m.PooledEmbedding(sequence_id="r1", vector=b"\x00\x00\x80?")]),
+    m.StepProgress(step_id=3, forward=1, sampled_token_ids=[42, 7], logprobs=[LOGPROBS, None]),
     m.PooledEmbedding(sequence_id="r1", vector=b"\x00\x00\x80?"),
     START, TOKENS,
     m.TokenBatch(engine_id="e0", items=[TOKENS]),
@@ -208,6 +210,8 @@ GOLDEN = {
         "9b03912acb3f847ae147ae147b0102a165cb3fe00000000000009293cbbfe0000000000000922a0792cb"
         "bfe0000000000000cbbff8000000000000c091019195a472313e3100cb0000000000000000a0cb000000"
         "00000000009192a27231c4040000803f"),
+    "StepProgress": (
+        "940301922a079293cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000c0"),
     "PooledEmbedding": "92a27231c4040000803f",
     "CompletionStart": "96a56170692e780291a178c3a930302d742d732d30319129",
     "RequestTokens": (

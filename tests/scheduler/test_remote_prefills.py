@@ -53,13 +53,13 @@ def test_a_remote_prefill_holds_its_blocks_and_hands_over_the_first_token():
 
 def test_a_cached_prefix_stays_here_and_only_the_rest_is_asked_for():
     s = decode_engine()
-    s.config = dataclasses.replace(s.config, disaggregation=None)
+    s.swap(dataclasses.replace(s.config, disaggregation=None))
     first = add(s, "warm", list(range(10, 22)), max_tokens=1)  # caches its 3 full blocks
     plan = s.schedule()
     first_blocks = list(first.block_table)
     s.update(plan, StepResult(step_id=plan.step_id, sampled_token_ids=[5]))
     assert first.status is RequestStatus.FINISHED
-    s.config = dataclasses.replace(s.config, disaggregation=DisaggregationRule(mode="always"))
+    s.swap(dataclasses.replace(s.config, disaggregation=DisaggregationRule(mode="always")))
     r = add(s, "b", list(range(10, 22)) + [7, 8, 9])  # 15 tokens, 12 of them cached
     s.schedule()
     [start] = s.remote.tries.take_starts()
@@ -159,7 +159,7 @@ async def test_a_prefill_engine_refuses_another_layout_and_takes_its_own():
 
 def test_a_request_the_rule_keeps_here_is_not_weighed_again():
     s = decode_engine()
-    s.config = dataclasses.replace(s.config, disaggregation=DisaggregationRule(min_tokens=64))
+    s.swap(dataclasses.replace(s.config, disaggregation=DisaggregationRule(min_tokens=64)))
     r = add(s, "a", list(range(10, 20)))  # 10 tokens: too short to send away
     plan = s.schedule()
     assert [i.sequence_id for i in plan.scheduled] == ["a"] and r.remote.local_only
@@ -185,7 +185,7 @@ def test_a_burst_counts_what_it_sent_before_the_next_heartbeat():
 
 def test_requests_prefilled_elsewhere_count_against_max_num_seqs():
     s = decode_engine()
-    s.config = dataclasses.replace(s.config, max_num_seqs=2)
+    s.swap(dataclasses.replace(s.config, max_num_seqs=2))
     for name in "abc":
         add(s, name, list(range(10, 20)))
     s.schedule()
@@ -196,9 +196,9 @@ def test_the_rule_weighs_the_decodes_of_the_step_it_plans():
     """A prompt beside this step's decodes goes away; the same prompt on an idle engine
     would stay (test_an_idle_decode_engine_prefills_itself)."""
     s = decode_engine()
-    s.config = dataclasses.replace(s.config, disaggregation=DisaggregationRule(
-        min_tokens=8, kv_bytes_per_token=1, bytes_per_second=1e12, handover_seconds=0.0))
-    s.step_time = linear_model()
+    s.swap(dataclasses.replace(s.config, disaggregation=DisaggregationRule(
+        min_tokens=8, kv_bytes_per_token=1, bytes_per_second=1e12, handover_seconds=0.0)))
+    s.swap(step_time=linear_model())
     s.remote.prefill_engines = []  # the first request decodes here
     first = add(s, "a", list(range(10, 14)), max_tokens=50)
     plan = s.schedule()

@@ -18,7 +18,7 @@ BLOCK = 4
 
 
 def _serving_adapters(s: Scheduler, max_adapters: int) -> Scheduler:
-    s.config = dataclasses.replace(s.config, max_adapters=max_adapters)
+    s.swap(dataclasses.replace(s.config, max_adapters=max_adapters))
     return s
 
 

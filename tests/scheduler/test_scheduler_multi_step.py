@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +16,7 @@ from llmbus.bus.messages import (
     SamplingParams,
     ScheduledRequest,
     StepPlan,
+    StepProgress,
     StepResult,
 )
 from llmbus.services.scheduler.config import MULTI_STEP_MAX_BATCH
@@ -155,8 +157,76 @@ def test_a_context_longer_than_any_step_seen_takes_one_step_first():
     model.observe(StepPlan(step_id=1, scheduled=[ScheduledRequest("a", 64, 1)]), 0.005)
     assert model.longest_context == 65
     assert model.knows_context(65 * 5 // 4 + 64) and not model.knows_context(3001)
-    s.step_time = model
+    s.swap(step_time=model)
     [item] = s.schedule().scheduled
     assert item.num_steps == 1
     model.observe(StepPlan(step_id=2, scheduled=[ScheduledRequest("r", 3000, 1)]), 0.02)
     assert model.knows_context(3001)
+
+
+def progress_of(plan: StepPlan, result: StepResult) -> list[StepProgress]:
+    """The StepProgress messages the executor sends for a plan (every forward but its last),
+    made from the plan's full result."""
+    samplers = [i for i in plan.scheduled if i.sample]
+    counts = result.num_sampled or [1] * len(samplers)
+    tokens, offset = {}, 0
+    for item, count in zip(samplers, counts, strict=True):
+        tokens[item.sequence_id] = result.sampled_token_ids[offset:offset + count]
+        offset += count
+    return [StepProgress(step_id=plan.step_id, forward=k, sampled_token_ids=[
+                tokens[i.sequence_id][k] for i in samplers if i.num_steps > k])
+            for k in range(max(i.num_steps for i in samplers) - 1)]
+
+
+def streamed_outputs(prompts: list[list[int]], params: SamplingParams, model,
+                     deliver=lambda progress: progress):
+    """outputs(4, ...), each plan's progress streamed before its result (`deliver` may drop
+    or reorder them): the tokens per request, the finish reasons, and the updates."""
+    s = make(k=0, decode_steps=4)
+    for i, prompt in enumerate(prompts):
+        s.add_request(f"r{i}", "api", prompt, params)
+    executor = FakeExecutor(model)
+
+    def step(plan: StepPlan) -> StepResult:
+        result = executor.run(plan)
+        if any(i.num_steps > 1 for i in plan.scheduled):
+            for progress in deliver(progress_of(plan, result)):
+                streamed.append(s.stream(plan, progress))
+                s.check_invariants()
+        return result
+
+    streamed: list[list] = []
+    _, updates = drive(s, step, depth=1)  # nothing planned behind a multi-step plan
+    updates = [u for batch in streamed for u in batch] + updates
+    tokens = {f"r{i}": [t for u in sorted(updates, key=lambda u: u.num_before)
+                        if u.request_id == f"r{i}" for t in u.new_token_ids]
+              for i in range(len(prompts))}
+    reasons = {u.request_id: u.finish_reason for u in updates if u.finish_reason}
+    return tokens, reasons, streamed
+
+
+def model_with_a_stop(sequence_id, tokens):
+    """r0 says EOS as its 6th output token (inside a plan of 4 steps); r1 never."""
+    if sequence_id == "r0" and len(tokens) == 3 + 5:
+        return EOS
+    return (tokens[-1] * 5 + len(tokens)) % 11 + 3
+
+
+@pytest.mark.parametrize("deliver", [
+    lambda progress: progress,  # in order
+    lambda progress: progress[:1],  # the rest lost
+    lambda progress: progress[1:],  # the first lost: nothing after it is taken
+    lambda progress: progress[::-1],  # the wrong order: only the first forward's is taken
+], ids=["in-order", "rest-lost", "first-lost", "reversed"])
+def test_tokens_streamed_as_each_forward_samples_them_are_those_of_the_result(deliver):
+    params = SamplingParams(max_tokens=10)
+    expected, expected_reasons = outputs(4, [[7, 8, 9], [4, 4]], params, model_with_a_stop)[1:]
+    tokens, reasons, streamed = streamed_outputs([[7, 8, 9], [4, 4]], params,
+                                                 model_with_a_stop, deliver)
+    assert tokens == expected and reasons == expected_reasons
+    assert reasons["r0"] is FinishReason.STOP and len(tokens["r0"]) == 6
+    early = [u for batch in streamed for u in batch]
+    assert all(len(u.new_token_ids) == 1 for u in early)
+    if deliver(list(range(3))) == [0, 1, 2]:  # in order: all but each plan's last forward
+        assert len(early) >= 2 * 2 * 2  # >= 2 plans of 4 steps for each, 2 streamed forwards
+        assert any(u.finish_reason is FinishReason.STOP for u in early)  # r0 ended streaming

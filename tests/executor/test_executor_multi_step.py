@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from llmbus.bus.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+from llmbus.bus.messages import (
+    NewRequestData,
+    SamplingParams,
+    ScheduledRequest,
+    StepPlan,
+    StepProgress,
+)
 from llmbus.services.executor.runner import ModelRunner
 from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama
 
@@ -29,10 +35,21 @@ def test_several_steps_a_plan_sample_what_one_step_plans_do(runner):
         NewRequestData(r, PROMPTS[r], PARAMS[r]) for r in "ab"], scheduled=[
         ScheduledRequest("a", 0, 4, [1, 2, 3]), ScheduledRequest("b", 0, 2, [4, 5, 6])]))
     out = {"a": [first.sampled_token_ids[0]], "b": [first.sampled_token_ids[1]]}
+    progress: list[StepProgress] = []
+    runner.on_progress = progress.append
     for step_id, steps in ((1, {"a": 4, "b": 3}), (2, {"a": 4, "b": 5})):
         plan = StepPlan(step_id=step_id, scheduled=[ScheduledRequest(
             r, len(PROMPTS[r]) + len(out[r]) - 1, 1, num_steps=steps[r]) for r in "ab"])
+        progress.clear()
         result = runner.step(plan)
+        # each forward but the last, as it sampled: the result's tokens, forward by forward
+        sampled = iter(result.sampled_token_ids)
+        by_request = {r: [next(sampled) for _ in range(steps[r])] for r in "ab"}
+        assert [(p.step_id, p.forward, p.sampled_token_ids) for p in progress] == [
+            (step_id, k, [by_request[r][k] for r in "ab" if steps[r] > k])
+            for k in range(max(steps.values()) - 1)]
+        assert [len(p.logprobs) for p in progress] == [1 + (steps["b"] > k)
+                                                       for k in range(len(progress))]
         assert result.error == "" and result.num_sampled == [steps["a"], steps["b"]]
         assert len(result.logprobs) == sum(steps.values())
         assert all(lp is not None for lp in result.logprobs[:steps["a"]])  # a asked for them
@@ -41,6 +58,7 @@ def test_several_steps_a_plan_sample_what_one_step_plans_do(runner):
         for r in "ab":
             out[r] += [next(tokens) for _ in range(steps[r])]
     assert out["a"] == expected[0] and out["b"] == expected[1]
+    runner.on_progress = lambda _: None
     runner.step(StepPlan(step_id=3, finished_sequence_ids=["a", "b"]))
 
 

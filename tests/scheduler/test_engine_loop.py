@@ -9,7 +9,14 @@ import asyncio
 
 import pytest
 
-from llmbus.bus.messages import FinishReason, RequestTokens, SamplingParams, StepPlan, StepResult
+from llmbus.bus.messages import (
+    FinishReason,
+    RequestTokens,
+    SamplingParams,
+    StepPlan,
+    StepProgress,
+    StepResult,
+)
 from llmbus.services.scheduler.config import SchedulerConfig
 from llmbus.services.scheduler.engine_loop import EngineLoop
 from llmbus.services.scheduler.scheduler import Scheduler
@@ -126,6 +133,38 @@ async def test_nothing_is_planned_behind_a_multi_step_plan():
         assert len(multi) >= 3, executor.plans
         assert executor.behind_multi_step == []
         assert max(executor.unanswered_at_send) == 1  # the prefill had a step planned behind it
+        assert [t for u in published.updates for t in u.new_token_ids] == [7] * 20
+    finally:
+        task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_multi_step_plans_tokens_go_out_as_its_forwards_sample_them():
+    """While a plan of 4 forwards runs, each forward's StepProgress is published at once; a
+    progress of another plan, or out of order, is not; the result brings the rest."""
+    executor = FakeExecutor()
+    loop, published = _engine(executor, depth=2, decode_steps=4)
+    task = asyncio.create_task(loop.run())
+    try:
+        _add(loop, "a", max_tokens=20)
+        await _until(lambda: executor.plans, "the prefill sent")
+        executor.gate(0).set()
+        await _until(lambda: len(executor.plans) == 2, "a plan of several forwards sent")
+        plan = executor.plans[1]
+        assert [s.num_steps for s in plan.scheduled] == [4]
+        await _until(lambda: loop._awaited is plan, "its result awaited")
+        num_before = len(published.updates)
+        await loop.progress(StepProgress(step_id=plan.step_id + 1, forward=0,
+                                         sampled_token_ids=[7]))  # not this plan's
+        await loop.progress(StepProgress(step_id=plan.step_id, forward=1,
+                                         sampled_token_ids=[7]))  # forward 0 first
+        assert len(published.updates) == num_before
+        for forward in range(3):
+            await loop.progress(StepProgress(step_id=plan.step_id, forward=forward,
+                                             sampled_token_ids=[7]))
+            assert [u.new_token_ids for u in published.updates[num_before:]] == [[7]] * (
+                forward + 1)
+        await _open_gates(executor, lambda: "a" in published.finished())
         assert [t for u in published.updates for t in u.new_token_ids] == [7] * 20
     finally:
         task.cancel()

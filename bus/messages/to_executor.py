@@ -173,15 +173,16 @@ class StepResult(Message):
 
 class StepProgress(Message):
     """executor -> its scheduler (publish), while a plan of several forwards runs (multi-step
-    decoding): what one forward sampled, as soon as it is sampled, so that the tokens stream
-    at the pace they are made rather than a plan's worth at a time. One message a forward for
-    the whole batch; the plan's StepResult still carries every token, so a progress message
-    that is lost or late delays tokens and never loses them."""
+    decoding): what its forwards sampled so far, as they sample it, so that the tokens stream
+    at about the pace they are made rather than a plan's worth at a time. One message for the
+    whole batch every few forwards; the plan's StepResult still carries every token, so a
+    progress message that is lost or late delays tokens and never loses them."""
 
     step_id: int
-    forward: int  # 0: the plan's first forward; then 1, 2, ...
-    # One token for each sampling request of the plan still going at this forward (those
-    # with num_steps > forward), in plan order.
+    forward: int  # the first forward it covers: 0 for the plan's first, then 1, 2, ...
+    num_forwards: int = 1  # forwards forward .. forward + num_forwards - 1
+    # Forward by forward, one token for each sampling request of the plan still going at
+    # that forward (those with num_steps > it), in plan order.
     sampled_token_ids: list[int] = []
     logprobs: list[TokenLogprobs | None] = []  # parallel to them, or empty
 

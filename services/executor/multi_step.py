@@ -1,15 +1,53 @@
 """Multi-step decoding: a plan's plain decodes may ask for several steps (`num_steps`), which
 the executor takes back to back, each forward feeding a request its own last token, so the
-scheduler pays one round trip for several tokens. Each forward's tokens but the last's are also
-handed to `progress` as they are sampled (the service publishes them: StepProgress), so that
-they stream at the forwards' pace."""
+scheduler pays one round trip for several tokens. The forwards' tokens also go out while the
+plan runs (ProgressStream: a StepProgress every STREAM_INTERVAL_SECONDS at most), so that a
+stream's text comes at about the pace of its forwards, not a plan's worth at a time.
+
+Why an interval and not every forward: each message is a hop through the scheduler, the
+detokenizer and the api, whose CPU a small machine takes from the forwards. One stream of the
+default model on 2 cores (Intel Xeon model 167): every 6.6 ms forward streamed, TPOT 7.2 ms and
+ITL p99 15 ms; a plan's worth at a time, 6.6 and 120 ms.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
-from llmbus.bus.messages import ScheduledRequest, TokenLogprobs
+from llmbus.bus.messages import ScheduledRequest, StepProgress, TokenLogprobs
 from llmbus.services.executor.sampling.sampled_tokens import SampledTokens
+
+STREAM_INTERVAL_SECONDS = 0.010  # a plan's tokens go out at most this often while it runs
+
+
+class ProgressStream:
+    """A plan's forwards' tokens, published (`publish`) as one StepProgress of every forward
+    since the last one once STREAM_INTERVAL_SECONDS have passed since the plan began or the
+    last message went; never after the plan's last forward, whose result follows at once."""
+
+    def __init__(self, step_id: int, publish: Callable[[StepProgress], None],
+                 interval: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.step_id, self.publish, self.clock = step_id, publish, clock
+        self.interval = STREAM_INTERVAL_SECONDS if interval is None else interval
+        self.first = 0  # the first forward not published yet
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs | None] = []
+        self.last = clock()
+
+    def __call__(self, forward: int, sampled: SampledTokens) -> None:
+        """Forward `forward` (not the plan's last) sampled these."""
+        self.token_ids += sampled.token_ids
+        self.logprobs += sampled.logprobs or [None] * len(sampled.token_ids)
+        now = self.clock()
+        if now - self.last < self.interval:
+            return
+        self.publish(StepProgress(
+            step_id=self.step_id, forward=self.first, num_forwards=forward + 1 - self.first,
+            sampled_token_ids=self.token_ids,
+            logprobs=self.logprobs if any(lp is not None for lp in self.logprobs) else []))
+        self.first, self.token_ids, self.logprobs, self.last = forward + 1, [], [], now
 
 
 def more_steps(scheduled: list[ScheduledRequest], first: SampledTokens,

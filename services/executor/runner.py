@@ -49,7 +49,7 @@ from llmbus.services.executor.kv_cache import (
 )
 from llmbus.services.executor.kv_gathering import KvGathering, layout_of
 from llmbus.services.executor.lora.backend_support import adapter_slots
-from llmbus.services.executor.multi_step import more_steps
+from llmbus.services.executor.multi_step import ProgressStream, more_steps
 from llmbus.services.executor.request_state import RequestState, check_scheduled, seed_positions
 from llmbus.services.executor.sampling.constraints import Grammars, Vocabulary, apply_masks
 from llmbus.services.executor.sampling.logprobs import token_logprobs
@@ -267,6 +267,7 @@ class ModelRunner:
                 raise KeyError(f"unknown sequence {sched.sequence_id!r}")
             state.block_table.extend(sched.new_block_ids)
             check_scheduled(sched, state, self.block_size, self.max_model_len)
+        progress = ProgressStream(plan.step_id, self.on_progress)  # its interval starts now
         sampled = self._forward(plan.scheduled)
         self.kv_gathering.gather_filled(plan.scheduled,
                                         lambda sequence_id: self.requests[sequence_id].block_table)
@@ -275,9 +276,7 @@ class ModelRunner:
                 raise ValueError("a plan with drafts cannot also take several steps")
             return more_steps(plan.scheduled, sampled, self._forward,
                               lambda sequence_id: len(self.requests[sequence_id].token_ids),
-                              lambda forward, tokens: self.on_progress(StepProgress(
-                                  step_id=plan.step_id, forward=forward,
-                                  sampled_token_ids=tokens.token_ids, logprobs=tokens.logprobs)))
+                              progress)
         return sampled
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> SampledTokens:

@@ -107,7 +107,8 @@ EXAMPLES = [
                  num_tokens=2, error="e", idle_seconds=0.5, logprobs=[LOGPROBS, None],
                  num_sampled=[1], transfers=[m.KvTransferReport(transfer_id="r1>1")],
                  embeddings=[m.PooledEmbedding(sequence_id="r1", vector=b"\x00\x00\x80?")]),
-    m.StepProgress(step_id=3, forward=1, sampled_token_ids=[42, 7], logprobs=[LOGPROBS, None]),
+    m.StepProgress(step_id=3, forward=1, num_forwards=2, sampled_token_ids=[42, 7],
+                   logprobs=[LOGPROBS, None]),
     m.PooledEmbedding(sequence_id="r1", vector=b"\x00\x00\x80?"),
     START, TOKENS,
     m.TokenBatch(engine_id="e0", items=[TOKENS]),
@@ -211,7 +212,7 @@ GOLDEN = {
         "bfe0000000000000cbbff8000000000000c091019195a472313e3100cb0000000000000000a0cb000000"
         "00000000009192a27231c4040000803f"),
     "StepProgress": (
-        "940301922a079293cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000c0"),
+        "95030102922a079293cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000c0"),
     "PooledEmbedding": "92a27231c4040000803f",
     "CompletionStart": "96a56170692e780291a178c3a930302d742d732d30319129",
     "RequestTokens": (

@@ -13,7 +13,10 @@ from llmbus.bus.messages import (
     StepPlan,
     StepProgress,
 )
+from llmbus.services.executor import multi_step
+from llmbus.services.executor.multi_step import ProgressStream
 from llmbus.services.executor.runner import ModelRunner
+from llmbus.services.executor.sampling.sampled_tokens import SampledTokens
 from tests.gguf_fixtures import TinySpec, generate, write_tiny_llama
 
 PROMPTS = {"a": [1, 5, 9, 13], "b": [1, 7]}
@@ -28,7 +31,8 @@ def runner(tmp_path_factory):
     return ModelRunner(path, model_name="tiny", block_size=4, num_blocks=128)
 
 
-def test_several_steps_a_plan_sample_what_one_step_plans_do(runner):
+def test_several_steps_a_plan_sample_what_one_step_plans_do(runner, monkeypatch):
+    monkeypatch.setattr(multi_step, "STREAM_INTERVAL_SECONDS", 0.0)  # every forward streamed
     expected = generate(runner, list(PROMPTS.values()), max_tokens=9,
                         params=list(PARAMS.values()), sequence_ids=["x", "y"])
     first = runner.step(StepPlan(step_id=0, new_requests=[
@@ -74,3 +78,16 @@ def test_a_plan_without_blocks_for_every_step_is_refused(runner):
         ScheduledRequest("c", 3, 2, num_steps=2, draft_token_ids=[5])]))
     assert "several steps are for a plain decode" in result.error
     runner.step(StepPlan(step_id=3, finished_sequence_ids=["c"]))
+
+
+def test_progress_goes_out_once_the_interval_has_passed_with_every_forward_since():
+    """Forwards of 4 ms and an interval of 10: the first message after the third forward
+    (12 ms), with forwards 0-2; the next after the sixth, with 3-5."""
+    clock = iter([0.0, 4.0, 8.0, 12.0, 16.0, 20.0, 24.0])
+    sent: list[StepProgress] = []
+    stream = ProgressStream(7, sent.append, interval=10.0, clock=lambda: next(clock))
+    for forward in range(6):
+        stream(forward, SampledTokens([100 + forward, 200 + forward]))
+    assert [(p.step_id, p.forward, p.num_forwards, p.sampled_token_ids, p.logprobs)
+            for p in sent] == [(7, 0, 3, [100, 200, 101, 201, 102, 202], []),
+                               (7, 3, 3, [103, 203, 104, 204, 105, 205], [])]

@@ -164,22 +164,25 @@ def test_a_context_longer_than_any_step_seen_takes_one_step_first():
     assert model.knows_context(3001)
 
 
-def progress_of(plan: StepPlan, result: StepResult) -> list[StepProgress]:
-    """The StepProgress messages the executor sends for a plan (every forward but its last),
-    made from the plan's full result."""
+def progress_of(plan: StepPlan, result: StepResult, group: int = 1) -> list[StepProgress]:
+    """The StepProgress messages the executor sends for a plan (every forward but its last,
+    `group` forwards a message), made from the plan's full result."""
     samplers = [i for i in plan.scheduled if i.sample]
     counts = result.num_sampled or [1] * len(samplers)
     tokens, offset = {}, 0
     for item, count in zip(samplers, counts, strict=True):
         tokens[item.sequence_id] = result.sampled_token_ids[offset:offset + count]
         offset += count
-    return [StepProgress(step_id=plan.step_id, forward=k, sampled_token_ids=[
-                tokens[i.sequence_id][k] for i in samplers if i.num_steps > k])
-            for k in range(max(i.num_steps for i in samplers) - 1)]
+    last = max(i.num_steps for i in samplers) - 1
+    return [StepProgress(step_id=plan.step_id, forward=k, num_forwards=min(group, last - k),
+                         sampled_token_ids=[tokens[i.sequence_id][f]
+                                            for f in range(k, min(k + group, last))
+                                            for i in samplers if i.num_steps > f])
+            for k in range(0, last, group)]
 
 
 def streamed_outputs(prompts: list[list[int]], params: SamplingParams, model,
-                     deliver=lambda progress: progress):
+                     deliver=lambda progress: progress, group: int = 1):
     """outputs(4, ...), each plan's progress streamed before its result (`deliver` may drop
     or reorder them): the tokens per request, the finish reasons, and the updates."""
     s = make(k=0, decode_steps=4)
@@ -190,7 +193,7 @@ def streamed_outputs(prompts: list[list[int]], params: SamplingParams, model,
     def step(plan: StepPlan) -> StepResult:
         result = executor.run(plan)
         if any(i.num_steps > 1 for i in plan.scheduled):
-            for progress in deliver(progress_of(plan, result)):
+            for progress in deliver(progress_of(plan, result, group)):
                 streamed.append(s.stream(plan, progress))
                 s.check_invariants()
         return result
@@ -212,21 +215,25 @@ def model_with_a_stop(sequence_id, tokens):
     return (tokens[-1] * 5 + len(tokens)) % 11 + 3
 
 
+@pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("deliver", [
     lambda progress: progress,  # in order
     lambda progress: progress[:1],  # the rest lost
     lambda progress: progress[1:],  # the first lost: nothing after it is taken
     lambda progress: progress[::-1],  # the wrong order: only the first forward's is taken
 ], ids=["in-order", "rest-lost", "first-lost", "reversed"])
-def test_tokens_streamed_as_each_forward_samples_them_are_those_of_the_result(deliver):
+def test_tokens_streamed_as_the_forwards_sample_them_are_those_of_the_result(deliver, group):
+    """A message a forward (group 1) or every two: the same tokens, streamed; messages lost or
+    out of order leave theirs to the result."""
     params = SamplingParams(max_tokens=10)
     expected, expected_reasons = outputs(4, [[7, 8, 9], [4, 4]], params, model_with_a_stop)[1:]
     tokens, reasons, streamed = streamed_outputs([[7, 8, 9], [4, 4]], params,
-                                                 model_with_a_stop, deliver)
+                                                 model_with_a_stop, deliver, group)
     assert tokens == expected and reasons == expected_reasons
     assert reasons["r0"] is FinishReason.STOP and len(tokens["r0"]) == 6
     early = [u for batch in streamed for u in batch]
-    assert all(len(u.new_token_ids) == 1 for u in early)
+    assert all(1 <= len(u.new_token_ids) <= group for u in early)
     if deliver(list(range(3))) == [0, 1, 2]:  # in order: all but each plan's last forward
-        assert len(early) >= 2 * 2 * 2  # >= 2 plans of 4 steps for each, 2 streamed forwards
+        # plans of 4 steps after each prefill: r0 3 tokens, then its EOS; r1 3 and 3
+        assert sum(len(u.new_token_ids) for u in early) == 3 + 1 + 3 + 3
         assert any(u.finish_reason is FinishReason.STOP for u in early)  # r0 ended streaming

@@ -133,3 +133,17 @@ async def test_concurrent_streams_share_steps(stack):
     assert after.num_running == 0 and after.num_waiting == 0
     # No KV block leaked: each is free or held only by the prefix cache.
     assert after.num_free_blocks + after.num_cached_blocks == after.num_total_blocks
+
+
+def test_a_lone_stream_gets_its_tokens_as_the_forwards_sample_them(client):
+    """A lone stream decodes several forwards a plan (multi-step), yet its tokens come as the
+    forwards sample them (StepProgress, at most every 10 ms; the exact mode's forwards take
+    longer), not a plan's worth at a time: most chunks carry one token (the logprobs say how
+    many each carries). Seen failing without the executor's grant to publish its progress."""
+    stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time",
+                                       max_tokens=160, temperature=0, logprobs=1, stream=True,
+                                       extra_body={"ignore_eos": True})
+    per_chunk = [len(c.choices[0].logprobs.tokens) for c in stream
+                 if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.tokens]
+    assert sum(per_chunk) == 160
+    assert sorted(per_chunk)[len(per_chunk) // 2] == 1, per_chunk

@@ -265,8 +265,9 @@ class Scheduler:
     def stream(self, plan: StepPlan, progress: StepProgress,
                now: float = 0.0) -> list[RequestTokens]:
         """A forward's tokens of the plan awaited (several forwards), before its result:
-        appended and sent on now (streamed_forwards.py)."""
-        updates: list[RequestTokens] = []
+        appended and sent on now (streamed_forwards.py), after the updates waiting to go (a
+        first token from a prefill engine's: the detokenizer takes a completion's in order)."""
+        updates = self.take_ended_updates()
         for item, token, logprobs in self._streamed.take(plan, progress):
             if (request := self.table.get(item.sequence_id)) is not None:
                 updates += self._sampled(request, [(token, logprobs)], 1, now)

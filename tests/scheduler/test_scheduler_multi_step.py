@@ -237,3 +237,23 @@ def test_tokens_streamed_as_the_forwards_sample_them_are_those_of_the_result(del
         # plans of 4 steps after each prefill: r0 3 tokens, then its EOS; r1 3 and 3
         assert sum(len(u.new_token_ids) for u in early) == 3 + 1 + 3 + 3
         assert any(u.finish_reason is FinishReason.STOP for u in early)  # r0 ended streaming
+
+
+def test_updates_waiting_to_go_go_before_the_streamed_tokens():
+    """An update made between steps (here an abort's; a first token from a prefill engine's
+    too) goes out ahead of the next streamed tokens: the detokenizer takes a completion's
+    updates in order, and a gap is a lost message to it."""
+    s = make(k=0, decode_steps=4)
+    for name in ("r0", "r1"):
+        s.add_request(name, "api", [7, 8, 9], SamplingParams(max_tokens=10, ignore_eos=True))
+    executor = FakeExecutor(lambda _, tokens: 5)
+    first = s.schedule()
+    s.update(first, executor.run(first))
+    plan = s.schedule()
+    assert [i.num_steps for i in plan.scheduled] == [4, 4]
+    result = executor.run(plan)
+    s.abort_request("r1")
+    [progress, *_] = progress_of(plan, result)
+    updates = s.stream(plan, progress)
+    assert [(u.request_id, u.finish_reason) for u in updates] == [
+        ("r1", FinishReason.ABORT), ("r0", FinishReason.NONE)]

@@ -1,3 +1,4 @@
+# Over 300 lines: one comparison, from its workloads through each server's run to its summary.
 """`bench compare`: llmbus and each installed peer on the same GGUF, one at a time, same load.
 
 One server runs at a time, so none of them competes for the two cores or for memory with
@@ -233,17 +234,24 @@ def run_hf(args: argparse.Namespace, gguf: Path, out_dir: Path) -> dict[str, Any
         "--threads", str(args.threads)], out_dir)
 
 
-def run_inprocess(args: argparse.Namespace, gguf: Path, out_dir: Path) -> dict[str, Any] | str:
-    """The executor driven in-process at concurrency 1 (bench/inprocess.py)."""
-    print("\n### llmbus-inprocess: the executor alone, concurrency 1", file=sys.stderr,
-          flush=True)
-    record = _run_in_own_process("llmbus-inprocess", [
-        "llmbus.bench.inprocess", "--gguf", str(gguf), "--num-requests",
-        str(args.c1_requests), "--input-len", str(args.input_len), "--max-tokens",
-        str(args.max_tokens), "--threads", str(args.threads)], out_dir)
-    if isinstance(record, dict):
-        record.update(dtype="GGUF codes, int8 activations, float16 KV",
-                      version="executor only")
+def run_inprocess(args: argparse.Namespace, gguf: Path, out_dir: Path,
+                  loads: list[Workload]) -> dict[str, Any] | str:
+    """The executor driven in-process on each random workload (bench/inprocess.py): its
+    numbers per workload, and the largest memory of them."""
+    record: dict[str, Any] = {"workloads": {}, "dtype": "GGUF codes, int8 activations, "
+                              "float16 KV", "version": "executor only"}
+    for w in (w for w in loads if w.dataset == "random"):
+        print(f"\n### llmbus-inprocess: the executor alone, {w.name}", file=sys.stderr,
+              flush=True)
+        run = _run_in_own_process(f"llmbus-inprocess-c{w.concurrency}", [
+            "llmbus.bench.inprocess", "--gguf", str(gguf), "--num-requests", str(w.num_requests),
+            "--concurrency", str(w.concurrency), "--input-len", str(w.input_len),
+            "--max-tokens", str(w.max_tokens), "--threads", str(args.threads)], out_dir)
+        if isinstance(run, str):
+            return run
+        record["workloads"][w.name] = run
+        for key in ("threads", "peak_rss_mib", "peak_pss_mib", "load_before", "load_after"):
+            record[key] = max(record.get(key) or 0, run.get(key) or 0)
     return record
 
 
@@ -264,7 +272,7 @@ def run_compare(args: argparse.Namespace) -> int:
         if name == "hf":
             outcome = run_hf(args, gguf, out_dir)
         elif name == "llmbus-inprocess":
-            outcome = run_inprocess(args, gguf, out_dir)
+            outcome = run_inprocess(args, gguf, out_dir, [w for w, _ in loads])
         else:
             spec = server_spec(name, args, gguf)
             if isinstance(spec, str):

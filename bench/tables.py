@@ -31,10 +31,11 @@ def workload_rows(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, floa
         row = rows.setdefault(workload["name"], {})
         for name, record in summary["servers"].items():
             if name == "llmbus-inprocess":
-                if workload["concurrency"] == 1 and workload["dataset"] == "random":
-                    row[name] = {"tput": record["output_throughput"],
-                                 "ttft": record["ttft_ms_p50"], "itl": record["tpot_ms_p50"],
-                                 "tpot": record["tpot_ms_p50"], "failed": 0}
+                run = _inprocess_run(record, workload)
+                if run is not None:
+                    row[name] = {"tput": run["output_throughput"], "ttft": run["ttft_ms_p50"],
+                                 "itl": run["tpot_ms_p50"], "tpot": run["tpot_ms_p50"],
+                                 "failed": 0}
                 continue
             if name == "hf":
                 runs = [r for r in record["runs"] if workload["dataset"] == "random"
@@ -54,6 +55,29 @@ def workload_rows(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, floa
                              "itl99": itl.get("p99"), "itl999": itl.get("p99.9"),
                              "gap": itl.get("max")}
     return rows
+
+
+def _inprocess_run(record: dict[str, Any], workload: dict[str, Any]) -> dict[str, Any] | None:
+    """The in-process executor's run of this workload: one per random workload, or (a summary
+    from before 2026-12-03) one at concurrency 1."""
+    if "workloads" in record:
+        return record["workloads"].get(workload["name"])
+    if workload["concurrency"] == 1 and workload["dataset"] == "random":
+        return record
+    return None
+
+
+def share_table(summary: dict[str, Any]) -> str:
+    """What the stack leaves of the executor: served output tok/s over the in-process
+    executor's on the same workload (its waves in lockstep, every step full)."""
+    lines = ["| workload | llmbus tok/s | executor alone tok/s | the stack's share |",
+             "|---|---:|---:|---:|"]
+    for workload, servers in workload_rows(summary).items():
+        served, alone = servers.get("llmbus"), servers.get("llmbus-inprocess")
+        if served and alone:
+            lines.append(f"| {workload} | {_num(served['tput'])} | {_num(alone['tput'])} | "
+                         f"{_ratio(served['tput'], alone['tput'])} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def absolute_table(summary: dict[str, Any]) -> str:
@@ -110,8 +134,10 @@ def cpu_line(summary: dict[str, Any]) -> str:
 
 def render_all(summary: dict[str, Any], _workload_names: list[str] | None = None) -> str:
     parts = [cpu_line(summary), "", "## Ratios (peer / llmbus)", "", ratio_table(summary), "",
-             "## Absolute numbers", "", absolute_table(summary), "",
-             "## Servers", "", server_table(summary)]
+             "## Absolute numbers", "", absolute_table(summary), ""]
+    if share := share_table(summary):
+        parts += ["## The stack's share (llmbus / the executor alone)", "", share, ""]
+    parts += ["## Servers", "", server_table(summary)]
     for name, why in summary.get("skipped", {}).items():
         parts.append(f"\nskipped {name}: {why.splitlines()[0] if why else ''}")
     return "\n".join(parts)

@@ -275,6 +275,14 @@ def test_compare_tables_give_peer_over_llmbus_ratios():
     assert f"| {name} | llama-cpp | 3.00× | 0.50× | 0.50× |" in text
     assert f"| {name} | hf | 0.50× | 2.00× | 2.00× |" in text
     assert "skipped vllm-cpu: not installed" in text
+    assert "the stack's share" not in text  # no in-process run: no table of it
+    summary["servers"]["llmbus-inprocess"] = {
+        "version": "executor only", "threads": 2, "dtype": "int8",
+        "workloads": {name: {"output_throughput": 12.5, "ttft_ms_p50": 80.0,
+                             "tpot_ms_p50": 16.0}}}
+    text = render_all(summary)
+    assert f"| {name} | 10.0 | 12.5 | 0.80× |" in text  # llmbus / the executor alone
+    assert f"| {name} | llmbus-inprocess | 1.25× | 0.80× | 0.80× |" in text
 
 
 # --- client and run loop against a mock server -----------------------------------------------

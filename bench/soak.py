@@ -15,7 +15,13 @@ from pathlib import Path
 
 import httpx
 
-from tests.stack import MODEL_NAME, engine_stats, start_stack, stop_stack  # noqa: E402
+from tests.stack import (  # noqa: E402
+    MODEL_NAME,
+    RunningStack,
+    engine_stats,
+    start_stack,
+    stop_stack,
+)
 
 
 def service_rss(launcher_pid: int) -> dict[str, int]:
@@ -74,7 +80,8 @@ async def one_request(http: httpx.AsyncClient, base_url: str, rng: random.Random
         counts["errors"] += 1
 
 
-async def load(base_url: str, seconds: float, concurrency: int) -> dict[str, int]:
+async def load(base_url: str, seconds: float, concurrency: int,
+               headers: dict[str, str] | None = None) -> dict[str, int]:
     counts = {"ok": 0, "errors": 0, "disconnects": 0}
     deadline = time.monotonic() + seconds
     rng = random.Random(0)
@@ -83,9 +90,27 @@ async def load(base_url: str, seconds: float, concurrency: int) -> dict[str, int
         while time.monotonic() < deadline:
             await one_request(http, base_url, rng, counts)
 
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(timeout=120, headers=headers) as http:
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
     return counts
+
+
+def soak(stack: RunningStack, seconds: float, concurrency: int,
+         headers: dict[str, str] | None = None) -> tuple[str, int, int]:
+    """Load a running stack (its launcher's children measured); returns the report, the KV
+    blocks leaked and the errors."""
+    before = service_rss(stack.process.pid)
+    counts = asyncio.run(load(stack.base_url, seconds, concurrency, headers))
+    time.sleep(1.0)
+    after = service_rss(stack.process.pid)
+    stats = asyncio.run(engine_stats(stack.nats_url))
+    leaked = stats.num_total_blocks - stats.num_free_blocks - stats.num_evictable_blocks
+    lines = [f"requests: {counts['ok']} ok, {counts['disconnects']} client disconnects"]
+    lines += [f"rss {name:<12} {before.get(name, 0):6d} MiB -> {after.get(name, 0):6d} MiB"
+              for name in sorted(set(before) | set(after))]
+    lines += [f"running {stats.num_running}, waiting {stats.num_waiting}",
+              f"leaked blocks: {leaked}", f"errors: {counts['errors']}"]
+    return "\n".join(lines), leaked, counts["errors"]
 
 
 def main() -> None:
@@ -96,20 +121,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         stack = start_stack(Path(tmp))
         try:
-            before = service_rss(stack.process.pid)
-            counts = asyncio.run(load(stack.base_url, args.seconds, args.concurrency))
-            time.sleep(1.0)
-            after = service_rss(stack.process.pid)
-            stats = asyncio.run(engine_stats(stack.nats_url))
+            report, _, _ = soak(stack, args.seconds, args.concurrency)
         finally:
             stop_stack(stack)
-    leaked = stats.num_total_blocks - stats.num_free_blocks - stats.num_evictable_blocks
-    print(f"requests: {counts['ok']} ok, {counts['disconnects']} client disconnects")
-    for name in sorted(set(before) | set(after)):
-        print(f"rss {name:<12} {before.get(name, 0):6d} MiB -> {after.get(name, 0):6d} MiB")
-    print(f"running {stats.num_running}, waiting {stats.num_waiting}")
-    print(f"leaked blocks: {leaked}")
-    print(f"errors: {counts['errors']}")
+    print(report)
 
 
 if __name__ == "__main__":

@@ -49,11 +49,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Runni
 @pytest.fixture(scope="session")
 def small_kv_stack(stack, tmp_path_factory: pytest.TempPathFactory) -> RunningStack:
     """A stack whose KV cache is too small for its load, so that requests are preempted
-    (test_e2e_preemption, and constrained requests in test_e2e_structured_output): 40 blocks
-    of 16 tokens, about 10 short chats at once. Exact mode, as the shared stack (`stack`,
-    started first) that its greedy outputs are compared with."""
+    (test_e2e_preemption, constrained requests in test_e2e_structured_output), with n-gram
+    drafts on (test_e2e_speculation: preempted with drafts in flight or not): 40 blocks of 16
+    tokens, about 10 short chats at once. Exact mode, as the shared stack (`stack`, started
+    first) that its greedy outputs are compared with: drafts never change them."""
     running = start_stack(tmp_path_factory.mktemp("small-kv"), "--num-blocks", "41",
-                          "--max-num-seqs", "32", "--exact", "--api-key", API_KEY)
+                          "--max-num-seqs", "32", "--num-speculative-tokens", "4", "--exact",
+                          "--api-key", API_KEY)
     yield running
     stop_stack(running)
 

@@ -1,5 +1,6 @@
-"""Speculative decoding through the whole stack: with drafts on (and a KV budget small enough
-to preempt), greedy answers, stop strings, streaming and n > 1 come out as without them."""
+"""Speculative decoding through the whole stack (the small-KV stack: drafts on, and a KV budget
+small enough to preempt, tests/conftest.py): greedy answers, stop strings, streaming and n > 1
+come out as without them."""
 
 from __future__ import annotations
 
@@ -10,25 +11,17 @@ import httpx
 import openai
 import pytest
 
-from tests.stack import API_KEY, AUTH, MODEL_NAME, engine_stats, start_stack, stop_stack
+from tests.stack import API_KEY, AUTH, MODEL_NAME, engine_stats
 
 pytestmark = pytest.mark.model
 
 PASSAGE = ("The lighthouse was built in 1871, after three ships were lost on the reef in one "
            "winter. Its first keeper climbed the ninety-two steps every evening to light the "
            "lamp.")
-QUESTIONS = [f"Repeat the following text exactly, {i + 1} times:\n\n{PASSAGE}" for i in range(6)]
+# Twelve at once need about 1,300 tokens of KV: the small stack's 656 preempt some of them.
+QUESTIONS = [f"Repeat the following text exactly, {i + 1} times:\n\n{PASSAGE}"
+             for i in range(12)]
 MAX_TOKENS = 48
-
-
-@pytest.fixture(scope="module")
-def spec_stack(stack, tmp_path_factory):
-    # Exact mode, as the shared stack it is compared with; 24 blocks of 16 tokens hold about
-    # three of these requests at once, so some are preempted, drafts in flight or not.
-    running = start_stack(tmp_path_factory.mktemp("spec"), "--num-speculative-tokens", "4",
-                          "--num-blocks", "25", "--exact")
-    yield running
-    stop_stack(running)
 
 
 async def _answers(base_url: str, **extra) -> list[tuple[str, str]]:
@@ -45,14 +38,14 @@ async def _answers(base_url: str, **extra) -> list[tuple[str, str]]:
         return await asyncio.gather(*(ask(q) for q in QUESTIONS))
 
 
-async def test_greedy_answers_and_stop_strings_are_those_without_drafts(stack, spec_stack):
-    before = await engine_stats(spec_stack.nats_url)
-    assert await _answers(spec_stack.base_url) == await _answers(stack.base_url)
+async def test_greedy_answers_and_stop_strings_are_those_without_drafts(stack, small_kv_stack):
+    before = await engine_stats(small_kv_stack.nats_url)
+    assert await _answers(small_kv_stack.base_url) == await _answers(stack.base_url)
     # a stop string inside a run of accepted drafts ends the text right there
-    stopped = await _answers(spec_stack.base_url, stop=["steps"])
+    stopped = await _answers(small_kv_stack.base_url, stop=["steps"])
     assert stopped == await _answers(stack.base_url, stop=["steps"])
     assert all(reason == "stop" and "steps" not in text for text, reason in stopped)
-    after = await engine_stats(spec_stack.nats_url)
+    after = await engine_stats(small_kv_stack.nats_url)
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     print(f"drafts {after.num_draft_tokens - before.num_draft_tokens}, accepted {accepted}, "
           f"preemptions {after.num_preemptions - before.num_preemptions}")
@@ -61,12 +54,12 @@ async def test_greedy_answers_and_stop_strings_are_those_without_drafts(stack, s
         == after.num_total_blocks
 
 
-async def test_streaming_n_and_metrics_with_drafts(spec_stack):
+async def test_streaming_n_and_metrics_with_drafts(small_kv_stack):
     body = {"model": MODEL_NAME, "stream": True, "n": 2, "temperature": 0.7, "seed": 3,
             "max_tokens": 40, "messages": [{"role": "user", "content": QUESTIONS[2]}]}
     texts, reasons = ["", ""], [None, None]
     async with httpx.AsyncClient(timeout=300, headers=AUTH) as client:
-        async with client.stream("POST", f"{spec_stack.base_url}/chat/completions",
+        async with client.stream("POST", f"{small_kv_stack.base_url}/chat/completions",
                                  json=body) as response:
             assert response.status_code == 200
             async for line in response.aiter_lines():
@@ -76,7 +69,7 @@ async def test_streaming_n_and_metrics_with_drafts(spec_stack):
                     texts[choice["index"]] += choice["delta"].get("content") or ""
                     reasons[choice["index"]] = choice["finish_reason"] or reasons[
                         choice["index"]]
-        metrics = (await client.get(spec_stack.base_url.removesuffix("/v1") + "/metrics")).text
+        metrics = (await client.get(small_kv_stack.base_url.removesuffix("/v1") + "/metrics")).text
     assert all(texts) and all(r in ("stop", "length") for r in reasons)
     accepted = [line for line in metrics.splitlines()
                 if line.startswith("llmbus:spec_decode_num_accepted_tokens_total")]

@@ -19,7 +19,14 @@ import pytest
 from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
 from llmbus.services.model_files import default_model_path
 from tests.otlp_receiver import OtlpReceiver
-from tests.stack import API_KEY, ApiCopies, RunningStack, start_stack, stop_stack
+from tests.stack import (
+    API_KEY,
+    TWO_OF_EACH_ARGV,
+    ApiCopies,
+    RunningStack,
+    start_stack,
+    stop_stack,
+)
 from tests.thinking_model import write_thinking_qwen3
 
 
@@ -67,9 +74,9 @@ TRACE_URL = "http://127.0.0.1:16686/trace/{trace_id}"  # the api's links to a tr
 def two_of_each() -> tuple[Stack, str, str]:
     """Two copies of every stage behind an API key, exact mode (test_replicas compares their
     outputs with the shared stack's), the engines serving LoRA adapters (test_lora), started
-    one by one: not `llmbus up`, which stops
-    everything when one dies. test_replicas kills an engine's scheduler and starts it again;
-    test_web_pages, after it, kills a detokenizer copy last. Yields the stack, its api's root
+    one by one: not `llmbus up`, which stops everything when one dies. test_migration kills
+    one process at a time and starts it again, test_replicas an engine's scheduler; test_web_pages,
+    after them, kills a detokenizer copy last. Yields the stack, its api's root
     URL (`/v1` and the pages below it) and its nats URL."""
     if not default_model_path().is_file():
         pytest.skip("default model not pulled (`llmbus model pull`)")
@@ -77,8 +84,7 @@ def two_of_each() -> tuple[Stack, str, str]:
     port = free_port()
     url = stack.start_nats()
     argv = {"api": ["--port", str(port), "--api-key", API_KEY, "--trace-url", TRACE_URL],
-            "scheduler": ["--max-num-seqs", "32"],
-            "executor": ["--threads", "1", "--exact", "--enable-lora"]}
+            **TWO_OF_EACH_ARGV}
     copies = _start_services(stack, url, argv,
                              {"api": 2, "tokenizer": 2, "detokenizer": 2, "engine": 2})
     assert wait_until_ready(stack, f"http://127.0.0.1:{port}/health", 300, copies) is None

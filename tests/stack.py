@@ -16,13 +16,17 @@ from llmbus.bench.stack import MODEL_NAME, RunningStack, engine_stats, start_sta
 from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
 from llmbus.services.model_files import default_model_path
 
-__all__ = ["API_KEY", "AUTH", "MODEL_NAME", "REPO", "ApiCopies", "RunningStack", "engine_holding",
-           "engine_stats", "needs_default_model", "processes_mentioning", "sse_events",
-           "start_stack", "stop_stack"]
+__all__ = ["API_KEY", "AUTH", "MODEL_NAME", "REPO", "TWO_OF_EACH_ARGV", "ApiCopies",
+           "RunningStack", "engine_holding", "engine_stats", "needs_default_model",
+           "processes_mentioning", "sse_events", "start_stack", "stop_stack"]
 
 REPO = Path(__file__).resolve().parent.parent
 API_KEY = "llmbus-test-key"  # the shared stack requires it, so every test exercises auth
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# The options of conftest's two_of_each stack, by stage (the api's port apart): the tests that
+# kill one of its processes start it again with them.
+TWO_OF_EACH_ARGV = {"scheduler": ["--max-num-seqs", "32"],
+                    "executor": ["--threads", "1", "--exact", "--enable-lora"]}
 
 
 def needs_default_model() -> pytest.MarkDecorator:

@@ -6,7 +6,9 @@ gives the logits decoding them one by one gave (as the preemption test relies on
 engine that dies holding requests that have sent nothing yet: they move too, and end with
 their full answers, not errors (services/api/migration_bus.py's watchdog).
 
-The tests share one stack of two engines; each starts again what the one before killed."""
+The tests run on conftest's two_of_each stack (two copies of every stage, exact mode, behind an
+API key); each starts again what the one before killed, and the module what its last one did
+(test_replicas and test_web_pages use the stack next)."""
 
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
+from llmbus.services.launcher import Stack, wait_until_ready
 from llmbus.services.scheduler.detokenizer_routing import preferred_copy
 from tests.stack import (
+    AUTH,
     MODEL_NAME,
+    TWO_OF_EACH_ARGV,
     engine_holding,
     engine_stats,
     needs_default_model,
@@ -29,7 +33,6 @@ from tests.stack import (
 )
 
 pytestmark = [pytest.mark.model, needs_default_model()]
-ENGINES = {"api": 1, "tokenizer": 1, "detokenizer": 2, "engine": 2}
 MAX_TOKENS = 64
 # Greedy, seeded sampling (its draws depend on the seed and the position alone), and a
 # constrained request (the new engine's matcher replays the tokens already streamed).
@@ -40,7 +43,7 @@ REQUESTS = {
 }
 # Each victim once, each kind once or more (the suite's time is counted: the cluster check
 # and bench/cluster_check.sh cover every fault, greedy). The executor last: it is the
-# slowest to start again, and after the last test nothing needs it.
+# slowest to start again.
 CASES = [("greedy", "scheduler"), ("seeded", "detokenizer"), ("grammar", "scheduler"),
          ("seeded", "executor")]
 
@@ -72,16 +75,11 @@ class TwoEngines:
 
 
 @pytest.fixture(scope="module")
-def two_engines():
-    stack = Stack()
-    port = free_port()
-    url = stack.start_nats()
-    argv = {"api": ["--port", str(port)], "executor": ["--threads", "1", "--exact"]}
-    copies = _start_services(stack, url, argv, ENGINES)
-    health = f"http://127.0.0.1:{port}/health"
-    assert wait_until_ready(stack, health, 300, copies) is None
-    yield TwoEngines(stack, f"http://127.0.0.1:{port}/v1", url, argv, health)
-    stack.stop()
+def two_engines(two_of_each):
+    stack, root, url = two_of_each
+    engines = TwoEngines(stack, f"{root}/v1", url, TWO_OF_EACH_ARGV, f"{root}/health")
+    yield engines
+    engines.restore()
 
 
 async def _stream(http: httpx.AsyncClient, base_url: str, sampling: dict,
@@ -139,7 +137,7 @@ async def test_requests_of_a_dead_engine_that_sent_nothing_move_and_finish(two_e
         stats = await engine_stats(observer, "engine1")
         return stats.num_running + stats.num_waiting
 
-    async with httpx.AsyncClient(timeout=300) as http:
+    async with httpx.AsyncClient(timeout=300, headers=AUTH) as http:
         run = asyncio.gather(*(complete(http, p) for p in prompts))
         for _ in range(100):  # until engine1 holds some of them (admitted, prefilling)
             if await held_by_engine1() > 0:
@@ -148,7 +146,8 @@ async def test_requests_of_a_dead_engine_that_sent_nothing_move_and_finish(two_e
         assert await held_by_engine1() > 0
         [scheduler] = [c for c in two_engines.stack.children if c.name == "scheduler.1"]
         two_engines.kill(scheduler, "scheduler", [
-            "--nats-url", two_engines.url, "--engine-id", "engine1"])
+            "--nats-url", two_engines.url, "--engine-id", "engine1",
+            *two_engines.argv["scheduler"]])
         results = await asyncio.wait_for(run, timeout=280)
     # Every request ends with its answer: engine1's moved to engine0, which served them all.
     assert all(r["status"] == 200 for r in results), results
@@ -165,7 +164,7 @@ async def test_a_stream_whose_engine_dies_resumes_on_the_other_engine(two_engine
     two_engines.restore()
     stack, base_url, url = two_engines.stack, two_engines.base_url, two_engines.url
     observer = stack.observer_url(url)
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(timeout=120, headers=AUTH) as http:
         if kind not in two_engines.undisturbed:  # the same for every victim
             two_engines.undisturbed[kind] = await _stream(http, base_url, REQUESTS[kind])
         undisturbed = two_engines.undisturbed[kind]

@@ -21,11 +21,19 @@ Then each fault in turn, injected once every stream is under way:
   scheduler  kill -9 of e1's scheduler, started again after 5 s
   executor   kill -9 of e1's executor, started again after 5 s
   detok      kill -9 of detokenizer d2, started again after 5 s
+  compound   faults that overlap: kill -9 of the api's nats-server (host 1's), left down;
+             then, while new streams run, host 2's link cut and left cut until they end
+             (every stage that had moved to host 2's server must move again, to host 3's)
 and for each: every stream's end (full answer equal to the undisturbed one, or an error), the
 time from the fault to the first log line that shows it noticed, the time until every stream
 streams again, ITL p99 in the 30 s after the fault, requests migrated, errors, the longest a
 stream took to end after the fault, how soon after the fault ended a new request was served,
 and the KV blocks each engine still holds once the load is over (0 = nothing leaked).
+
+`--same-server-list` gives every service the list of all three servers, in the same order
+(host 1's first), instead of its own host's alone: what a user who writes one list for the
+whole cluster gets (issue 46's compound case: when host 1's server dies, they all fall back
+at once, each to a server of its own choosing).
 
 `--split-e1` splits e1's executor by layers over two hosts (its lead shard on host 2, the
 other shard on host 3): the faults then hit a split engine, and its shards talk across hosts.
@@ -67,7 +75,10 @@ STREAMS, MAX_TOKENS = 16, 200  # the default load; --streams, --max-tokens
 TOPICS = ["a lighthouse", "the sea", "a clock", "rain", "a library", "mountains", "a train",
           "bread", "the moon", "a garden", "winter", "a river", "bees", "a bridge", "music",
           "a forest"]
-FAULTS = ["nats-api", "nats-e1", "partition", "scheduler", "executor", "detok"]
+FAULTS = ["nats-api", "nats-e1", "partition", "scheduler", "executor", "detok", "compound"]
+# The compound fault's phases, each a load of its own: faults that are not ended before the
+# next one comes (the cluster is whole again only after the last phase's load).
+COMPOUND = ["nats-api-left-down", "partition-left-cut"]
 # Where each service runs: (host, stage, instance id, extra arguments).
 LAYOUT = [
     # Random routing spreads the 16 prompts (which share the chat template's prefix, where
@@ -99,8 +110,8 @@ class Stream:
 
 
 class Cluster:
-    def __init__(self, hosts: Hosts, work: Path) -> None:
-        self.hosts, self.work = hosts, work
+    def __init__(self, hosts: Hosts, work: Path, same_server_list: bool = False) -> None:
+        self.hosts, self.work, self.same_server_list = hosts, work, same_server_list
         self.passwords = generate_passwords()
         self.route_password = secrets.token_hex(16)
         self.processes: dict[str, subprocess.Popen] = {}
@@ -143,8 +154,9 @@ class Cluster:
     def start_service(self, host: int, stage: str, instance: str, extra: list[str]) -> None:
         env = {"LLMBUS_NATS_USER": stage, "LLMBUS_NATS_PASSWORD": self.passwords[stage],
                TLS_CA_VARIABLE: str(self.work / "cert.pem")}
+        urls = [self.url(h) for h in (1, 2, 3)] if self.same_server_list else [self.url(host)]
         argv = [sys.executable, "-m", "llmbus.services.cli", "serve", stage, "--nats-url",
-                self.url(host), "--instance-id", instance, *extra]
+                ",".join(urls), "--instance-id", instance, *extra]
         self._spawn(instance, host, argv, env)
 
     def _spawn(self, name: str, host: int, argv: list[str], env: dict[str, str]) -> None:
@@ -291,10 +303,15 @@ async def run_load(cluster: Cluster, fault: str | None, num_streams: int = STREA
 
 
 async def inject(cluster: Cluster, fault: str) -> float:
-    """Inject the fault, end it (after 5 s, a partition after 10 s); when it ended."""
+    """Inject the fault, end it (after 5 s, a partition after 10 s); when it ended (a phase
+    of the compound fault: when it began, left as it is)."""
     victim = {"nats-api": "nats1", "nats-e1": "nats2", "scheduler": "e1",
               "executor": "e1-executor", "detok": "d2"}.get(fault)
-    if fault == "partition":
+    if fault == "nats-api-left-down":  # the compound fault's phases: nothing ends them here
+        cluster.kill("nats1")
+    elif fault == "partition-left-cut":
+        cluster.hosts.partition(2, cut=True)
+    elif fault == "partition":
         cluster.hosts.partition(2, cut=True)
         await asyncio.sleep(10)
         cluster.hosts.partition(2, cut=False)
@@ -351,6 +368,27 @@ def summarize(cluster: Cluster, fault: str, load: dict, reference: list[str]) ->
     }
 
 
+async def run_fault(cluster: Cluster, fault: str, args: argparse.Namespace,
+                    reference: list[str]) -> list[dict]:
+    """A fault under load (the compound fault: each phase under a load of its own), then the
+    KV blocks held once the cluster is whole and ready again; a result per load."""
+    phases = []
+    for phase in COMPOUND if fault == "compound" else [fault]:
+        load = await run_load(cluster, phase, args.streams, args.max_tokens)
+        phases.append(summarize(cluster, phase, load, reference))
+        phases[-1]["served_after_fault_ended_s"] = load["served_after_fault_ended_s"]
+    if fault == "compound":  # the cluster whole again
+        cluster.hosts.partition(2, cut=False)
+        cluster.restart("nats1")
+    await cluster.wait_ready()
+    await asyncio.sleep(2)  # aborts of the migrated attempts land
+    held = await cluster.held_blocks()
+    for result in phases:
+        result["kv_blocks_held_after"] = held
+        print(json.dumps(result), flush=True)
+    return phases
+
+
 def _named(line: str) -> str:
     """The copy a "... gone" log line names."""
     for key in ("instance=", "engine="):
@@ -377,7 +415,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 extra.remove("--exact")
     hosts = Hosts()
     work = Path(tempfile.mkdtemp(prefix="llmbus-cluster-"))
-    cluster = Cluster(hosts, work)
+    cluster = Cluster(hosts, work, args.same_server_list)
     results = []
     began = time.monotonic()
     try:
@@ -397,14 +435,7 @@ async def main_async(args: argparse.Namespace) -> int:
             print(f"the undisturbed run failed: {failed[:3]}", file=sys.stderr)
             return 1
         for fault in faults:
-            load = await run_load(cluster, fault, args.streams, args.max_tokens)
-            result = summarize(cluster, fault, load, reference)
-            result["served_after_fault_ended_s"] = load["served_after_fault_ended_s"]
-            await cluster.wait_ready()
-            await asyncio.sleep(2)  # aborts of the migrated attempts land
-            result["kv_blocks_held_after"] = await cluster.held_blocks()
-            results.append(result)
-            print(json.dumps(result), flush=True)
+            results += await run_fault(cluster, fault, args, reference)
     finally:
         cluster.stop()
         hosts.remove()
@@ -445,6 +476,9 @@ def main() -> None:
                              "tokens are then computed again with other kernels (a prompt's), "
                              "and an answer may part from the undisturbed one where two "
                              "tokens were nearly tied")
+    parser.add_argument("--same-server-list", action="store_true",
+                        help="every service given all three servers, host 1's first (default: "
+                             "its own host's alone)")
     parser.add_argument("--split-e1", action="store_true",
                         help="engine e1's executor split by layers over hosts 2 and 3 "
                              "(--shard 0/2 beside its scheduler, 1/2 on host 3)")

@@ -40,6 +40,7 @@ from llmbus.bus.messages import Heartbeat, Ping, Pong
 from llmbus.bus.servers import (
     MAX_OUTSTANDING_PINGS,
     PING_INTERVAL,
+    StuckClose,
     connect_order,
     server_urls,
     tls_options,
@@ -84,6 +85,7 @@ class ServiceRuntime:
         # copy judges the others' silence (see bus_time).
         self.bus_alive_at = 0.0
         self._probe_task: asyncio.Task | None = None
+        self._stuck_close = StuckClose()  # a lost connection whose close hangs is dropped
 
     async def __aenter__(self) -> ServiceRuntime:
         await self.connect()
@@ -156,6 +158,8 @@ class ServiceRuntime:
                     self.bus_alive_at = time.monotonic()
                 except (nats.errors.Error, TimeoutError):
                     pass  # timed out or dropped: the clock stays where it was
+            elif self.nc is not None and self._stuck_close.check(self.nc, time.monotonic()):
+                log.warning("bus connection dropped: its close hung", service=self.service)
             await asyncio.sleep(HEARTBEAT_INTERVAL)
 
     def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import ssl
+from typing import Any
 
 # A server that dies with its host, or a partition (no RST), is noticed only by unanswered
 # pings: nats-py's default (a ping every 120 s, 2 outstanding) takes minutes. One a second, and
@@ -16,6 +17,41 @@ import ssl
 # reconnect, so a copy whose server died is not given up on while it reconnects.
 PING_INTERVAL = 1
 MAX_OUTSTANDING_PINGS = 2
+# nats-py closes a lost connection gracefully before it tries the next server. Over TLS, with
+# data still queued for a server cut off without an RST, that close waits until TCP gives up
+# (seen: 30 s, every copy on that server reconnecting to none meanwhile, issue 46's compound
+# case). A close still waited for after this long is cut short: the connection is dropped.
+STUCK_CLOSE_SECONDS = 2.0
+
+
+class StuckClose:
+    """Watches a client's reconnections (`check`, called now and then): the connection being
+    left is aborted, unsent data and all, once its graceful close has taken
+    STUCK_CLOSE_SECONDS. It reads nats-py's private transport (nats-py is pinned): the client
+    has no way to say "drop it now"."""
+
+    def __init__(self) -> None:
+        self.writer: Any = None  # the stream writer of the connection being left
+        self.since = 0.0
+
+    def check(self, client: Any, now: float) -> bool:
+        """True when it aborted a connection."""
+        transport = getattr(client, "_transport", None)
+        writer = getattr(transport, "_io_writer", None)
+        if not client.is_reconnecting or writer is None:
+            self.writer = None
+            return False
+        if writer is not self.writer:  # a reconnection began, or moved on to a new server
+            self.writer, self.since = writer, now
+            return False
+        if now - self.since < STUCK_CLOSE_SECONDS or not writer.transport.is_closing():
+            return False  # a close still in time, or a connection being made
+        writer.transport.abort()
+        bare = getattr(transport, "_bare_io_writer", None)  # under TLS: the TCP connection
+        if bare is not None and bare is not writer:
+            bare.transport.abort()
+        self.writer = None
+        return True
 
 # Where a tls:// bus URL's server certificate is checked: a CA bundle, or the server's own
 # self-signed certificate (what `llmbus up --nats-tls-cert` sets for its services).

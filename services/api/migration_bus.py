@@ -25,7 +25,12 @@ from llmbus.services.api.migration import DEFAULT_MIGRATION_LIMIT, Placement, Ve
 
 log = structlog.get_logger()
 
-RESUME_PATIENCE = 3.0  # seconds a resumed request may wait for an engine to take it
+RESUME_PATIENCE = 3.0  # seconds a resumed request may wait for an engine to take it, at least
+# ... and at most this long while the pipeline is settling: some engine and some tokenizer copy
+# still counted alive (their heartbeats may be late while they move to another server), or
+# this copy off the bus. With none alive, a 503 is an empty pipeline: no wait beyond the first.
+RESUME_PATIENCE_SETTLING = 30.0
+RESUME_RETRY_SECONDS = 0.5  # between two tries
 
 
 class Migrations:
@@ -135,16 +140,27 @@ class Migrations:
         self._move_again(placement)
 
     async def _admit_soon(self, request: GenerateRequest) -> Admission:
-        """Admit a resumed request, retrying for a few seconds while no engine takes it (503):
-        after a bus outage the stages reconnect one by one, and this copy may be first."""
-        deadline = time.monotonic() + RESUME_PATIENCE
+        """Admit a resumed request, retrying while no engine takes it (503): after a bus
+        outage the stages reconnect one by one, and this copy may be first. A few seconds,
+        or longer while the pipeline is settling (RESUME_PATIENCE_SETTLING)."""
+        started = time.monotonic()
         while True:
             try:
                 return await self.admit(request)
             except OpenAIError as exc:
-                if exc.status_code != 503 or time.monotonic() > deadline:
+                waited = time.monotonic() - started
+                if exc.status_code != 503 or waited > RESUME_PATIENCE_SETTLING or (
+                        waited > RESUME_PATIENCE and not self._settling()):
                     raise
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(RESUME_RETRY_SECONDS)
+
+    def _settling(self) -> bool:
+        """Whether a 503 may be the cluster settling rather than an empty pipeline: this copy
+        is off the bus, or some engine and some tokenizer copy are still counted alive."""
+        if not self.runtime.connected:
+            return True
+        now = self.runtime.bus_time()
+        return all(self.copies[stage].alive(now) for stage in ("scheduler", "tokenizer"))
 
     def _move_again(self, placement: Placement) -> None:
         """The attempt just admitted failed before its admission came back: it moves too."""

@@ -12,7 +12,13 @@ from llmbus.bus import subjects
 from llmbus.bus.codec import decode, encode
 from llmbus.bus.messages import Ping, Pong
 from llmbus.bus.runtime import ServiceRuntime
-from llmbus.bus.servers import connect_order, server_urls, tls_options
+from llmbus.bus.servers import (
+    STUCK_CLOSE_SECONDS,
+    StuckClose,
+    connect_order,
+    server_urls,
+    tls_options,
+)
 from llmbus.services.launcher import free_port
 
 pytestmark = pytest.mark.adapter  # a real nats-server, no model
@@ -59,3 +65,47 @@ async def test_a_service_joins_through_a_server_of_the_list_that_is_up(bus):
         assert decode(reply.data, Pong).instance_id == runtime.instance_id
     finally:
         await runtime.close()
+
+
+class _Transport:  # what StuckClose reads of nats-py's: a stream writer's asyncio transport
+    def __init__(self, closing: bool) -> None:
+        self.closing, self.aborted = closing, False
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class _Writer:
+    def __init__(self, closing: bool) -> None:
+        self.transport = _Transport(closing)
+
+
+class _Client:
+    def __init__(self, writer: _Writer, reconnecting: bool = True) -> None:
+        self.is_reconnecting = reconnecting
+        self._transport = type("TcpTransport", (), {})()
+        self._transport._io_writer = self._transport._bare_io_writer = writer
+
+
+def test_a_close_that_hangs_past_its_time_is_cut_short_and_nothing_else_is():
+    """nats-py closes a lost TLS connection gracefully before it reconnects, which waits for
+    TCP to give up when the server was cut off (30 s seen): StuckClose drops it once its close
+    has taken STUCK_CLOSE_SECONDS. A connection being made (not closing) is never dropped, nor
+    one of a client that is not reconnecting."""
+    watch, hung = StuckClose(), _Writer(closing=True)
+    client = _Client(hung)
+    assert not watch.check(client, 100.0)  # the reconnection began
+    assert not watch.check(client, 100.0 + STUCK_CLOSE_SECONDS - 0.1)
+    assert not hung.transport.aborted
+    assert watch.check(client, 100.0 + STUCK_CLOSE_SECONDS + 0.1)
+    assert hung.transport.aborted
+    connecting = _Writer(closing=False)  # the next server's connection, being made
+    client._transport._io_writer = connecting
+    for now in (103.0, 110.0, 200.0):
+        assert not watch.check(client, now)
+    assert not connecting.transport.aborted
+    calm, calm_watch = _Client(_Writer(closing=True), reconnecting=False), StuckClose()
+    assert not any(calm_watch.check(calm, now) for now in (0.0, 10.0, 100.0))

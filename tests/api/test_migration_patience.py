@@ -1,0 +1,78 @@
+"""How long a resumed request waits for the pipeline to take it (services/api/migration_bus.py,
+`Migrations._admit_soon`): past RESUME_PATIENCE only while some engine and some tokenizer copy
+are still counted alive, the cluster settling after a fault (issue 46: stages moving to
+another server answer late); with none alive it fails after the first few seconds, an empty
+pipeline. The admission is a function that refuses (503) a given number of times; the patience
+constants are scaled down, so the test waits for nothing real."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from llmbus.bus.liveness import Liveness
+from llmbus.bus.messages import Admission, GenerateRequest, Heartbeat, SamplingParams
+from llmbus.services.api import migration_bus
+from llmbus.services.api.errors import OpenAIError
+from llmbus.services.api.migration_bus import Migrations
+
+STAGES = ("scheduler", "tokenizer", "detokenizer", "executor", "api")
+
+
+class _Runtime:  # what Migrations asks of its bus runtime here
+    connected = True
+
+    def bus_time(self) -> float:
+        return time.monotonic()
+
+
+def _migrations(alive: set[str], refusals: int) -> tuple[Migrations, list[float]]:
+    copies = {stage: Liveness() for stage in STAGES}
+    for stage in alive:  # heard from an hour ahead: alive throughout
+        copies[stage].seen(Heartbeat(service=stage, instance_id=f"{stage}-1"),
+                           time.monotonic() + 3600)
+    tries: list[float] = []
+
+    async def admit(_: GenerateRequest) -> Admission:
+        tries.append(time.monotonic())
+        if len(tries) <= refusals:
+            raise OpenAIError(503, "the pipeline did not admit the request in time")
+        return Admission(num_prompt_tokens=1)
+
+    async def abort(_: str) -> None:
+        return None
+
+    return Migrations(_Runtime(), copies, admit, abort), tries  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch):
+    monkeypatch.setattr(migration_bus, "RESUME_PATIENCE", 0.05)
+    monkeypatch.setattr(migration_bus, "RESUME_PATIENCE_SETTLING", 0.5)
+    monkeypatch.setattr(migration_bus, "RESUME_RETRY_SECONDS", 0.01)
+
+
+REQUEST = GenerateRequest(request_id="r1", reply_subject="api.x", model="m", prompt="hi",
+                          params=SamplingParams())
+
+
+async def test_while_an_engine_and_a_tokenizer_are_alive_a_refused_resumption_tries_again():
+    migrations, tries = _migrations({"scheduler", "tokenizer"}, refusals=15)
+    admission = await migrations._admit_soon(REQUEST)
+    assert admission.num_prompt_tokens == 1 and len(tries) == 16  # past RESUME_PATIENCE (0.05 s)
+
+
+async def test_the_settling_wait_has_an_end():
+    migrations, tries = _migrations({"scheduler", "tokenizer"}, refusals=10_000)
+    with pytest.raises(OpenAIError):
+        await migrations._admit_soon(REQUEST)
+    assert 0.5 <= tries[-1] - tries[0] < 5.0
+
+
+@pytest.mark.parametrize("alive", [set(), {"scheduler"}, {"tokenizer"}])
+async def test_with_no_engine_or_no_tokenizer_alive_it_gives_up_after_the_first_patience(alive):
+    migrations, tries = _migrations(alive, refusals=10_000)
+    with pytest.raises(OpenAIError):
+        await migrations._admit_soon(REQUEST)
+    assert tries[-1] - tries[0] < 0.5  # RESUME_PATIENCE (0.05 s) and a try or two, not 0.5

@@ -26,9 +26,9 @@ from llmbus.services.api.migration import DEFAULT_MIGRATION_LIMIT, Placement, Ve
 log = structlog.get_logger()
 
 RESUME_PATIENCE = 3.0  # seconds a resumed request may wait for an engine to take it, at least
-# ... and at most this long while the pipeline is settling: some engine and some tokenizer copy
-# still counted alive (their heartbeats may be late while they move to another server), or
-# this copy off the bus. With none alive, a 503 is an empty pipeline: no wait beyond the first.
+# ... and at most this long while the pipeline is settling: some copy of each stage an admission
+# needs still counted alive (their heartbeats may be late while they move to another server),
+# or this copy off the bus. With a stage empty, a 503 is for real: no wait beyond the first.
 RESUME_PATIENCE_SETTLING = 30.0
 RESUME_RETRY_SECONDS = 0.5  # between two tries
 
@@ -156,11 +156,14 @@ class Migrations:
 
     def _settling(self) -> bool:
         """Whether a 503 may be the cluster settling rather than an empty pipeline: this copy
-        is off the bus, or some engine and some tokenizer copy are still counted alive."""
+        is off the bus, or some copy of each stage an admission needs (tokenizer, scheduler,
+        executor) is still counted alive. A stage with no copy left fails the request after
+        RESUME_PATIENCE, as before (one engine whose executor died: within seconds)."""
         if not self.runtime.connected:
             return True
         now = self.runtime.bus_time()
-        return all(self.copies[stage].alive(now) for stage in ("scheduler", "tokenizer"))
+        return all(self.copies[stage].alive(now)
+                   for stage in ("tokenizer", "scheduler", "executor"))
 
     def _move_again(self, placement: Placement) -> None:
         """The attempt just admitted failed before its admission came back: it moves too."""

@@ -1,9 +1,9 @@
 """How long a resumed request waits for the pipeline to take it (services/api/migration_bus.py,
-`Migrations._admit_soon`): past RESUME_PATIENCE only while some engine and some tokenizer copy
-are still counted alive, the cluster settling after a fault (issue 46: stages moving to
-another server answer late); with none alive it fails after the first few seconds, an empty
-pipeline. The admission is a function that refuses (503) a given number of times; the patience
-constants are scaled down, so the test waits for nothing real."""
+`Migrations._admit_soon`): past RESUME_PATIENCE only while some copy of each stage an
+admission needs (tokenizer, scheduler, executor) is still counted alive, the cluster settling
+after a fault (issue 46: stages moving to another server answer late); with a stage empty it
+fails after the first few seconds. The admission is a function that refuses (503) a given
+number of times; the patience constants are scaled down, so the test waits for nothing real."""
 
 from __future__ import annotations
 
@@ -58,20 +58,21 @@ REQUEST = GenerateRequest(request_id="r1", reply_subject="api.x", model="m", pro
 
 
 async def test_while_an_engine_and_a_tokenizer_are_alive_a_refused_resumption_tries_again():
-    migrations, tries = _migrations({"scheduler", "tokenizer"}, refusals=15)
+    migrations, tries = _migrations({"scheduler", "tokenizer", "executor"}, refusals=15)
     admission = await migrations._admit_soon(REQUEST)
     assert admission.num_prompt_tokens == 1 and len(tries) == 16  # past RESUME_PATIENCE (0.05 s)
 
 
 async def test_the_settling_wait_has_an_end():
-    migrations, tries = _migrations({"scheduler", "tokenizer"}, refusals=10_000)
+    migrations, tries = _migrations({"scheduler", "tokenizer", "executor"}, refusals=10_000)
     with pytest.raises(OpenAIError):
         await migrations._admit_soon(REQUEST)
     assert 0.5 <= tries[-1] - tries[0] < 5.0
 
 
-@pytest.mark.parametrize("alive", [set(), {"scheduler"}, {"tokenizer"}])
-async def test_with_no_engine_or_no_tokenizer_alive_it_gives_up_after_the_first_patience(alive):
+@pytest.mark.parametrize("alive", [set(), {"scheduler", "tokenizer"},  # the executor died
+                                   {"scheduler", "executor"}, {"tokenizer", "executor"}])
+async def test_with_a_stage_empty_it_gives_up_after_the_first_patience(alive):
     migrations, tries = _migrations(alive, refusals=10_000)
     with pytest.raises(OpenAIError):
         await migrations._admit_soon(REQUEST)

@@ -11,7 +11,8 @@
 // a few dozen tokens are bound by arithmetic instead; there the tiled layout below lets one
 // vector instruction do 32 multiply-adds for 8 output columns at once, with no horizontal sums
 // (2 Zen 4 cores, the default model's 30 layers at 16 tokens: 10-12 ms, ONNX Runtime's
-// MatMulNBits ~30).
+// MatMulNBits ~30); AVX-512 builds take two column groups a vector (int_lanes.h: a 1B model's
+// Q4_K matrices at 256 tokens on 2 Sapphire Rapids cores, 255 -> 370 GMAC/s).
 //
 // The math is llama.cpp's and ONNX Runtime's fast path: activations quantized per block of 32
 // (x ~ d * q; int8 with d = max|x| / 127, or int16 with d = max|x| / 32767 where a matrix wants
@@ -51,10 +52,8 @@
 #include "entry_points.h"
 #include "exp_nonpositive.h"
 #include "fixed_order_sum.h"
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "flush_denormals.h"
+#include "int_lanes.h"
 
 namespace {
 
@@ -62,7 +61,7 @@ constexpr int64_t GROUP = 32;
 constexpr int64_t COLUMNS = 8;  // output columns per column group (one 8-lane vector)
 constexpr int MAX_PARTS = 3;
 #if defined(__AVX512F__)
-constexpr int ROWS = 8;  // activation rows per register tile: 2 vectors each of 32 registers
+constexpr int ROWS = 8;  // activation rows per register tile: 2-3 vectors each of 32 registers
 #else
 constexpr int ROWS = 4;  // of 16
 #endif
@@ -177,134 +176,105 @@ struct Inputs {
 
 bool takes_wide(const IntMatrix& w, int64_t T) { return w.kind == Q4 && T <= w.wide_rows; }
 
+// One column group's Q4 or Q8 matrix: its codes, scales and minimums, with their sub-scales (or
+// null), and the distances to the next column group's (a Lanes16 tile takes two groups).
+struct Group {
+    const uint8_t* codes;
+    const float *s, *m;
+    const uint8_t *ss, *sm;
+    int64_t code_stride, factor_stride, sub_stride;
+};
+
 #if defined(__AVX2__)
 
-inline int32_t four_bytes(const void* p) {
-    int32_t v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
+// Block g's scales (or mins) for the vector's columns: stored per block, or a super-block's
+// times the block's uint8 sub-scale.
+template <class V>
+inline typename V::F block_factors(const float* f, const uint8_t* sub, int64_t g,
+                                   const Group& w) {
+    if (sub == nullptr) return V::factors(f + g * COLUMNS, w.factor_stride);
+    return V::mul(V::factors(f + (g >> 3) * COLUMNS, w.factor_stride),
+                  V::to_float(V::widen_u8(sub + g * COLUMNS, w.sub_stride)));
 }
 
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define HAVE_VNNI 1
-#else
-#define HAVE_VNNI 0
-#endif
-
-// acc + eight int32 sums of four u8 x s8 products each.
-inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else  // no overflow: |products| <= 128 * 127, two per int16
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
-                                                   _mm256_set1_epi16(1)));
-#endif
-}
-
-// acc + eight int32 sums of two s16 x s16 products each.
-inline __m256i dot_s16(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpwssd_epi32(acc, a, b);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
-
-// Block g's scales (or mins) for the 8 columns: stored per block, or a super-block's times
-// the block's uint8 sub-scale.
-inline __m256 block_factors(const float* f, const uint8_t* sub, int64_t g) {
-    if (sub == nullptr) return _mm256_loadu_ps(f + g * COLUMNS);
-    const __m128i bytes = _mm_loadl_epi64((const __m128i*)(sub + g * COLUMNS));
-    return _mm256_mul_ps(_mm256_loadu_ps(f + (g >> 3) * COLUMNS),
-                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
-}
-
-// y[row + r, 8 columns] for R rows, from one column group's blocks (w: its codes, s and m: its
-// scales and mins, ss and sm their sub-scales or null, G blocks).
-template <int R, Kind KIND, bool WIDE>
-void tile(const uint8_t* w, const float* s, const float* m, const uint8_t* ss, const uint8_t* sm,
-          int64_t G, const Inputs& in, int64_t row, float* y, int64_t ldy, bool accumulate) {
+// y[row + r, the vector's columns] for R rows, from the blocks of the column groups at w.
+template <class V, int R, Kind KIND, bool WIDE>
+void tile(const Group& w, int64_t G, const Inputs& in, int64_t row, float* y, int64_t ldy,
+          bool accumulate) {
+    using I = typename V::I;
+    using F = typename V::F;
     const Quantized& x = *in.x;
     const float* d = (WIDE ? x.d16.data() : x.d8.data()) + row * G;
     const float* sums = (WIDE ? x.sum16.data() : x.sum8.data()) + row * G;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(0x0F), low8 = _mm256_set1_epi32(0x00FF00FF);
+    F acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = V::zero_f();
+    const I low4 = V::splat8(0x0F), low8 = V::splat32(0x00FF00FF);
     for (int64_t g = 0; g < G; ++g) {
-        __m256i isum[R];
-        for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+        I isum[R];
+        for (int r = 0; r < R; ++r) isum[r] = V::zero();
 #if !HAVE_VNNI
-        __m256i pairs[R];
-        for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
+        I pairs[R];
+        for (int r = 0; r < R; ++r) pairs[r] = V::zero();
 #endif
         if (KIND == Q8) {
             const int8_t* a = x.q8.data() + row * in.k + g * GROUP;
             for (int e = 0; e < 8; ++e) {
-                const __m256i c = _mm256_loadu_si256((const __m256i*)(w + (g * 8 + e) * 32));
-                const __m256i magnitude = _mm256_sign_epi8(c, c);
+                const I c = V::codes(w.codes + (g * 8 + e) * 32, w.code_stride);
+                const I magnitude = V::abs8(c);
                 for (int r = 0; r < R; ++r) {
-                    const __m256i v = _mm256_set1_epi32(four_bytes(a + r * in.k + 4 * e));
-                    isum[r] = dot_u8s8(isum[r], magnitude, _mm256_sign_epi8(v, c));
+                    const I v = V::splat32(four_bytes(a + r * in.k + 4 * e));
+                    isum[r] = V::dot_u8s8(isum[r], magnitude, V::signed_as(v, c));
                 }
             }
         } else {
             for (int h = 0; h < 4; ++h) {
-                const __m256i c = _mm256_loadu_si256((const __m256i*)(w + (g * 4 + h) * 32));
-                const __m256i lo = _mm256_and_si256(c, low4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
+                const I c = V::codes(w.codes + (g * 4 + h) * 32, w.code_stride);
+                const I lo = V::and_(c, low4);
+                const I hi = V::and_(V::srli16(c, 4), low4);
                 if (WIDE) {  // codes as int16 pairs: inputs (0, 2) and (1, 3) of each four
-                    const __m256i lo02 = _mm256_and_si256(lo, low8);
-                    const __m256i lo13 = _mm256_and_si256(_mm256_srli_epi32(lo, 8), low8);
-                    const __m256i hi02 = _mm256_and_si256(hi, low8);
-                    const __m256i hi13 = _mm256_and_si256(_mm256_srli_epi32(hi, 8), low8);
+                    const I lo02 = V::and_(lo, low8), lo13 = V::and_(V::srli32(lo, 8), low8);
+                    const I hi02 = V::and_(hi, low8), hi13 = V::and_(V::srli32(hi, 8), low8);
                     const int16_t* a = x.q16.data() + row * in.k + g * GROUP + 8 * h;
                     for (int r = 0; r < R; ++r) {
                         const int16_t* v = a + r * in.k;
-                        isum[r] = dot_s16(isum[r], lo02, _mm256_set1_epi32(four_bytes(v)));
-                        isum[r] = dot_s16(isum[r], lo13, _mm256_set1_epi32(four_bytes(v + 2)));
-                        isum[r] = dot_s16(isum[r], hi02, _mm256_set1_epi32(four_bytes(v + 4)));
-                        isum[r] = dot_s16(isum[r], hi13, _mm256_set1_epi32(four_bytes(v + 6)));
+                        isum[r] = V::dot_s16(isum[r], lo02, V::splat32(four_bytes(v)));
+                        isum[r] = V::dot_s16(isum[r], lo13, V::splat32(four_bytes(v + 2)));
+                        isum[r] = V::dot_s16(isum[r], hi02, V::splat32(four_bytes(v + 4)));
+                        isum[r] = V::dot_s16(isum[r], hi13, V::splat32(four_bytes(v + 6)));
                     }
                 } else {
                     const int8_t* a = x.q8.data() + row * in.k + g * GROUP + 8 * h;
                     for (int r = 0; r < R; ++r) {
                         const int8_t* v = a + r * in.k;
 #if HAVE_VNNI
-                        isum[r] = dot_u8s8(isum[r], lo, _mm256_set1_epi32(four_bytes(v)));
-                        isum[r] = dot_u8s8(isum[r], hi, _mm256_set1_epi32(four_bytes(v + 4)));
+                        isum[r] = V::dot_u8s8(isum[r], lo, V::splat32(four_bytes(v)));
+                        isum[r] = V::dot_u8s8(isum[r], hi, V::splat32(four_bytes(v + 4)));
 #else  // int16 sums across the block: |each| <= 2 * 15 * 127, eight of them fit
-                        pairs[r] = _mm256_add_epi16(
-                            pairs[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(v))));
-                        pairs[r] = _mm256_add_epi16(
-                            pairs[r],
-                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(v + 4))));
+                        pairs[r] = V::add16(pairs[r],
+                                            V::pairs_u8s8(lo, V::splat32(four_bytes(v))));
+                        pairs[r] = V::add16(pairs[r],
+                                            V::pairs_u8s8(hi, V::splat32(four_bytes(v + 4))));
 #endif
                     }
                 }
             }
 #if !HAVE_VNNI
             if (!WIDE)
-                for (int r = 0; r < R; ++r)
-                    isum[r] = _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1));
+                for (int r = 0; r < R; ++r) isum[r] = V::ones16(pairs[r]);
 #endif
         }
-        const __m256 scale = block_factors(s, ss, g);
+        const F scale = block_factors<V>(w.s, w.ss, g, w);
         for (int r = 0; r < R; ++r)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]),
-                                     _mm256_mul_ps(scale, _mm256_set1_ps(d[r * G + g])), acc[r]);
+            acc[r] = V::fmadd(V::to_float(isum[r]), V::mul(scale, V::splat(d[r * G + g])),
+                              acc[r]);
         if (KIND == Q4) {
-            const __m256 mins = block_factors(m, sm, g);
-            for (int r = 0; r < R; ++r)
-                acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sums[r * G + g]), acc[r]);
+            const F mins = block_factors<V>(w.m, w.sm, g, w);
+            for (int r = 0; r < R; ++r) acc[r] = V::fmadd(mins, V::splat(sums[r * G + g]), acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) {
         float* out = y + (row + r) * ldy;
-        _mm256_storeu_ps(out, accumulate ? _mm256_add_ps(_mm256_loadu_ps(out), acc[r]) : acc[r]);
+        V::store_out(out, accumulate ? V::add(V::load_out(out), acc[r]) : acc[r]);
     }
 }
 
@@ -316,9 +286,9 @@ inline float block_factor(const float* f, const uint8_t* sub, int64_t g, int j) 
     return f[(g >> 3) * COLUMNS + j] * float(sub[g * COLUMNS + j]);
 }
 
-template <int R, Kind KIND, bool WIDE>
-void tile(const uint8_t* w, const float* s, const float* m, const uint8_t* ss, const uint8_t* sm,
-          int64_t G, const Inputs& in, int64_t row, float* y, int64_t ldy, bool accumulate) {
+template <class V, int R, Kind KIND, bool WIDE>
+void tile(const Group& w, int64_t G, const Inputs& in, int64_t row, float* y, int64_t ldy,
+          bool accumulate) {
     const Quantized& x = *in.x;
     for (int r = 0; r < R; ++r) {
         for (int j = 0; j < COLUMNS; ++j) {
@@ -329,9 +299,9 @@ void tile(const uint8_t* w, const float* s, const float* m, const uint8_t* ss, c
                 for (int i = 0; i < GROUP; ++i) {
                     int code;
                     if (KIND == Q8) {
-                        code = int8_t(w[(g * 8 + i / 4) * 32 + 4 * j + i % 4]);
+                        code = int8_t(w.codes[(g * 8 + i / 4) * 32 + 4 * j + i % 4]);
                     } else {
-                        const uint8_t byte = w[(g * 4 + i / 8) * 32 + 4 * j + i % 4];
+                        const uint8_t byte = w.codes[(g * 4 + i / 8) * 32 + 4 * j + i % 4];
                         code = (i % 8) < 4 ? (byte & 15) : (byte >> 4);
                     }
                     const int64_t at = (row + r) * in.k + g * GROUP;
@@ -339,9 +309,9 @@ void tile(const uint8_t* w, const float* s, const float* m, const uint8_t* ss, c
                     const int slot = (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1);
                     dot += int64_t(code) * (WIDE ? x.q16[at + slot] : x.q8[at + i]);
                 }
-                total += float(dot) * block_factor(s, ss, g, j) * (WIDE ? x.d16[b] : x.d8[b]);
+                total += float(dot) * block_factor(w.s, w.ss, g, j) * (WIDE ? x.d16[b] : x.d8[b]);
                 const float sum = WIDE ? x.sum16[b] : x.sum8[b];
-                if (KIND == Q4) total += block_factor(m, sm, g, j) * sum;
+                if (KIND == Q4) total += block_factor(w.m, w.sm, g, j) * sum;
             }
             float& out = y[(row + r) * ldy + j];
             out = accumulate ? out + total : total;
@@ -351,24 +321,25 @@ void tile(const uint8_t* w, const float* s, const float* m, const uint8_t* ss, c
 
 #endif
 
-template <Kind KIND, bool WIDE>
-void column_group(const IntMatrix& w, int64_t c, const Inputs& in, float* y, int64_t ldy,
-                  bool accumulate) {
+// Every row of `in` against V::GROUPS column groups from group c on.
+template <class V, Kind KIND, bool WIDE>
+void column_groups(const IntMatrix& w, int64_t c, const Inputs& in, float* y, int64_t ldy,
+                   bool accumulate) {
     const int64_t G = w.k / GROUP;
-    const uint8_t* codes = w.codes + c * G * (KIND == Q8 ? 256 : 128);
+    const int64_t code_stride = G * (KIND == Q8 ? 256 : 128);
     const bool factored = KIND == Q4 && w.sub_scales != nullptr;
     const int64_t per_group = (factored ? G / 8 : G) * COLUMNS;  // scales of one column group
-    const float* s = w.scales + c * per_group;
-    const float* m = KIND == Q4 ? w.mins + c * per_group : nullptr;
-    const uint8_t* ss = factored ? w.sub_scales + c * G * COLUMNS : nullptr;
-    const uint8_t* sm = factored ? w.sub_mins + c * G * COLUMNS : nullptr;
+    const Group group{w.codes + c * code_stride, w.scales + c * per_group,
+                      KIND == Q4 ? w.mins + c * per_group : nullptr,
+                      factored ? w.sub_scales + c * G * COLUMNS : nullptr,
+                      factored ? w.sub_mins + c * G * COLUMNS : nullptr,
+                      code_stride, per_group, G * COLUMNS};
     y += c * COLUMNS;
     int64_t row = in.first;
     for (; row + ROWS <= in.end; row += ROWS)
-        tile<ROWS, KIND, WIDE>(codes, s, m, ss, sm, G, in, row, y, ldy, accumulate);
-    for (; row + 2 <= in.end; row += 2)
-        tile<2, KIND, WIDE>(codes, s, m, ss, sm, G, in, row, y, ldy, accumulate);
-    if (row < in.end) tile<1, KIND, WIDE>(codes, s, m, ss, sm, G, in, row, y, ldy, accumulate);
+        tile<V, ROWS, KIND, WIDE>(group, G, in, row, y, ldy, accumulate);
+    for (; row + 2 <= in.end; row += 2) tile<V, 2, KIND, WIDE>(group, G, in, row, y, ldy, accumulate);
+    if (row < in.end) tile<V, 1, KIND, WIDE>(group, G, in, row, y, ldy, accumulate);
 }
 
 #include "k_quant_tiles.h"
@@ -394,6 +365,25 @@ bool valid(const IntLinear& l) {
         }
     }
     return true;
+}
+
+constexpr int64_t WIDEST = WidestLanes::GROUPS;  // column groups a vector takes
+
+// A matrix's column groups in runs of WIDEST (its last run may be shorter).
+int64_t runs(const IntMatrix& w) { return (w.n / COLUMNS + WIDEST - 1) / WIDEST; }
+
+// Every row of `in` against V::GROUPS column groups of w from group c on.
+template <class V>
+void multiply(const IntMatrix& w, int64_t c, const Inputs& in, float* y, int64_t ldy, int64_t T,
+              bool accumulate) {
+    if (w.kind == Q8)
+        column_groups<V, Q8, false>(w, c, in, y, ldy, accumulate);
+    else if (w.kind == KQ)
+        kq_dispatch<V>(w, c, in, y, ldy, accumulate);
+    else if (takes_wide(w, T))
+        column_groups<V, Q4, true>(w, c, in, y, ldy, accumulate);
+    else
+        column_groups<V, Q4, false>(w, c, in, y, ldy, accumulate);
 }
 
 struct Scratch {
@@ -426,10 +416,11 @@ void linear(const IntLinear& l, const float* x, int64_t T, float* y, bool accumu
         q.sum16.resize(blocks);
     }
     const int64_t ldy = width(l);
-    int64_t groups = 0;  // column groups over all parts: the work items
-    for (int64_t p = 0; p < l.num_parts; ++p) groups += l.parts[p].n / COLUMNS;
+    int64_t items = 0;  // runs of up to WIDEST column groups of one part: the work items
+    for (int64_t p = 0; p < l.num_parts; ++p) items += runs(l.parts[p]);
 #pragma omp parallel num_threads(num_threads)
     {
+        const FlushDenormals flush_worker;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
             const float* v = x + b * GROUP;
@@ -440,23 +431,19 @@ void linear(const IntLinear& l, const float* x, int64_t T, float* y, bool accumu
         for (int64_t first = 0; first < T; first += PANEL) {
             const Inputs in{&q, k, first, std::min(T, first + PANEL)};
 #pragma omp for schedule(static)
-            for (int64_t item = 0; item < groups; ++item) {
-                int64_t p = 0, c = item, offset = 0;
-                while (c >= l.parts[p].n / COLUMNS) {
-                    c -= l.parts[p].n / COLUMNS;
+            for (int64_t item = 0; item < items; ++item) {
+                int64_t p = 0, run = item, offset = 0;
+                while (run >= runs(l.parts[p])) {
+                    run -= runs(l.parts[p]);
                     offset += l.parts[p].n;
                     ++p;
                 }
                 const IntMatrix& w = l.parts[p];
-                float* out = y + offset;
-                if (w.kind == Q8)
-                    column_group<Q8, false>(w, c, in, out, ldy, accumulate);
-                else if (w.kind == KQ)
-                    kq_dispatch(w, c, in, out, ldy, accumulate);
-                else if (takes_wide(w, T))
-                    column_group<Q4, true>(w, c, in, out, ldy, accumulate);
-                else
-                    column_group<Q4, false>(w, c, in, out, ldy, accumulate);
+                const int64_t c = run * WIDEST;
+                if (c + WIDEST <= w.n / COLUMNS)
+                    multiply<WidestLanes>(w, c, in, y + offset, ldy, T, accumulate);
+                else  // a part's last column group, alone
+                    multiply<Lanes8>(w, c, in, y + offset, ldy, T, accumulate);
             }
         }
     }
@@ -496,6 +483,7 @@ extern "C" {
 int int_linear(const IntLinear* l, const float* x, int64_t T, float* y, int accumulate,
                  int num_threads) {
     if (!valid(*l) || T < 1) return 1;
+    const FlushDenormals flush;
     linear(*l, x, T, y, accumulate != 0, scratch, num_threads);
     return 0;
 }
@@ -509,6 +497,7 @@ int int_boundary(const IntBoundary* b, int64_t T, int64_t D, float eps, float* h
                    const float* attn, float* qkv, int num_threads, const LoraStep* lora,
                    int64_t layer) {
     if (T < 1) return 1;
+    const FlushDenormals flush;
     scratch.normed.resize(T * D);
     int refused = 0;  // a LoRA matrix that does not fit its projection
     if (b->o.num_parts) {
@@ -551,6 +540,7 @@ int int_boundary(const IntBoundary* b, int64_t T, int64_t D, float eps, float* h
 int int_head(const IntLinear* head, const float* norm, int64_t T, int64_t D, float eps,
                const float* hidden, float* logits, int num_threads) {
     if (!valid(*head) || head->parts[0].k != D || T < 1) return 1;
+    const FlushDenormals flush;
     scratch.normed.resize(T * D);
     rms_norm(hidden, norm, T, D, eps, scratch.normed.data());
     linear(*head, scratch.normed.data(), T, logits, false, scratch, num_threads);

@@ -1,6 +1,6 @@
 // The integer kernel's tiles for the K-quant and IQ4 formats kept at the file's bits (kind
 // KQ, weights/k_quants.py): included by int_step.cpp inside its anonymous namespace, after
-// Quantized, Inputs and (with AVX2) four_bytes and dot_u8s8.
+// Quantized and Inputs; written against int_lanes.h's vectors.
 //
 // Each format is a Spec: how a weight's code is stored (a plane of LOW bits and one of HIGH
 // bits, put together as code = low | high << LOW), what the code means (code - OFFSET; the
@@ -41,21 +41,26 @@ using IQ4XS = Spec<4, 0, 32, 256, 0, false, true, false>;
 // IntMatrix::format; weights/k_quants.py FORMATS has the same ids.
 enum Format : int32_t { Q6_K = 1, Q3_K = 2, Q5_K = 3, Q2_K = 4, IQ4_NL = 5, IQ4_XS = 6 };
 
-// One column group's pointers into a KQ matrix.
+// One column group's pointers into a KQ matrix, and the distances to the next group's.
 template <class F>
 struct KqGroup {
     const uint8_t *lo, *hi;
     const float *d, *neg_dmin;
     const uint8_t *ss, *sm;
+    int64_t lo_stride, hi_stride, super_stride, sub_stride;
 
     KqGroup(const IntMatrix& w, int64_t c) {
         const int64_t G = w.k / GROUP, supers = w.k / F::SUPER, subs = w.k / F::SUB;
-        lo = w.codes + c * G * F::LOW * 32;
-        hi = F::HIGH ? w.high_codes + c * G * F::HIGH * 32 : nullptr;
-        d = w.scales + c * supers * COLUMNS;
-        neg_dmin = F::MINS ? w.mins + c * supers * COLUMNS : nullptr;
-        ss = F::HAS_SUB ? w.sub_scales + c * subs * COLUMNS : nullptr;
-        sm = F::MINS && !F::NIBBLES ? w.sub_mins + c * subs * COLUMNS : nullptr;
+        lo_stride = G * F::LOW * 32;
+        hi_stride = G * F::HIGH * 32;
+        super_stride = supers * COLUMNS;
+        sub_stride = subs * COLUMNS;
+        lo = w.codes + c * lo_stride;
+        hi = F::HIGH ? w.high_codes + c * hi_stride : nullptr;
+        d = w.scales + c * super_stride;
+        neg_dmin = F::MINS ? w.mins + c * super_stride : nullptr;
+        ss = F::HAS_SUB ? w.sub_scales + c * sub_stride : nullptr;
+        sm = F::MINS && !F::NIBBLES ? w.sub_mins + c * sub_stride : nullptr;
     }
 };
 
@@ -67,93 +72,93 @@ inline int32_t half_sum(const Quantized& x, int64_t b, int h) {
 
 #if defined(__AVX2__)
 
-// Eighth e's codes from a plane of BITS bits (one block's).
-template <int BITS>
-inline __m256i plane_codes(const uint8_t* plane, int e) {
+// Eighth e's codes from a plane of BITS bits (one block's), `stride` bytes to the next group's.
+template <class V, int BITS>
+inline typename V::I plane_codes(const uint8_t* plane, int e, int64_t stride) {
     constexpr int PER = 8 / BITS;
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(plane + (e / PER) * 32));
-    const __m256i shifted = _mm256_srl_epi16(v, _mm_cvtsi32_si128(BITS * (e % PER)));
-    return _mm256_and_si256(shifted, _mm256_set1_epi8(char((1 << BITS) - 1)));
+    const typename V::I v = V::codes(plane + (e / PER) * 32, stride);
+    return V::and_(V::srli16(v, BITS * (e % PER)), V::splat8(char((1 << BITS) - 1)));
 }
 
-// Eight columns' integer factors of a sub-block: the scale, or (`minimum`) the minimum.
-template <class F>
-inline __m256 sub_factors(const uint8_t* bytes, bool minimum) {
-    const __m128i b = _mm_loadl_epi64((const __m128i*)bytes);
-    if constexpr (!F::MINS) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));  // signed
-    __m256i v = _mm256_cvtepu8_epi32(b);
-    if constexpr (F::NIBBLES)
-        v = minimum ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
-    return _mm256_cvtepi32_ps(v);
+// The columns' integer factors of a sub-block: the scale, or (`minimum`) the minimum.
+template <class V, class F>
+inline typename V::F sub_factors(const uint8_t* bytes, int64_t stride, bool minimum) {
+    if constexpr (!F::MINS) return V::to_float(V::widen_s8(bytes, stride));  // signed
+    typename V::I v = V::widen_u8(bytes, stride);
+    if constexpr (F::NIBBLES) v = minimum ? V::srli32(v, 4) : V::and_(v, V::splat32(15));
+    return V::to_float(v);
 }
 
-template <int R, class F>
+template <class V, int R, class F>
 void kq_tile(const KqGroup<F>& w, int64_t G, const Inputs& in, int64_t row, float* y,
              int64_t ldy, bool accumulate) {
+    using I = typename V::I;
     const Quantized& x = *in.x;
     const float* dx = x.d8.data() + row * G;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_VALUES));
+    typename V::F acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = V::zero_f();
+    const I table = V::table(IQ4_VALUES);
     for (int64_t g = 0; g < G; ++g) {
-        __m256i isum[F::HALVES][R];
+        I isum[F::HALVES][R];
         for (int h = 0; h < F::HALVES; ++h)
-            for (int r = 0; r < R; ++r) isum[h][r] = _mm256_setzero_si256();
+            for (int r = 0; r < R; ++r) isum[h][r] = V::zero();
         const int8_t* a = x.q8.data() + row * in.k + g * GROUP;
         // Unrolled: the planes' shifts become constants and isum[h] stays in registers (a
         // loop over e indexes them at run time: the sums then live in memory, 3x slower).
 #pragma GCC unroll 8
         for (int e = 0; e < 8; ++e) {
-            __m256i code = plane_codes<F::LOW>(w.lo + g * F::LOW * 32, e);
+            I code = plane_codes<V, F::LOW>(w.lo + g * F::LOW * 32, e, w.lo_stride);
             if constexpr (F::HIGH > 0)
-                code = _mm256_or_si256(
-                    code, _mm256_slli_epi16(plane_codes<F::HIGH>(w.hi + g * F::HIGH * 32, e),
-                                            F::LOW));
+                code = V::or_(code, V::slli16(plane_codes<V, F::HIGH>(w.hi + g * F::HIGH * 32, e,
+                                                                      w.hi_stride),
+                                              F::LOW));
             const int h = e * F::HALVES / 8;
             if constexpr (F::CODEBOOK) {  // signed values: |value| times x's sign-moved value
-                const __m256i c = _mm256_shuffle_epi8(table, code);
-                const __m256i magnitude = _mm256_sign_epi8(c, c);
+                const I c = V::lookup(table, code);
+                const I magnitude = V::abs8(c);
                 for (int r = 0; r < R; ++r) {
-                    const __m256i v = _mm256_set1_epi32(four_bytes(a + r * in.k + 4 * e));
-                    isum[h][r] = dot_u8s8(isum[h][r], magnitude, _mm256_sign_epi8(v, c));
+                    const I v = V::splat32(four_bytes(a + r * in.k + 4 * e));
+                    isum[h][r] = V::dot_u8s8(isum[h][r], magnitude, V::signed_as(v, c));
                 }
             } else {  // codes 0..63 as u8 (value + OFFSET: the offset's share comes off below)
                 for (int r = 0; r < R; ++r)
-                    isum[h][r] = dot_u8s8(isum[h][r], code,
-                                          _mm256_set1_epi32(four_bytes(a + r * in.k + 4 * e)));
+                    isum[h][r] = V::dot_u8s8(isum[h][r], code,
+                                             V::splat32(four_bytes(a + r * in.k + 4 * e)));
             }
         }
         if constexpr (F::OFFSET > 0)  // sum((code - OFFSET) x) = sum(code x) - OFFSET sum(x)
             for (int h = 0; h < F::HALVES; ++h)
                 for (int r = 0; r < R; ++r)
-                    isum[h][r] = _mm256_sub_epi32(isum[h][r], _mm256_set1_epi32(
+                    isum[h][r] = V::sub32(isum[h][r], V::splat32(
                         F::OFFSET * half_sum<F>(x, (row + r) * G + g, h)));
         const int64_t super = g * GROUP / F::SUPER;
-        const __m256 d = _mm256_loadu_ps(w.d + super * COLUMNS);
+        const typename V::F d = V::factors(w.d + super * COLUMNS, w.super_stride);
         for (int h = 0; h < F::HALVES; ++h) {
             const int64_t sub = g * F::HALVES + h;
-            const __m256 scale =
-                F::HAS_SUB ? _mm256_mul_ps(d, sub_factors<F>(w.ss + sub * COLUMNS, false)) : d;
+            const typename V::F scale =
+                F::HAS_SUB
+                    ? V::mul(d, sub_factors<V, F>(w.ss + sub * COLUMNS, w.sub_stride, false))
+                    : d;
             for (int r = 0; r < R; ++r)
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][r]),
-                                         _mm256_mul_ps(scale, _mm256_set1_ps(dx[r * G + g])),
-                                         acc[r]);
+                acc[r] = V::fmadd(V::to_float(isum[h][r]), V::mul(scale, V::splat(dx[r * G + g])),
+                                  acc[r]);
             if constexpr (F::MINS) {
                 const uint8_t* m = F::NIBBLES ? w.ss : w.sm;
-                const __m256 mins = _mm256_mul_ps(_mm256_loadu_ps(w.neg_dmin + super * COLUMNS),
-                                                  sub_factors<F>(m + sub * COLUMNS, true));
+                const typename V::F mins =
+                    V::mul(V::factors(w.neg_dmin + super * COLUMNS, w.super_stride),
+                           sub_factors<V, F>(m + sub * COLUMNS, w.sub_stride, true));
                 for (int r = 0; r < R; ++r) {
                     const float sum = F::HALVES == 1
                         ? x.sum8[(row + r) * G + g]
                         : dx[r * G + g] * float(half_sum<F>(x, (row + r) * G + g, h));
-                    acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(sum), acc[r]);
+                    acc[r] = V::fmadd(mins, V::splat(sum), acc[r]);
                 }
             }
         }
     }
     for (int r = 0; r < R; ++r) {
         float* out = y + (row + r) * ldy;
-        _mm256_storeu_ps(out, accumulate ? _mm256_add_ps(_mm256_loadu_ps(out), acc[r]) : acc[r]);
+        V::store_out(out, accumulate ? V::add(V::load_out(out), acc[r]) : acc[r]);
     }
 }
 
@@ -171,7 +176,7 @@ inline int32_t sub_factor(const uint8_t* byte, bool minimum) {
     return F::NIBBLES ? (minimum ? *byte >> 4 : *byte & 15) : *byte;
 }
 
-template <int R, class F>
+template <class V, int R, class F>
 void kq_tile(const KqGroup<F>& w, int64_t G, const Inputs& in, int64_t row, float* y,
              int64_t ldy, bool accumulate) {
     const Quantized& x = *in.x;
@@ -212,17 +217,18 @@ void kq_tile(const KqGroup<F>& w, int64_t G, const Inputs& in, int64_t row, floa
 
 #endif
 
-template <class F>
-void kq_column_group(const IntMatrix& w, int64_t c, const Inputs& in, float* y, int64_t ldy,
-                     bool accumulate) {
+// Every row of `in` against V::GROUPS column groups from group c on.
+template <class V, class F>
+void kq_column_groups(const IntMatrix& w, int64_t c, const Inputs& in, float* y, int64_t ldy,
+                      bool accumulate) {
     const KqGroup<F> group(w, c);
     const int64_t G = w.k / GROUP;
     y += c * COLUMNS;
     int64_t row = in.first;
     for (; row + ROWS <= in.end; row += ROWS)
-        kq_tile<ROWS, F>(group, G, in, row, y, ldy, accumulate);
-    for (; row + 2 <= in.end; row += 2) kq_tile<2, F>(group, G, in, row, y, ldy, accumulate);
-    if (row < in.end) kq_tile<1, F>(group, G, in, row, y, ldy, accumulate);
+        kq_tile<V, ROWS, F>(group, G, in, row, y, ldy, accumulate);
+    for (; row + 2 <= in.end; row += 2) kq_tile<V, 2, F>(group, G, in, row, y, ldy, accumulate);
+    if (row < in.end) kq_tile<V, 1, F>(group, G, in, row, y, ldy, accumulate);
 }
 
 // Whether a KQ matrix has what its format needs.
@@ -243,15 +249,16 @@ inline bool kq_valid(const IntMatrix& w) {
     }
 }
 
+template <class V>
 inline void kq_dispatch(const IntMatrix& w, int64_t c, const Inputs& in, float* y, int64_t ldy,
                         bool accumulate) {
     switch (w.format) {
-        case Q6_K: return kq_column_group<Q6K>(w, c, in, y, ldy, accumulate);
-        case Q3_K: return kq_column_group<Q3K>(w, c, in, y, ldy, accumulate);
-        case Q5_K: return kq_column_group<Q5K>(w, c, in, y, ldy, accumulate);
-        case Q2_K: return kq_column_group<Q2K>(w, c, in, y, ldy, accumulate);
-        case IQ4_NL: return kq_column_group<IQ4NL>(w, c, in, y, ldy, accumulate);
-        case IQ4_XS: return kq_column_group<IQ4XS>(w, c, in, y, ldy, accumulate);
+        case Q6_K: return kq_column_groups<V, Q6K>(w, c, in, y, ldy, accumulate);
+        case Q3_K: return kq_column_groups<V, Q3K>(w, c, in, y, ldy, accumulate);
+        case Q5_K: return kq_column_groups<V, Q5K>(w, c, in, y, ldy, accumulate);
+        case Q2_K: return kq_column_groups<V, Q2K>(w, c, in, y, ldy, accumulate);
+        case IQ4_NL: return kq_column_groups<V, IQ4NL>(w, c, in, y, ldy, accumulate);
+        case IQ4_XS: return kq_column_groups<V, IQ4XS>(w, c, in, y, ldy, accumulate);
         default: return;
     }
 }

@@ -29,6 +29,7 @@
 
 #include "entry_points.h"
 #include "fixed_order_sum.h"
+#include "flush_denormals.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -175,8 +176,10 @@ void add_delta(const LoraStep& lora, int64_t layer, int target, const float* x, 
     for (int64_t g = lora.offsets[0]; g < lora.offsets[lora.num_slots]; ++g)
         std::memcpy(&xs[g * k], x + lora.order[g] * k, k * sizeof(float));
     const int64_t blocks = (n + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
+    const FlushDenormals flush;
 #pragma omp parallel num_threads(num_threads)
     {
+        const FlushDenormals flush_worker;
 #pragma omp for schedule(static)
         for (size_t i = 0; i < rows.size(); ++i) {
             const auto [s, r] = rows[i];

@@ -44,6 +44,7 @@
 
 #include "entry_points.h"
 #include "exp_nonpositive.h"
+#include "flush_denormals.h"
 
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -598,8 +599,10 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
         return &attend_rows<decltype(ch)::value, KV>;
     });
 
+    const FlushDenormals flush;
 #pragma omp parallel num_threads(num_threads)
     {
+        const FlushDenormals flush_worker;
         // Every token's K/V is stored before any query reads the cache.
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tokens; ++t)

@@ -158,6 +158,19 @@ def test_refuses_what_it_cannot_multiply():
         int_linear(lib, [part] * 4, torch.ones(1, 64))
 
 
+@needs_compiler
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_kernel_call_leaves_the_callers_denormals_as_it_found_them(isa):
+    """The kernels treat denormals as zero while they run (flush_denormals.h), and only then:
+    the calling thread's torch arithmetic still keeps 2^-140 afterwards."""
+    lib = load_library(isa)
+    smallest = torch.tensor([2.0 ** -140])  # a denormal float32
+    assert (smallest * 1.0).item() > 0  # this thread keeps denormals before the call
+    part = QuantPart.of(_weight("q4_1", 8, 64, torch.Generator().manual_seed(0)))
+    int_linear(lib, [part], torch.randn(3, 64), 0, 2)
+    assert (smallest * 1.0).item() == 2.0 ** -140
+
+
 @pytest.mark.model
 @needs_compiler
 @pytest.mark.skipif(not default_model_path().is_file(), reason="default model not pulled")

@@ -156,14 +156,17 @@ class Migrations:
 
     def _settling(self) -> bool:
         """Whether a 503 may be the cluster settling rather than an empty pipeline: this copy
-        is off the bus, or some copy of each stage an admission needs (tokenizer, scheduler,
-        executor) is still counted alive. A stage with no copy left fails the request after
-        RESUME_PATIENCE, as before (one engine whose executor died: within seconds)."""
+        is off the bus, or a tokenizer and an engine that admits requests (its scheduler, not
+        a prefill engine's, and its executor) are still counted alive. Without them the
+        request fails after RESUME_PATIENCE, as before (one engine whose executor died, or
+        only a prefill engine left: within seconds)."""
         if not self.runtime.connected:
             return True
         now = self.runtime.bus_time()
-        return all(self.copies[stage].alive(now)
-                   for stage in ("tokenizer", "scheduler", "executor"))
+        admitting = {h.engine_id for h in self.copies["scheduler"].alive(now)
+                     if h.role != "prefill"}
+        return bool(self.copies["tokenizer"].alive(now)) and any(
+            h.engine_id in admitting for h in self.copies["executor"].alive(now))
 
     def _move_again(self, placement: Placement) -> None:
         """The attempt just admitted failed before its admission came back: it moves too."""

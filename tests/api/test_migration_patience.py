@@ -1,9 +1,10 @@
 """How long a resumed request waits for the pipeline to take it (services/api/migration_bus.py,
 `Migrations._admit_soon`): past RESUME_PATIENCE only while some copy of each stage an
-admission needs (tokenizer, scheduler, executor) is still counted alive, the cluster settling
-after a fault (issue 46: stages moving to another server answer late); with a stage empty it
-fails after the first few seconds. The admission is a function that refuses (503) a given
-number of times; the patience constants are scaled down, so the test waits for nothing real."""
+admission needs (a tokenizer, and an engine's scheduler and executor, not a prefill engine's)
+is still counted alive, the cluster settling after a fault (issue 46: stages moving to
+another server answer late); with a stage empty it fails after the first few seconds. The
+admission is a function that refuses (503) a given number of times; the patience constants
+are scaled down, so the test waits for nothing real."""
 
 from __future__ import annotations
 
@@ -27,10 +28,13 @@ class _Runtime:  # what Migrations asks of its bus runtime here
         return time.monotonic()
 
 
-def _migrations(alive: set[str], refusals: int) -> tuple[Migrations, list[float]]:
+def _migrations(alive: set[str], refusals: int,
+                role: str = "mixed") -> tuple[Migrations, list[float]]:
     copies = {stage: Liveness() for stage in STAGES}
-    for stage in alive:  # heard from an hour ahead: alive throughout
-        copies[stage].seen(Heartbeat(service=stage, instance_id=f"{stage}-1"),
+    for stage in alive:  # heard from an hour ahead: alive throughout; one engine, e0
+        copies[stage].seen(Heartbeat(service=stage, instance_id=f"{stage}-1",
+                                     engine_id="e0" if stage in ("scheduler", "executor") else "",
+                                     role=role if stage == "scheduler" else ""),
                            time.monotonic() + 3600)
     tries: list[float] = []
 
@@ -77,3 +81,13 @@ async def test_with_a_stage_empty_it_gives_up_after_the_first_patience(alive):
     with pytest.raises(OpenAIError):
         await migrations._admit_soon(REQUEST)
     assert tries[-1] - tries[0] < 0.5  # RESUME_PATIENCE (0.05 s) and a try or two, not 0.5
+
+
+async def test_a_prefill_engine_alone_admits_nothing_so_it_does_not_wait():
+    """Disaggregated serving whose decode engine died: the prefill engine's scheduler and
+    executor are alive, but a prefill engine takes no request of its own."""
+    migrations, tries = _migrations({"scheduler", "tokenizer", "executor"}, refusals=10_000,
+                                    role="prefill")
+    with pytest.raises(OpenAIError):
+        await migrations._admit_soon(REQUEST)
+    assert tries[-1] - tries[0] < 0.5

@@ -138,7 +138,7 @@ async def test_losing_an_engine_ends_every_request_and_the_other_serves_on(repli
                  + " Continue this story." for i in range(8)]
     # The client timeout is generous: on a slow or busy machine the surviving engine may take
     # minutes for its share, and a client that gave up would hide whether it was served.
-    run = asyncio.create_task(_ask_all(base_url, questions, max_tokens=80, timeout=200))
+    run = asyncio.create_task(_ask_all(base_url, questions, max_tokens=48, timeout=200))
     for _ in range(100):  # until engine1 is decoding some of them
         if await _engine_running(nats_url, "engine1") > 0:
             break

@@ -139,10 +139,7 @@ def build(compiler: str | None = None, isa: str | None = None) -> Path:
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        command = [compiler, *BASE_FLAGS, *ISA_FLAGS[isa], *map(str, SOURCES), "-o", str(partial)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed:\n{result.stderr[-4000:]}")
+        _compile(compiler, [*BASE_FLAGS, *ISA_FLAGS[isa]], partial)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
@@ -150,6 +147,25 @@ def build(compiler: str | None = None, isa: str | None = None) -> Path:
         if stale != path:
             stale.unlink(missing_ok=True)  # a process that mapped it keeps its copy
     return path
+
+
+def _compile(compiler: str, flags: list[str], out: Path) -> None:
+    """Each source to an object file, all at once (the compiler uses one core a file: two
+    cores build a library in ~4.5 s instead of ~8), then linked into `out`."""
+    with tempfile.TemporaryDirectory(dir=out.parent) as objects:
+        jobs = [(source, Path(objects) / f"{source.stem}.o") for source in SOURCES]
+        running = [subprocess.Popen([compiler, *flags, "-c", str(source), "-o", str(obj)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                   for source, obj in jobs]
+        errors = [process.communicate(timeout=300)[1] for process in running]
+        failed = [error for process, error in zip(running, errors, strict=True)
+                  if process.returncode != 0]
+        if failed:
+            raise RuntimeError(f"{compiler} failed:\n{failed[0][-4000:]}")
+        link = subprocess.run([compiler, *flags, *(str(obj) for _, obj in jobs), "-o", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        if link.returncode != 0:
+            raise RuntimeError(f"{compiler} failed to link:\n{link.stderr[-4000:]}")
 
 
 @functools.cache

@@ -146,6 +146,11 @@ def test_build_labels_name_what_each_build_runs(monkeypatch):
     monkeypatch.setattr(library, "cpu_flags", lambda: frozenset(
         {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512_vnni"}))
     assert library.build_label("native") == "native build, VNNI"
+    monkeypatch.setattr(library, "cpu_flags", lambda: frozenset(
+        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni",
+         "amx_tile", "amx_int8"}))
+    assert library.build_label("native") == (
+        "native build, VNNI, AMX where a step has 16 tokens or more")
 
 
 def test_cpu_summary_names_the_cpu_and_its_flags():

@@ -46,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -172,6 +173,7 @@ float quantize_int16(const float* v, int16_t* q, float& sum) {
 struct Inputs {
     const Quantized* x;
     int64_t k, first, end;
+    bool amx = false;  // this thread's AMX tiles are configured (amx_tiles.h)
 };
 
 bool takes_wide(const IntMatrix& w, int64_t T) { return w.kind == Q4 && T <= w.wide_rows; }
@@ -321,6 +323,8 @@ void tile(const Group& w, int64_t G, const Inputs& in, int64_t row, float* y, in
 
 #endif
 
+#include "amx_tiles.h"
+
 // Every row of `in` against V::GROUPS column groups from group c on.
 template <class V, Kind KIND, bool WIDE>
 void column_groups(const IntMatrix& w, int64_t c, const Inputs& in, float* y, int64_t ldy,
@@ -336,6 +340,10 @@ void column_groups(const IntMatrix& w, int64_t c, const Inputs& in, float* y, in
                       code_stride, per_group, G * COLUMNS};
     y += c * COLUMNS;
     int64_t row = in.first;
+#if HAVE_AMX
+    if constexpr (std::is_same_v<V, Lanes16> && KIND == Q4 && !WIDE)
+        row = amx_q4_rows(group, G, in, row, y, ldy, accumulate);
+#endif
     for (; row + ROWS <= in.end; row += ROWS)
         tile<V, ROWS, KIND, WIDE>(group, G, in, row, y, ldy, accumulate);
     for (; row + 2 <= in.end; row += 2) tile<V, 2, KIND, WIDE>(group, G, in, row, y, ldy, accumulate);
@@ -421,6 +429,7 @@ void linear(const IntLinear& l, const float* x, int64_t T, float* y, bool accumu
 #pragma omp parallel num_threads(num_threads)
     {
         const FlushDenormals flush_worker;
+        const AmxTiles tiles;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; ++b) {
             const float* v = x + b * GROUP;
@@ -429,7 +438,7 @@ void linear(const IntLinear& l, const float* x, int64_t T, float* y, bool accumu
             if (any_wide) q.d16[b] = quantize_int16(v, q.q16.data() + b * GROUP, q.sum16[b]);
         }
         for (int64_t first = 0; first < T; first += PANEL) {
-            const Inputs in{&q, k, first, std::min(T, first + PANEL)};
+            const Inputs in{&q, k, first, std::min(T, first + PANEL), tiles.on()};
 #pragma omp for schedule(static)
             for (int64_t item = 0; item < items; ++item) {
                 int64_t p = 0, run = item, offset = 0;

@@ -84,7 +84,8 @@ def configure_openmp() -> None:
 
 def build_label(isa: str | None = None) -> str:
     """What the build for `isa` runs on this CPU, in words: the integer kernel's dot products
-    use VNNI where the build has it, AVX2 otherwise, plain loops without AVX2."""
+    use VNNI where the build has it (and AMX tiles for Q4 matrices in steps of 16 tokens or
+    more, where the CPU has them), AVX2 otherwise, plain loops without AVX2."""
     isa = isa or default_isa()
     if isa == "generic":
         return "plain-loop build"
@@ -93,7 +94,9 @@ def build_label(isa: str | None = None) -> str:
     if isa == "avx512":
         return "AVX-512 build"
     flags = cpu_flags()
-    if {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags:
+    if {"amx_tile", "amx_int8", "avx512_vnni", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        best = "VNNI, AMX where a step has 16 tokens or more"  # amx_tiles.h
+    elif {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags:
         best = "VNNI"
     elif {"avx2", "fma", "f16c"} <= flags:
         best = "AVX2"

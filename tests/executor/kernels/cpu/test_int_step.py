@@ -10,6 +10,7 @@ import gguf
 import pytest
 import torch
 
+from llmbus.services.cpu_features import cpu_flags
 from llmbus.services.executor.backends.cpu_llama import CpuLlamaModel
 from llmbus.services.executor.backends.int_step import int_linear
 from llmbus.services.executor.backends.torch_llama import LlamaModel
@@ -156,6 +157,30 @@ def test_refuses_what_it_cannot_multiply():
         QuantPart.of(_weight("q4_1", 12, 64, gen))
     with pytest.raises(ValueError, match="1 to 3"):
         int_linear(lib, [part] * 4, torch.ones(1, 64))
+
+
+@needs_compiler
+@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags(),
+                    reason="no AVX-512 build to compare with")
+@pytest.mark.parametrize("factored", [False, True])
+@pytest.mark.parametrize("tokens", [16, 37, 300])
+def test_the_native_build_gives_the_avx512_builds_bits(tokens, factored):
+    """Where the CPU has AMX, the native build takes steps of 16 tokens or more through its
+    tiles (amx_tiles.h); the AVX-512 build never does. Same integer sums, same float
+    arithmetic after them: the same bits, row tiles of 16 and the rows left over alike."""
+    native, avx512 = load_library("native"), load_library("avx512")
+    gen = torch.Generator().manual_seed(tokens)
+    if factored:  # Q4_K, its scales kept factored (super-block float x sub-scale)
+        weights = [parse_q4_k(random_k_quant(gguf.GGMLQuantizationType.Q4_K, n, 512, seed=n),
+                              (n, 512)) for n in (40, 24)]
+    else:
+        weights = [_weight("q4_1", n, 256, gen) for n in (40, 24)]
+    parts = [QuantPart.of(w) for w in weights]
+    x = torch.randn(tokens, parts[0].k, generator=gen)
+    x[:, 5] *= 30
+    for threads in (1, 2):
+        assert torch.equal(int_linear(native, parts, x, 0, threads),
+                           int_linear(avx512, parts, x, 0, threads))
 
 
 @needs_compiler

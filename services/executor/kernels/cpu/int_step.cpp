@@ -346,7 +346,8 @@ void column_groups(const IntMatrix& w, int64_t c, const Inputs& in, float* y, in
 #endif
     for (; row + ROWS <= in.end; row += ROWS)
         tile<V, ROWS, KIND, WIDE>(group, G, in, row, y, ldy, accumulate);
-    for (; row + 2 <= in.end; row += 2) tile<V, 2, KIND, WIDE>(group, G, in, row, y, ldy, accumulate);
+    for (; row + 2 <= in.end; row += 2)
+        tile<V, 2, KIND, WIDE>(group, G, in, row, y, ldy, accumulate);
     if (row < in.end) tile<V, 1, KIND, WIDE>(group, G, in, row, y, ldy, accumulate);
 }
 

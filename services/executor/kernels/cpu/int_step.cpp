@@ -12,7 +12,8 @@
 // vector instruction do 32 multiply-adds for 8 output columns at once, with no horizontal sums
 // (2 Zen 4 cores, the default model's 30 layers at 16 tokens: 10-12 ms, ONNX Runtime's
 // MatMulNBits ~30); AVX-512 builds take two column groups a vector (int_lanes.h: a 1B model's
-// Q4_K matrices at 256 tokens on 2 Sapphire Rapids cores, 255 -> 370 GMAC/s).
+// Q4_K matrices at 256 tokens on 2 Sapphire Rapids cores, 255 -> 370 GMAC/s), and Q4 steps of
+// 16 tokens or more go through AMX tiles where the CPU has them (amx_tiles.h, 500 GMAC/s).
 //
 // The math is llama.cpp's and ONNX Runtime's fast path: activations quantized per block of 32
 // (x ~ d * q; int8 with d = max|x| / 127, or int16 with d = max|x| / 32767 where a matrix wants

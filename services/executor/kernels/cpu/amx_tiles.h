@@ -11,8 +11,9 @@
 // tokens went from 370 to 500 GMAC/s, its 256-token prompt from 911 to 814 ms, and 16 decodes
 // of the default model from 25.1 to 23.0 ms a step.
 //
-// Tiles: C (tmm0) 16 rows x 16 int32 sums; A (tmm1) 16 rows x the block's 32 int8 activations,
-// read in place (rows `k` bytes apart); B (tmm2) 8 rows x 64 bytes, row r holding inputs
+// Tiles, a set for each of two blocks in flight (tmm0-2 and tmm3-5): C 16 rows x 16 int32
+// sums; A 16 rows x the block's 32 int8 activations, read in place (rows `k` bytes apart);
+// B 8 rows x 64 bytes, row r holding inputs
 // 4r .. 4r + 3 of the 16 columns, 4 codes a column: the low or the high nibbles of quarter r / 2
 // of both column groups (int_step.cpp's layout), unpacked once per panel of rows.
 #pragma once

@@ -13,9 +13,9 @@
 //
 // Tiles, a set for each of two blocks in flight (tmm0-2 and tmm3-5): C 16 rows x 16 int32
 // sums; A 16 rows x the block's 32 int8 activations, read in place (rows `k` bytes apart);
-// B 8 rows x 64 bytes, row r holding inputs
-// 4r .. 4r + 3 of the 16 columns, 4 codes a column: the low or the high nibbles of quarter r / 2
-// of both column groups (int_step.cpp's layout), unpacked once per panel of rows.
+// B 8 rows x 64 bytes, row r holding inputs 4r .. 4r + 3 of the 16 columns, 4 codes a column:
+// the low or the high nibbles of quarter r / 2 of both column groups (int_step.cpp's layout),
+// unpacked once per panel of rows.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(HAVE_LANES16)

@@ -4,9 +4,9 @@
 // Why: one tile instruction multiplies 16 rows of int8 activations by 16 columns' 4-bit codes
 // over a block of 32 inputs, 8,192 multiply-adds, where 512-bit VNNI takes 128 instructions;
 // vLLM's bfloat16 matmuls run on these units on such a CPU. The integer sums are the same exact
-// numbers as the vector tiles', and the float arithmetic after them is Lanes16's tile op for
-// op (scale, then minimum, block by block), so the results are the same bits as every other
-// build's. That float work, per block of 32 inputs because each block has its own scales, is
+// numbers as the vector tiles', and the float arithmetic after them is theirs, the same
+// function (int_step.cpp's scale_block: scale, then minimum, block by block), so the results
+// are the same bits as every other build's. That float work, per block of 32 inputs because each block has its own scales, is
 // now most of the time: on 2 Sapphire Rapids cores a 1B model's 8192 x 2048 Q4_K matrix at 256
 // tokens went from 370 to 500 GMAC/s, its 256-token prompt from 911 to 814 ms, and 16 decodes
 // of the default model from 25.1 to 23.0 ms a step.
@@ -66,28 +66,19 @@ private:
 
 // The B tiles of every block of the two column groups at w, into b [G, 8, 64].
 inline void amx_unpack_q4(const Group& w, int64_t G, uint8_t* b) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    using V = Lanes16;
+    const V::I low4 = V::splat8(0x0F);
     for (int64_t g = 0; g < G; ++g)
         for (int h = 0; h < 4; ++h) {
-            const __m512i c = Lanes16::codes(w.codes + (g * 4 + h) * 32, w.code_stride);
+            const V::I c = V::codes(w.codes + (g * 4 + h) * 32, w.code_stride);
             uint8_t* rows = b + g * AMX_BLOCK_BYTES + 2 * h * 64;
-            _mm512_storeu_si512(rows, _mm512_and_si512(c, low4));
-            _mm512_storeu_si512(rows + 64, _mm512_and_si512(_mm512_srli_epi16(c, 4), low4));
+            _mm512_storeu_si512(rows, V::and_(c, low4));
+            _mm512_storeu_si512(rows + 64, V::and_(V::srli16(c, 4), low4));
         }
 }
 
-// The float part of block g for 16 rows: acc += sums (c) x scale x d, then the minimums'
-// share, as Lanes16's tile does it.
-inline void amx_accumulate(const Group& w, const int32_t* c, int64_t g, int64_t G,
-                           const float* d, const float* sums, Lanes16::F* acc) {
-    using V = Lanes16;
-    const V::F scale = block_factors<V>(w.s, w.ss, g, w);
-    for (int r = 0; r < AMX_ROWS; ++r)
-        acc[r] = V::fmadd(V::to_float(_mm512_load_si512(c + 16 * r)),
-                          V::mul(scale, V::splat(d[r * G + g])), acc[r]);
-    const V::F mins = block_factors<V>(w.m, w.sm, g, w);
-    for (int r = 0; r < AMX_ROWS; ++r) acc[r] = V::fmadd(mins, V::splat(sums[r * G + g]), acc[r]);
-}
+// Row r's 16 int32 sums of a stored C tile.
+inline __m512i row_sums(const int32_t* c, int r) { return _mm512_load_si512(c + 16 * r); }
 
 // y[row .. row + 16, the two groups' 16 columns] from int8 activations and unpacked codes b.
 // Two blocks at a time, each in tiles of its own (C: tmm0 and tmm3, A: 1 and 4, B: 2 and 5),
@@ -114,8 +105,10 @@ inline void amx_q4_tile(const Group& w, const uint8_t* b, int64_t G, const Input
         _tile_dpbsud(3, 4, 5);
         _tile_stored(0, c[0], 64);
         _tile_stored(3, c[1], 64);
-        amx_accumulate(w, c[0], g, G, d, sums, acc);
-        amx_accumulate(w, c[1], g + 1, G, d, sums, acc);
+        scale_block<V, AMX_ROWS, true>(w, g, G, d, sums, [&](int r) { return row_sums(c[0], r); },
+                                       acc);
+        scale_block<V, AMX_ROWS, true>(w, g + 1, G, d, sums,
+                                       [&](int r) { return row_sums(c[1], r); }, acc);
     }
     if (g < G) {
         _tile_zero(0);
@@ -123,7 +116,8 @@ inline void amx_q4_tile(const Group& w, const uint8_t* b, int64_t G, const Input
         _tile_loadd(2, b + g * AMX_BLOCK_BYTES, 64);
         _tile_dpbsud(0, 1, 2);
         _tile_stored(0, c[0], 64);
-        amx_accumulate(w, c[0], g, G, d, sums, acc);
+        scale_block<V, AMX_ROWS, true>(w, g, G, d, sums, [&](int r) { return row_sums(c[0], r); },
+                                       acc);
     }
     for (int r = 0; r < AMX_ROWS; ++r) {
         float* out = y + (row + r) * ldy;

@@ -200,6 +200,21 @@ inline typename V::F block_factors(const float* f, const uint8_t* sub, int64_t g
                   V::to_float(V::widen_u8(sub + g * COLUMNS, w.sub_stride)));
 }
 
+// Block g's integer sums of R rows (isum(r)) into the rows' float outputs: acc += sums x the
+// block's scale x the row's d, then (MINS) the minimums' share. Every tile that computes Q4 or
+// Q8 sums (the vector tiles, amx_tiles.h) ends a block here, so all give the same bits.
+template <class V, int R, bool MINS, class Sums>
+inline void scale_block(const Group& w, int64_t g, int64_t G, const float* d, const float* sums,
+                        Sums isum, typename V::F* acc) {
+    const typename V::F scale = block_factors<V>(w.s, w.ss, g, w);
+    for (int r = 0; r < R; ++r)
+        acc[r] = V::fmadd(V::to_float(isum(r)), V::mul(scale, V::splat(d[r * G + g])), acc[r]);
+    if constexpr (MINS) {
+        const typename V::F mins = block_factors<V>(w.m, w.sm, g, w);
+        for (int r = 0; r < R; ++r) acc[r] = V::fmadd(mins, V::splat(sums[r * G + g]), acc[r]);
+    }
+}
+
 // y[row + r, the vector's columns] for R rows, from the blocks of the column groups at w.
 template <class V, int R, Kind KIND, bool WIDE>
 void tile(const Group& w, int64_t G, const Inputs& in, int64_t row, float* y, int64_t ldy,
@@ -266,14 +281,7 @@ void tile(const Group& w, int64_t G, const Inputs& in, int64_t row, float* y, in
                 for (int r = 0; r < R; ++r) isum[r] = V::ones16(pairs[r]);
 #endif
         }
-        const F scale = block_factors<V>(w.s, w.ss, g, w);
-        for (int r = 0; r < R; ++r)
-            acc[r] = V::fmadd(V::to_float(isum[r]), V::mul(scale, V::splat(d[r * G + g])),
-                              acc[r]);
-        if (KIND == Q4) {
-            const F mins = block_factors<V>(w.m, w.sm, g, w);
-            for (int r = 0; r < R; ++r) acc[r] = V::fmadd(mins, V::splat(sums[r * G + g]), acc[r]);
-        }
+        scale_block<V, R, KIND == Q4>(w, g, G, d, sums, [&](int r) { return isum[r]; }, acc);
     }
     for (int r = 0; r < R; ++r) {
         float* out = y + (row + r) * ldy;

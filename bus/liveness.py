@@ -17,6 +17,8 @@ HEARTBEAT_INTERVAL = 0.5  # seconds
 # taken for dead. What a watcher misses while its own connection hangs does not count at all
 # (ServiceRuntime.bus_time).
 DEAD_AFTER = 4.0
+# How long a reaped copy's last heartbeat is remembered (`Liveness.fell_silent`).
+REMEMBER_REAPED = 300.0
 
 
 @dataclass
@@ -26,11 +28,13 @@ class Liveness:
     dead_after: float = DEAD_AFTER
     last_seen: dict[str, float] = field(default_factory=dict)
     latest: dict[str, Heartbeat] = field(default_factory=dict)
+    reaped: dict[str, float] = field(default_factory=dict)  # instance: its last heartbeat
 
     def seen(self, heartbeat: Heartbeat, now: float) -> bool:
         """Record a heartbeat; True if the instance is new (or back after silence)."""
         fresh = heartbeat.instance_id not in self.last_seen
         self.last_seen[heartbeat.instance_id] = now
+        self.reaped.pop(heartbeat.instance_id, None)
         self.latest[heartbeat.instance_id] = heartbeat
         return fresh
 
@@ -48,8 +52,16 @@ class Liveness:
     def reap(self, now: float) -> list[Heartbeat]:
         """Forget instances silent for too long; returns them (each once)."""
         dead = [i for i, t in self.last_seen.items() if now - t > self.dead_after]
+        self.reaped = {i: t for i, t in self.reaped.items() if now - t <= REMEMBER_REAPED}
         return [self._forget(i) for i in dead]
 
+    def fell_silent(self, now: float) -> list[float]:
+        """The last heartbeat of each copy silent now, past `dead_after`: those still counted
+        and those reaped in the last REMEMBER_REAPED seconds. Copies that fell silent at the
+        same moment point at one cause, such as the server they shared."""
+        return [t for t in self.last_seen.values() if now - t > self.dead_after] + [
+            t for t in self.reaped.values() if now - t <= REMEMBER_REAPED]
+
     def _forget(self, instance_id: str) -> Heartbeat:
-        del self.last_seen[instance_id]
+        self.reaped[instance_id] = self.last_seen.pop(instance_id)
         return self.latest.pop(instance_id)

@@ -222,6 +222,12 @@ class ClusterRoutes:
 JETSTREAM_MAX_FILE_STORE = 8 * 2**30
 JETSTREAM_MAX_MEMORY_STORE = 64 * 2**20
 COMPOSE_STORE_DIR = "/data/jetstream"  # a volume of each nats container (compose*.yaml)
+# How soon a server drops a route to a peer that went silent without closing (a host cut off,
+# no RST): a ping every ROUTE_PING_INTERVAL, the route closed after ROUTE_PING_MAX unanswered.
+# Until it is closed the server still routes to the peer's subscribers, a queue group's
+# included, so a share of the requests for a stage that moved to this server is lost there.
+# The server's default (2 minutes, 2 pings) kept that up for minutes (issue 46).
+ROUTE_PING_INTERVAL, ROUTE_PING_MAX = "1s", 3
 
 
 def server_config(host: str, port: int, passwords: dict[str, str] | None,
@@ -243,6 +249,7 @@ def server_config(host: str, port: int, passwords: dict[str, str] | None,
         text += "cluster: " + json.dumps({
             "name": cluster.name, "host": host, "port": cluster.port,
             "authorization": {"user": "route", "password": cluster.password},
+            "ping_interval": ROUTE_PING_INTERVAL, "ping_max": ROUTE_PING_MAX,
             "routes": [route_url(route, cluster.password) for route in cluster.routes]},
             indent=2) + "\n"
     if passwords:

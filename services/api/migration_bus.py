@@ -168,6 +168,20 @@ class Migrations:
         return bool(self.copies["tokenizer"].alive(now)) and any(
             h.engine_id in admitting for h in self.copies["executor"].alive(now))
 
+    def _detokenizers_may_return(self, now: float) -> bool:
+        """Every detokenizer copy is silent: whether they may be moving to another server
+        rather than dead. So when copies of other stages fell silent within `dead_after` of
+        the last detokenizer heartbeat (one cause, such as a server they shared going away),
+        for at most RESUME_PATIENCE_SETTLING. A silence of the detokenizers alone, their own
+        deaths, ends every request at once."""
+        detokenizers = self.copies["detokenizer"]
+        last_heard = max(detokenizers.last_seen.values())
+        if now - last_heard > RESUME_PATIENCE_SETTLING:
+            return False
+        return any(abs(silent - last_heard) <= detokenizers.dead_after
+                   for stage, liveness in self.copies.items() if stage != "detokenizer"
+                   for silent in liveness.fell_silent(now))
+
     def _move_again(self, placement: Placement) -> None:
         """The attempt just admitted failed before its admission came back: it moves too."""
         if placement.failed_meanwhile:
@@ -200,17 +214,18 @@ class Migrations:
             if not self.runtime.connected:
                 continue
             now = self.runtime.bus_time()
-            dead = {h.instance_id: h for h in self.copies["scheduler"].reap(now)}
             # Every detokenizer copy gone: no text can reach any client until one is back.
             detokenizers = self.copies["detokenizer"]
-            no_detokenizer = bool(detokenizers.last_seen) and not detokenizers.alive(now)
-            if no_detokenizer:
+            if detokenizers.last_seen and not detokenizers.alive(now):
+                if self._detokenizers_may_return(now):
+                    continue  # the cluster settling: nothing is judged until they are back
+                silence = now - max(detokenizers.last_seen.values())
                 for request_id, placement in list(self.placements.items()):
                     self.placements.pop(request_id, None)
                     placement.end_with_error(
-                        f"no detokenizer copy is alive (none heard from for "
-                        f"{detokenizers.dead_after:g} s)")
+                        f"no detokenizer copy is alive (none heard from for {silence:.0f} s)")
                 continue
+            dead = {h.instance_id: h for h in self.copies["scheduler"].reap(now)}
             # A dead copy took with it the text it held, and tokens sent to it since: its
             # requests resume (those with no text yet may have been its too).
             lost_copies = {h.instance_id for h in detokenizers.reap(now)}

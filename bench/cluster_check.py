@@ -81,6 +81,7 @@ FAULTS = ["nats-api", "nats-e1", "partition", "scheduler", "executor", "detok", 
 COMPOUND = ["nats-api-left-down", "partition-left-cut"]
 # Where each service runs: (host, stage, instance id, extra arguments).
 LAYOUT = [
+    (1, "api", "api", []),
     # Random routing spreads the 16 prompts (which share the chat template's prefix, where
     # cache-aware routing would keep most together) over both engines.
     (1, "tokenizer", "tok", ["--routing", "random"]),
@@ -110,8 +111,10 @@ class Stream:
 
 
 class Cluster:
-    def __init__(self, hosts: Hosts, work: Path, same_server_list: bool = False) -> None:
+    def __init__(self, hosts: Hosts, work: Path, same_server_list: bool = False,
+                 layout: list[tuple[int, str, str, list[str]]] | None = None) -> None:
         self.hosts, self.work, self.same_server_list = hosts, work, same_server_list
+        self.layout = list(LAYOUT if layout is None else layout)
         self.passwords = generate_passwords()
         self.route_password = secrets.token_hex(16)
         self.processes: dict[str, subprocess.Popen] = {}
@@ -128,10 +131,7 @@ class Cluster:
         self._certificate()
         for host in (1, 2, 3):
             self.start_nats(host)
-        self.start_service(1, "api", "api", ["--host", self.hosts.address(1), "--port", "8000",
-                                             "--responses-replicas", "3",
-                                             "--adapters-replicas", "3"])
-        for host, stage, instance, extra in LAYOUT:
+        for host, stage, instance, extra in self.layout:
             self.start_service(host, stage, instance, extra)
 
     def _certificate(self) -> None:
@@ -155,6 +155,9 @@ class Cluster:
         env = {"LLMBUS_NATS_USER": stage, "LLMBUS_NATS_PASSWORD": self.passwords[stage],
                TLS_CA_VARIABLE: str(self.work / "cert.pem")}
         urls = [self.url(h) for h in (1, 2, 3)] if self.same_server_list else [self.url(host)]
+        if stage == "api":  # every api copy on one port of host 1 (SO_REUSEPORT)
+            extra = ["--host", self.hosts.address(1), "--port", "8000",
+                     "--responses-replicas", "3", "--adapters-replicas", "3", *extra]
         argv = [sys.executable, "-m", "llmbus.services.cli", "serve", stage, "--nats-url",
                 ",".join(urls), "--instance-id", instance, *extra]
         self._spawn(instance, host, argv, env)
@@ -175,7 +178,7 @@ class Cluster:
         if name.startswith("nats"):
             self.start_nats(int(name[-1]))
             return
-        host, stage, instance, extra = next(e for e in LAYOUT if e[2] == name)
+        host, stage, instance, extra = next(e for e in self.layout if e[2] == name)
         self.start_service(host, stage, instance, extra)
 
     def stop(self) -> None:
@@ -205,9 +208,9 @@ class Cluster:
 
     async def wait_ready(self, timeout: float = 300.0) -> float:
         """Seconds until /health answers 200 with every copy counted."""
-        want = {"scheduler": 2, "executor": len([1 for _, stage, _, _ in LAYOUT
-                                                 if stage == "executor"]),
-                "detokenizer": 2, "tokenizer": 1, "api": 1}
+        want: dict[str, int] = {}
+        for _, stage, _, _ in self.layout:
+            want[stage] = want.get(stage, 0) + 1
         started = time.monotonic()
         async with httpx.AsyncClient(timeout=3) as http:
             while time.monotonic() - started < timeout:

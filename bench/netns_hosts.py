@@ -3,13 +3,15 @@
 Each host is a namespace with a veth pair: one end inside (its address), the other on a bridge
 in the root namespace, which has an address too, so that this machine reaches every host (the
 load generator runs here). A partition takes a host's link down from inside: its packets are
-dropped, no RST is sent, as when a cable is pulled. Names carry a tag unique to the run, and
-`remove` deletes everything made, also after a failure. Needs root and iproute2.
+dropped, no RST is sent, as when a cable is pulled; `impair` delays or drops a share of them.
+Names carry a tag unique to the run, and `remove` deletes everything made, also after a
+failure. Needs root and iproute2.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass, field
 
@@ -24,6 +26,7 @@ class Hosts:
     tag: str = field(default_factory=lambda: f"lb{os.getpid() % 100000}")
     subnet: str = field(default_factory=lambda: f"10.213.{os.getpid() % 200 + 20}")
     made: list[tuple[str, str]] = field(default_factory=list)  # (kind, name), to remove
+    netem: bool = False  # whether the kernel has tc netem (`impairments` finds out)
 
     @property
     def bridge(self) -> str:
@@ -65,6 +68,44 @@ class Hosts:
         """Cut the host off (its link down: silence, no RST), or join it again."""
         _ip("-n", self.namespace(host), "link", "set", self._link(host),
             "down" if cut else "up")
+
+    def impairments(self) -> list[str]:
+        """What `impair` can do here: tc netem's delay and loss where the kernel has netem;
+        else a loss by nftables (where `nft` is installed) and a link throttled by tc tbf,
+        whose queue delays packets up to 200 ms and drops what overflows it."""
+        probe = subprocess.run(["ip", "netns", "exec", self.namespace(1), "tc", "qdisc", "add",
+                                "dev", "lo", "root", "netem", "delay", "1ms"], capture_output=True)
+        self.netem = probe.returncode == 0
+        if self.netem:
+            subprocess.run(["ip", "netns", "exec", self.namespace(1), "tc", "qdisc", "del", "dev",
+                            "lo", "root"], capture_output=True)
+            return ["delay 200ms", "loss 5%"]
+        return ["throttle 1mbit"] + (["loss 5%"] if shutil.which("nft") else [])
+
+    def impair(self, host: int, how: str | None) -> None:
+        """Impair the host's link as `how` (one of `impairments()`), or mend it (None)."""
+        run = ["ip", "netns", "exec", self.namespace(host)]
+        table = f"{self.tag}chaos"
+        if how is None:  # whichever was made: the other is not there, nothing to undo
+            subprocess.run([*run, "tc", "qdisc", "del", "dev", self._link(host), "root"],
+                           capture_output=True)
+            subprocess.run([*run, "nft", "delete", "table", "inet", table], capture_output=True)
+            return
+        if how.startswith("throttle"):
+            qdisc = ["tbf", "rate", how.split()[1], "burst", "16kb", "latency", "200ms"]
+        elif self.netem:
+            qdisc = ["netem", *how.split()]
+        else:  # a share of the packets dropped both ways, by nftables
+            percent = how.split()[1].rstrip("%")
+            for command in (f"add table inet {table}",
+                            f"add chain inet {table} in {{ type filter hook input priority 0; }}",
+                            f"add chain inet {table} out {{ type filter hook output priority 0; }}",
+                            f"add rule inet {table} in numgen random mod 100 < {percent} drop",
+                            f"add rule inet {table} out numgen random mod 100 < {percent} drop"):
+                subprocess.run([*run, "nft", *command.split()], check=True, capture_output=True)
+            return
+        subprocess.run([*run, "tc", "qdisc", "replace", "dev", self._link(host), "root", *qdisc],
+                       check=True, capture_output=True)
 
     def remove(self) -> None:
         for kind, name in reversed(self.made):

@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 from llmbus.bus.messages import Heartbeat
 
 HEARTBEAT_INTERVAL = 0.5  # seconds
-# Seconds of silence: more than a hung server takes to be noticed (2-3 s, bus/servers.py) plus
-# a reconnect and a heartbeat, so a copy whose connection is being re-established is not
-# taken for dead. What a watcher misses while its own connection hangs does not count at all
+# Seconds of silence: more than a hung server takes to be noticed (2-3 s, bus/servers.py), its
+# connection's close cut short (1 s more over TLS), a reconnect and a heartbeat, with room for
+# a busy machine, so a copy whose connection is being re-established is not taken for dead
+# (at 4 s, the chaos soak saw copies whose server was cut off reaped as they came back). What
+# a watcher misses while its own connection hangs does not count at all
 # (ServiceRuntime.bus_time).
-DEAD_AFTER = 4.0
+DEAD_AFTER = 6.0
 # How long a reaped copy's last heartbeat is remembered (`Liveness.fell_silent`).
 REMEMBER_REAPED = 300.0
 
@@ -31,8 +33,17 @@ class Liveness:
     reaped: dict[str, float] = field(default_factory=dict)  # instance: its last heartbeat
 
     def seen(self, heartbeat: Heartbeat, now: float) -> bool:
-        """Record a heartbeat; True if the instance is new (or back after silence)."""
+        """Record a heartbeat; True if the instance is new (or back after silence).
+
+        A known copy heard again after every copy fell silent at once pardons them all
+        first: a silence of all says more about the path to this watcher (its server cut
+        off from the cluster) than about each of them, and a watcher that reaps when
+        heartbeats arrive would otherwise reap, on that first one, every copy whose own
+        heartbeat is a moment behind. (A new copy pardons nobody: it may be the first of
+        its stage after the others died.)"""
         fresh = heartbeat.instance_id not in self.last_seen
+        if not fresh and now - max(self.last_seen.values()) > self.dead_after:
+            self.pardon(now)
         self.last_seen[heartbeat.instance_id] = now
         self.reaped.pop(heartbeat.instance_id, None)
         self.latest[heartbeat.instance_id] = heartbeat

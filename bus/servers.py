@@ -21,7 +21,7 @@ MAX_OUTSTANDING_PINGS = 2
 # data still queued for a server cut off without an RST, that close waits until TCP gives up
 # (seen: 30 s, every copy on that server reconnecting to none meanwhile, issue 46's compound
 # case). A close still waited for after this long is cut short: the connection is dropped.
-STUCK_CLOSE_SECONDS = 2.0
+STUCK_CLOSE_SECONDS = 1.0
 
 
 class StuckClose:

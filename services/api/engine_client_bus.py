@@ -89,9 +89,7 @@ class EngineClient:
             self._streams.pop(request.request_id, None)
             self.migrations.forget(request.request_id)
             raise
-        if placement.attempt == request.attempt:  # else a migration moved it meanwhile
-            placement.scheduler_instance_id = admission.scheduler_instance_id
-            placement.scheduler_reconnects = admission.scheduler_reconnects
+        self.migrations.admitted(placement, admission)
         return admission
 
     async def _admit(self, request: GenerateRequest) -> Admission:

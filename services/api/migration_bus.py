@@ -55,9 +55,19 @@ class Migrations:
         self._watchdog: asyncio.Task | None = None
 
     def track(self, request: GenerateRequest, queue: asyncio.Queue) -> Placement:
-        """A request sent into the pipeline, its deltas to `queue`."""
-        placement = self.placements[request.request_id] = Placement(request, queue)
+        """A request on its way into the pipeline, its deltas to `queue`. Until `admitted`,
+        it is moving: a fault meanwhile moves it once its admission is back, not while the
+        first attempt may still be admitted by an engine (which would refuse it as stale)."""
+        placement = self.placements[request.request_id] = Placement(request, queue, moving=True)
         return placement
+
+    def admitted(self, placement: Placement, admission: Admission) -> None:
+        """The first attempt's admission came back: where it runs; if a fault came meanwhile,
+        it moves now."""
+        placement.scheduler_instance_id = admission.scheduler_instance_id
+        placement.scheduler_reconnects = admission.scheduler_reconnects
+        placement.moving = False
+        self._move_again(placement)
 
     def forget(self, request_id: str) -> None:
         """It ended, or its client left: nothing of it moves any more."""

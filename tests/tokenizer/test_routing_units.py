@@ -32,6 +32,18 @@ def test_liveness_reaps_silent_copies_once():
     assert live.seen(beat("a"), now=4.0)  # back: new again
 
 
+def test_a_silence_of_every_copy_at_once_is_pardoned_by_the_first_heartbeat_after_it():
+    """The watcher's server was cut off from the cluster for 10 s: when it is back, api copy
+    a's heartbeat comes a moment before b's, and b must not be reaped in between."""
+    live = Liveness(dead_after=2.0)
+    live.seen(beat("a", service="api"), now=0.0)
+    live.seen(beat("b", service="api"), now=0.1)
+    live.seen(beat("a", service="api"), now=10.0)
+    assert live.reap(10.0) == [] and len(live.alive(10.0)) == 2
+    live.seen(beat("a", service="api"), now=11.0)
+    assert [h.instance_id for h in live.reap(12.5)] == ["b"]  # b really gone: reaped later
+
+
 def test_engine_tree_hashes_equal_router_hashes():
     s = Scheduler(SchedulerConfig(num_blocks=20, block_size=4, max_model_len=64))
     prompt = list(range(100, 113))

@@ -1,0 +1,392 @@
+# Over 300 lines: one script that runs a load and a fault schedule side by side on the cluster
+# of cluster_check.py, then judges every request against its undisturbed answer.
+"""Chaos soak: faults that come every few seconds, overlapping, while requests arrive.
+
+    sudo .venv/bin/python -m llmbus.bench.chaos [--seconds 600] [--seed 0] [--json FILE]
+
+The cluster is cluster_check.py's (three network-namespace hosts, a three-server NATS cluster
+with TLS and one user per service), every service given the same server list, with two copies
+of every stage: api copies on one port of host 1, tokenizers on hosts 1 and 3, engines and
+detokenizers on hosts 2 and 3. Engines run in exact mode, so an answer computed again after a
+fault equals the undisturbed one.
+
+Requests arrive as a Poisson process, each one of a fixed pool (chat and text completions,
+streamed and not, some with tools or a JSON schema; greedy), whose undisturbed answers are
+taken first. A tenth of the streams are left by their client after a few chunks. Every 15-40 s
+(`--fault-every`) a fault starts, overlapping those still on:
+  kill    kill -9 of a stage copy or a nats-server, started again after 3-10 s
+  stop    SIGSTOP of one, SIGCONT after 2-8 s
+  cut     a host's link down (no RST) for 5-20 s
+  netem   200 ms delay or 5% packet loss on a host's link for 5-20 s (where the kernel
+          lacks netem: a loss by nftables, and a link throttled to 1 Mbit/s by tc tbf)
+The report: requests sent, answered with the undisturbed answer, ended with an error (its text
+and the faults it overlapped), hung (none may be), left by their client and how soon their
+abort reached the engine, migrations, KV blocks held at the end, copies some stage took for
+dead while no fault touched them or their judge, and the longest stall of a stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from llmbus.bench.client import _sse_chunks
+from llmbus.bench.cluster_check import LAYOUT, TOPICS, Cluster, _named, run_fault, run_load
+from llmbus.bench.netns_hosts import Hosts
+from llmbus.bench.stack import MODEL_NAME
+from llmbus.bus.liveness import DEAD_AFTER
+from llmbus.services.model_files import default_model_path
+
+# Two copies of every stage: cluster_check's layout, a second api and a second tokenizer.
+CHAOS_LAYOUT = [*LAYOUT, (1, "api", "api2", []), (3, "tokenizer", "tok3", ["--routing", "random"])]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                   "required": ["city"], "additionalProperties": False}}}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+HUNG_AFTER = 120.0  # seconds after the load ends: a request still open then is hung
+ABORT_WITHIN = 1.0  # a left stream's abort reaches its engine within this, faults aside
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: str  # a process, or "h<host>"
+    started: float  # wall clock
+    ended: float = float("inf")
+    touches: set[str] = field(default_factory=set)  # the processes it silences
+
+    def covers(self, wall: float, grace: float = 0.0) -> bool:
+        return self.started <= wall <= self.ended + grace
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.target}"
+
+
+@dataclass
+class Outcome:
+    shape: int
+    sent: float  # wall clock
+    ended: float = 0.0
+    answer: str = ""
+    error: str = ""
+    request_id: str = ""
+    left_at: float = 0.0  # when its client left it (0: it did not)
+    longest_stall: float = 0.0
+
+
+def request_pool(rng: random.Random, size: int) -> list[dict]:
+    """Request bodies, each a path and its JSON: greedy, of every kind the api serves."""
+    pool = []
+    for i in range(size):
+        topic, stream = TOPICS[i % len(TOPICS)], rng.random() < 0.6
+        body: dict = {"model": MODEL_NAME, "max_tokens": rng.randint(12, 40), "temperature": 0,
+                      "stream": stream}
+        kind = rng.choices(["chat", "text", "tools", "schema"], [6, 2, 1, 1])[0]
+        if kind == "text":
+            pool.append({"path": "completions", "body": body | {
+                "prompt": f"A short note about {topic}:"}})
+            continue
+        body["messages"] = [{"role": "user", "content": f"Tell me about {topic}."}]
+        if kind == "tools":
+            body |= {"tools": [WEATHER], "tool_choice": "required", "messages": [
+                {"role": "user", "content": f"What is the weather like near {topic}?"}]}
+        elif kind == "schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "person", "schema": PERSON}}
+        pool.append({"path": "chat/completions", "body": body})
+    return pool
+
+
+def _answer_of(choice: dict, streamed: bool) -> str:
+    """What a choice says, tool calls' names and arguments included (not their random ids)."""
+    part = choice.get("delta" if streamed else "message") or {}
+    text = part.get("content") or choice.get("text") or ""
+    calls = "".join(f"<{c.get('function', {}).get('name') or ''}"
+                    f"{c.get('function', {}).get('arguments') or ''}>"
+                    for c in part.get("tool_calls") or [])
+    return text + calls + (f"|{choice['finish_reason']}" if choice.get("finish_reason") else "")
+
+
+async def send(http: httpx.AsyncClient, url: str, request: dict, outcome: Outcome,
+               leave_after: int = 0) -> None:
+    """One request; its answer or error in `outcome`. With `leave_after`, the client closes
+    the stream after that many chunks."""
+    body = request["body"]
+    try:
+        if not body["stream"]:
+            response = await http.post(f"{url}/{request['path']}", json=body)
+            reply = response.json()
+            if response.status_code != 200:
+                outcome.error = f"HTTP {response.status_code}: " + str(
+                    reply.get("error", {}).get("message", reply))
+                return
+            outcome.request_id = reply["id"]
+            outcome.answer = "".join(_answer_of(c, False) for c in reply["choices"])
+            return
+        async with http.stream("POST", f"{url}/{request['path']}", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                outcome.error = f"HTTP {response.status_code}: {response.text[:200]}"
+                return
+            chunks, last = 0, time.monotonic()
+            async for chunk in _sse_chunks(response):
+                now = time.monotonic()
+                outcome.longest_stall, last = max(outcome.longest_stall, now - last), now
+                if chunk.get("error"):
+                    outcome.error = chunk["error"].get("message", "error")
+                    return
+                outcome.request_id = chunk.get("id", outcome.request_id)
+                outcome.answer += "".join(_answer_of(c, True) for c in chunk.get("choices", []))
+                chunks += 1
+                if chunks == leave_after:
+                    outcome.left_at = time.time()
+                    return  # the context manager closes the connection: the client left
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        outcome.ended = time.time()
+
+
+async def take_answers(url: str, pool: list[dict]) -> list[str]:
+    """Each request of the pool once, four at a time, undisturbed: the answers to expect."""
+    outcomes = [Outcome(i, time.time()) for i in range(len(pool))]
+    limit = asyncio.Semaphore(4)
+
+    async def one(outcome: Outcome) -> None:
+        async with limit:
+            await send(http, url, pool[outcome.shape], outcome)
+
+    async with httpx.AsyncClient(timeout=120) as http:
+        await asyncio.gather(*(one(o) for o in outcomes))
+    failed = [o.error for o in outcomes if o.error]
+    if failed:
+        raise RuntimeError(f"the undisturbed answers failed: {failed[:3]}")
+    return [o.answer for o in outcomes]
+
+
+class Faults:
+    """Starts a random fault every `every` seconds (a range), each ended on its own clock."""
+
+    def __init__(self, cluster: Cluster, rng: random.Random, every: tuple[float, float]) -> None:
+        self.cluster, self.rng, self.every = cluster, rng, every
+        self.log: list[Fault] = []
+        self.impairments = cluster.hosts.impairments()  # netem's, or what stands in for it
+        self._tasks: set[asyncio.Task] = set()
+
+    def _busy(self) -> set[str]:
+        return {f.target for f in self.log if f.ended == float("inf")}
+
+    def _hosts_of(self, host: int) -> set[str]:
+        return {f"nats{host}"} | {name for h, _, name, _ in self.cluster.layout if h == host}
+
+    async def run(self, until: float) -> None:
+        while True:
+            await asyncio.sleep(self.rng.uniform(*self.every))
+            if time.monotonic() >= until:
+                break
+            fault = self._pick()
+            if fault is not None:
+                self.log.append(fault)
+                print(f"  {time.strftime('%H:%M:%S')} {fault}", flush=True)
+                task = asyncio.create_task(self._play(fault))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        await asyncio.gather(*self._tasks)
+
+    def _pick(self) -> Fault | None:
+        kind = self.rng.choice(["kill", "kill", "stop", "cut", "netem"])
+        busy, now = self._busy(), time.time()
+        if kind in ("kill", "stop"):
+            names = sorted(n for n in self.cluster.processes if n not in busy)
+            target = self.rng.choice(names)
+            return Fault(kind, target, now, touches={target})
+        hosts = [h for h in (1, 2, 3) if f"h{h}" not in busy]
+        if not hosts:
+            return None
+        host = self.rng.choice(hosts)
+        touches = self._hosts_of(host) if kind == "cut" else set()
+        return Fault(kind, f"h{host}", now, touches=touches)
+
+    async def _play(self, fault: Fault) -> None:
+        cluster, rng = self.cluster, self.rng
+        if fault.kind == "kill":
+            cluster.kill(fault.target)
+            await asyncio.sleep(rng.uniform(3, 10))
+            cluster.restart(fault.target)
+        elif fault.kind == "stop":
+            cluster.processes[fault.target].send_signal(signal.SIGSTOP)
+            await asyncio.sleep(rng.uniform(2, 8))
+            cluster.processes[fault.target].send_signal(signal.SIGCONT)
+        else:
+            host = int(fault.target[1:])
+            if fault.kind == "cut":
+                cluster.hosts.partition(host, cut=True)
+            else:
+                fault.kind = rng.choice(self.impairments)
+                cluster.hosts.impair(host, fault.kind)
+            await asyncio.sleep(rng.uniform(5, 20))
+            if fault.kind == "cut":
+                cluster.hosts.partition(host, cut=False)
+            else:
+                cluster.hosts.impair(host, None)
+        fault.ended = time.time()
+
+
+async def soak(cluster: Cluster, pool: list[dict], args: argparse.Namespace,
+               faults: Faults) -> list[Outcome]:
+    """Poisson arrivals for `args.seconds`, the faults beside them; every request's outcome
+    (one still open HUNG_AFTER seconds after the load ends is cancelled: hung)."""
+    rng = random.Random(args.seed + 1)
+    outcomes: list[Outcome] = []
+    tasks: list[asyncio.Task] = []
+    until = time.monotonic() + args.seconds
+    fault_task = asyncio.create_task(faults.run(until))
+    timeout = httpx.Timeout(HUNG_AFTER + 60, connect=10)
+    limits = httpx.Limits(max_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        while time.monotonic() < until:
+            shape = rng.randrange(len(pool))
+            leave = rng.randint(2, 6) if pool[shape]["body"]["stream"] and rng.random() < 0.1 else 0
+            outcomes.append(Outcome(shape, time.time()))
+            tasks.append(asyncio.create_task(send(http, cluster.base_url, pool[shape],
+                                                  outcomes[-1], leave)))
+            await asyncio.sleep(rng.expovariate(args.rate))
+        await fault_task
+        done, pending = await asyncio.wait(tasks, timeout=HUNG_AFTER)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return outcomes
+
+
+def judge(cluster: Cluster, outcomes: list[Outcome], answers: list[str], faults: list[Fault],
+          since: float, held: dict[str, int]) -> dict:
+    """The soak's report (see the module's docstring)."""
+    lines = cluster.log_lines_since(since)
+    left = [o for o in outcomes if o.left_at]
+    judged = [o for o in outcomes if not o.left_at]
+    hung = [o for o in judged if not o.ended]
+    errors = [o for o in judged if o.ended and o.error]
+    for o in errors:  # the faults each error overlapped
+        o.error += " [" + ", ".join(str(f) for f in faults if f.covers(o.sent, 0)
+                                    or o.sent <= f.started <= o.ended) + "]"
+    wrong = [o for o in judged if o.ended and not o.error and o.answer != answers[o.shape]]
+    abort_delays = []
+    for o in left:
+        aborted = [wall for wall, name, line in lines if name in ("e1", "e2")
+                   and "aborted" in line and o.request_id in line and wall >= o.left_at - 0.5]
+        abort_delays.append(min(aborted, default=float("inf")) - o.left_at)
+    return {
+        "requests": len(outcomes), "judged": len(judged),
+        "equal_to_undisturbed": len(judged) - len(hung) - len(errors) - len(wrong),
+        "errors": [o.error for o in errors], "unexplained_errors": [
+            o.error for o in errors if o.error.endswith("[]")],
+        "different_answers": len(wrong), "hung": len(hung),
+        "left_by_client": len(left),
+        "aborts_within_1s": sum(d <= ABORT_WITHIN for d in abort_delays),
+        "slowest_abort_s": round(max(abort_delays, default=0.0), 2),
+        "migrated": sum("request migrated" in line for _, name, line in lines
+                        if name.startswith("api")),
+        "kv_blocks_held_after": held, "healthy_copies_reaped": false_reaps(lines, faults),
+        "longest_stall_s": round(max((o.longest_stall for o in outcomes), default=0.0), 2),
+        "faults": [f"{time.strftime('%X', time.localtime(f.started))} {f} "
+                   f"({f.ended - f.started:.0f} s)" for f in faults],
+    }
+
+
+def false_reaps(lines: list[tuple[float, str, str]], faults: list[Fault]) -> list[str]:
+    """Copies some stage took for dead ("... gone" in its log) while no fault touched them or
+    their judge (a fault's silence may be judged up to DEAD_AFTER after it ends)."""
+    grace = DEAD_AFTER + 6
+    return sorted({f"{judge_} took {_named(line)} for dead at "
+                   f"{time.strftime('%X', time.localtime(wall))}"
+                   for wall, judge_, line in lines if " gone" in line
+                   if not any(f.covers(wall, grace) and {_named(line), judge_} & f.touches
+                              for f in faults)})
+
+
+def passed(report: dict) -> bool:
+    """Issue 46's bar: no hang, nothing held, no healthy copy reaped, every error explained,
+    and at least 99% of the judged requests answered as undisturbed."""
+    return (not report["hung"] and not any(report["kv_blocks_held_after"].values())
+            and not report["healthy_copies_reaped"] and not report["unexplained_errors"]
+            and not report["different_answers"]
+            and report["equal_to_undisturbed"] >= 0.99 * report["judged"])
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        print("chaos needs root (ip netns)", file=sys.stderr)
+        return 2
+    if not default_model_path().is_file():
+        print("the default model is not pulled (`llmbus model pull`)", file=sys.stderr)
+        return 2
+    hosts = Hosts()
+    work = Path(tempfile.mkdtemp(prefix="llmbus-chaos-"))
+    cluster = Cluster(hosts, work, same_server_list=True, layout=CHAOS_LAYOUT)
+    report: dict = {}
+    try:
+        hosts.create()
+        cluster.start()
+        print(f"cluster ready after {await cluster.wait_ready():.1f} s (logs in {work})",
+              flush=True)
+        if args.compound:  # issue 46's compound case first, on the same cluster
+            reference = [s.text for s in (await run_load(cluster, None, 8, 120))["streams"]]
+            phases = await run_fault(cluster, "compound", argparse.Namespace(
+                streams=8, max_tokens=120), reference)
+            report["compound"] = [{k: p[k] for k in ("fault", "complete", "equal_to_undisturbed",
+                                                     "errors", "kv_blocks_held_after")}
+                                  for p in phases]
+        pool = request_pool(random.Random(args.seed), args.pool)
+        answers = await take_answers(cluster.base_url, pool)
+        print(f"{len(pool)} undisturbed answers taken; soaking for {args.seconds:.0f} s",
+              flush=True)
+        since, faults = time.time(), Faults(cluster, random.Random(args.seed + 2),
+                                            tuple(args.fault_every))
+        outcomes = await soak(cluster, pool, args, faults)
+        await cluster.wait_ready()
+        await asyncio.sleep(3)  # the last aborts land
+        report["soak"] = judge(cluster, outcomes, answers, faults.log, since,
+                               await cluster.held_blocks())
+    finally:
+        cluster.stop()
+        hosts.remove()
+    print(json.dumps(report, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    compound_ok = all(p["equal_to_undisturbed"] == 8 and not any(p["kv_blocks_held_after"].values())
+                      for p in report.get("compound", []))
+    return 0 if compound_ok and passed(report["soak"]) else 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=600, help="how long the load runs")
+    parser.add_argument("--rate", type=float, default=1.0, help="requests a second (Poisson)")
+    parser.add_argument("--seed", type=int, default=0, help="of the requests and the faults")
+    parser.add_argument("--pool", type=int, default=32, help="distinct requests")
+    parser.add_argument("--fault-every", type=float, nargs=2, default=[15, 40],
+                        metavar=("MIN", "MAX"), help="seconds between two faults' starts")
+    parser.add_argument("--compound", action="store_true",
+                        help="first issue 46's compound case (8 streams), on the same cluster")
+    parser.add_argument("--json", help="also write the report to this file")
+    args = parser.parse_args()
+    sys.exit(asyncio.run(main_async(args)))
+
+
+if __name__ == "__main__":
+    main()

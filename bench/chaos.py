@@ -57,8 +57,13 @@ WEATHER = {"type": "function", "function": {
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
+# A stream its client leaves: long enough to be running still when the abort comes.
+LEFT_STREAM = {"path": "chat/completions", "body": {
+    "model": MODEL_NAME, "stream": True, "max_tokens": 400, "ignore_eos": True,
+    "temperature": 0, "messages": [{"role": "user", "content": "Tell me a long story."}]}}
 HUNG_AFTER = 120.0  # seconds after the load ends: a request still open then is hung
 ABORT_WITHIN = 1.0  # a left stream's abort reaches its engine within this, faults aside
+SDK_RETRIES, RETRIED_STATUSES = 2, {408, 409, 429, 500, 502, 503, 504}  # openai-python's
 
 
 @dataclass
@@ -78,13 +83,14 @@ class Fault:
 
 @dataclass
 class Outcome:
-    shape: int
+    shape: int  # its request in the pool; -1: a stream its client leaves (LEFT_STREAM)
     sent: float  # wall clock
     ended: float = 0.0
     answer: str = ""
     error: str = ""
     request_id: str = ""
     left_at: float = 0.0  # when its client left it (0: it did not)
+    retries: int = 0  # tries after the first (`send`)
     longest_stall: float = 0.0
 
 
@@ -123,8 +129,24 @@ def _answer_of(choice: dict, streamed: bool) -> str:
 
 async def send(http: httpx.AsyncClient, url: str, request: dict, outcome: Outcome,
                leave_after: int = 0) -> None:
-    """One request; its answer or error in `outcome`. With `leave_after`, the client closes
-    the stream after that many chunks."""
+    """One request, tried again as the official OpenAI SDK does (up to SDK_RETRIES more
+    times, when no response came or its status was 408, 409, 429 or 5xx: a client's part,
+    not the server's); its answer or error in `outcome`. With `leave_after`, the client
+    closes the stream after that many chunks."""
+    try:
+        for retry in range(SDK_RETRIES + 1):
+            outcome.answer, outcome.error = "", ""
+            if not await _try(http, url, request, outcome, leave_after) or retry == SDK_RETRIES:
+                return
+            outcome.retries += 1
+            await asyncio.sleep(0.5 * 2**retry)
+    finally:
+        outcome.ended = time.time()
+
+
+async def _try(http: httpx.AsyncClient, url: str, request: dict, outcome: Outcome,
+               leave_after: int) -> bool:
+    """One try; whether the SDK would try again (no response, or a status it retries)."""
     body = request["body"]
     try:
         if not body["stream"]:
@@ -133,32 +155,38 @@ async def send(http: httpx.AsyncClient, url: str, request: dict, outcome: Outcom
             if response.status_code != 200:
                 outcome.error = f"HTTP {response.status_code}: " + str(
                     reply.get("error", {}).get("message", reply))
-                return
+                return response.status_code in RETRIED_STATUSES
             outcome.request_id = reply["id"]
             outcome.answer = "".join(_answer_of(c, False) for c in reply["choices"])
-            return
+            return False
         async with http.stream("POST", f"{url}/{request['path']}", json=body) as response:
             if response.status_code != 200:
                 await response.aread()
                 outcome.error = f"HTTP {response.status_code}: {response.text[:200]}"
-                return
+                return response.status_code in RETRIED_STATUSES
             chunks, last = 0, time.monotonic()
             async for chunk in _sse_chunks(response):
                 now = time.monotonic()
                 outcome.longest_stall, last = max(outcome.longest_stall, now - last), now
                 if chunk.get("error"):
                     outcome.error = chunk["error"].get("message", "error")
-                    return
+                    return False
                 outcome.request_id = chunk.get("id", outcome.request_id)
                 outcome.answer += "".join(_answer_of(c, True) for c in chunk.get("choices", []))
                 chunks += 1
                 if chunks == leave_after:
                     outcome.left_at = time.time()
-                    return  # the context manager closes the connection: the client left
+                    return False  # the context manager closes the connection: the client left
+        return False
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        outcome.error = f"{type(exc).__name__}: {exc}"
+        return True
+    except httpx.RemoteProtocolError as exc:  # retried by the SDK only before a response
+        outcome.error = f"{type(exc).__name__}: {exc}"
+        return "without sending a response" in str(exc)
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        outcome.ended = time.time()
+        return False
 
 
 async def take_answers(url: str, pool: list[dict]) -> list[str]:
@@ -260,9 +288,11 @@ async def soak(cluster: Cluster, pool: list[dict], args: argparse.Namespace,
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
         while time.monotonic() < until:
             shape = rng.randrange(len(pool))
-            leave = rng.randint(2, 6) if pool[shape]["body"]["stream"] and rng.random() < 0.1 else 0
-            outcomes.append(Outcome(shape, time.time()))
-            tasks.append(asyncio.create_task(send(http, cluster.base_url, pool[shape],
+            request, leave = pool[shape], 0
+            if request["body"]["stream"] and rng.random() < 0.1:  # one its client will leave
+                request, leave = LEFT_STREAM, rng.randint(2, 6)
+            outcomes.append(Outcome(-1 if leave else shape, time.time()))
+            tasks.append(asyncio.create_task(send(http, cluster.base_url, request,
                                                   outcomes[-1], leave)))
             await asyncio.sleep(rng.expovariate(args.rate))
         await fault_task
@@ -278,18 +308,18 @@ def judge(cluster: Cluster, outcomes: list[Outcome], answers: list[str], faults:
     """The soak's report (see the module's docstring)."""
     lines = cluster.log_lines_since(since)
     left = [o for o in outcomes if o.left_at]
-    judged = [o for o in outcomes if not o.left_at]
+    judged = [o for o in outcomes if o.shape >= 0]
     hung = [o for o in judged if not o.ended]
     errors = [o for o in judged if o.ended and o.error]
     for o in errors:  # the faults each error overlapped
         o.error += " [" + ", ".join(str(f) for f in faults if f.covers(o.sent, 0)
                                     or o.sent <= f.started <= o.ended) + "]"
     wrong = [o for o in judged if o.ended and not o.error and o.answer != answers[o.shape]]
-    abort_delays = []
+    abort_delays = {}
     for o in left:
         aborted = [wall for wall, name, line in lines if name in ("e1", "e2")
                    and "aborted" in line and o.request_id in line and wall >= o.left_at - 0.5]
-        abort_delays.append(min(aborted, default=float("inf")) - o.left_at)
+        abort_delays[o.request_id] = round(min(aborted, default=float("inf")) - o.left_at, 2)
     return {
         "requests": len(outcomes), "judged": len(judged),
         "equal_to_undisturbed": len(judged) - len(hung) - len(errors) - len(wrong),
@@ -297,8 +327,11 @@ def judge(cluster: Cluster, outcomes: list[Outcome], answers: list[str], faults:
             o.error for o in errors if o.error.endswith("[]")],
         "different_answers": len(wrong), "hung": len(hung),
         "left_by_client": len(left),
-        "aborts_within_1s": sum(d <= ABORT_WITHIN for d in abort_delays),
-        "slowest_abort_s": round(max(abort_delays, default=0.0), 2),
+        "to_leave_but_failed_first": [o.error for o in outcomes if o.shape < 0 and not o.left_at],
+        "aborts_within_1s": sum(d <= ABORT_WITHIN for d in abort_delays.values()),
+        "aborts_later": {i: d if d < float("inf") else None  # None: never seen
+                         for i, d in abort_delays.items() if d > ABORT_WITHIN},
+        "retried_by_the_client": sum(o.retries for o in outcomes),
         "migrated": sum("request migrated" in line for _, name, line in lines
                         if name.startswith("api")),
         "kv_blocks_held_after": held, "healthy_copies_reaped": false_reaps(lines, faults),

@@ -1,4 +1,5 @@
-"""Kill -9 each kind of service mid-stream: every client ends within 10 s, and once the
+"""Kill -9 each kind of service mid-stream: every client ends within seconds (the silence
+that makes a copy dead, a resumption's patience, and slack for a busy machine), and once the
 service is restarted the stack serves again; the bus killed and started again loses no
 stream. (SIGTERM during a stream, which ends it cleanly: test_launched_stack.py.)"""
 
@@ -12,11 +13,16 @@ import time
 import httpx
 import pytest
 
+from llmbus.bus.liveness import DEAD_AFTER
+from llmbus.services.api.migration_bus import RESUME_PATIENCE
 from llmbus.services.launcher import Stack, _start_services, free_port, wait_until_ready
 from tests.stack import AUTH, MODEL_NAME, needs_default_model
 
 pytestmark = [pytest.mark.model, needs_default_model()]
 ONE_OF_EACH = {"api": 1, "tokenizer": 1, "detokenizer": 1, "engine": 1}
+# A dead copy's requests end within: its silence judged, one try to resume them elsewhere
+# (the one engine's executor dead: none takes them), and 4 s for a busy machine.
+ENDED_WITHIN = DEAD_AFTER + RESUME_PATIENCE + 4
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +88,7 @@ async def test_kill_9_mid_stream_then_restart(services, victim):
         assert await asyncio.wait_for(asyncio.gather(*streams), timeout=120) == ["done"] * 3
     else:
         results = await asyncio.wait_for(asyncio.gather(*streams), timeout=30)
-        assert time.monotonic() - killed_at < 10 + 1  # every client ended within 10 s
+        assert time.monotonic() - killed_at < ENDED_WITHIN
         # The api's own death cuts its connections; any other stage's, the api reports in
         # each stream (nothing else serves these requests: one copy of each stage).
         assert results == ["cut" if victim == "api" else "error event"] * 3, results

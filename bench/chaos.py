@@ -42,7 +42,7 @@ from pathlib import Path
 import httpx
 
 from llmbus.bench.client import _sse_chunks
-from llmbus.bench.cluster_check import LAYOUT, TOPICS, Cluster, _named, run_fault, run_load
+from llmbus.bench.cluster_check import LAYOUT, TOPICS, Cluster, _named
 from llmbus.bench.netns_hosts import Hosts
 from llmbus.bench.stack import MODEL_NAME
 from llmbus.bus.liveness import DEAD_AFTER
@@ -61,6 +61,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 LEFT_STREAM = {"path": "chat/completions", "body": {
     "model": MODEL_NAME, "stream": True, "max_tokens": 400, "ignore_eos": True,
     "temperature": 0, "messages": [{"role": "user", "content": "Tell me a long story."}]}}
+COMPOUND_STREAMS, COMPOUND_TOKENS = 8, 120  # per phase of the compound case
 HUNG_AFTER = 120.0  # seconds after the load ends: a request still open then is hung
 ABORT_WITHIN = 1.0  # a left stream's abort reaches its engine within this, faults aside
 SDK_RETRIES, RETRIED_STATUSES = 2, {408, 409, 429, 500, 502, 503, 504}  # openai-python's
@@ -91,7 +92,15 @@ class Outcome:
     request_id: str = ""
     left_at: float = 0.0  # when its client left it (0: it did not)
     retries: int = 0  # tries after the first (`send`)
+    phase: str = ""  # of the compound case, if it is one of its streams
     longest_stall: float = 0.0
+
+
+def compound_stream(topic: str) -> dict:
+    """One of the compound case's streams (issue 46): greedy, long enough to meet its fault."""
+    return {"path": "chat/completions", "body": {
+        "model": MODEL_NAME, "stream": True, "max_tokens": COMPOUND_TOKENS, "ignore_eos": True,
+        "temperature": 0, "messages": [{"role": "user", "content": f"Tell me about {topic}."}]}}
 
 
 def request_pool(rng: random.Random, size: int) -> list[dict]:
@@ -221,7 +230,10 @@ class Faults:
     def _hosts_of(self, host: int) -> set[str]:
         return {f"nats{host}"} | {name for h, _, name, _ in self.cluster.layout if h == host}
 
-    async def run(self, until: float) -> None:
+    async def run(self, until: float, opener: asyncio.Task | None = None) -> None:
+        """Random faults until `until`, after the `opener` (the compound case) ends."""
+        if opener is not None:
+            await opener
         while True:
             await asyncio.sleep(self.rng.uniform(*self.every))
             if time.monotonic() >= until:
@@ -274,6 +286,37 @@ class Faults:
         fault.ended = time.time()
 
 
+async def compound_case(cluster: Cluster, http: httpx.AsyncClient, pool: list[dict],
+                        faults: Faults, outcomes: list[Outcome]) -> None:
+    """Issue 46's compound case, amid the load: 8 streams, and the api's server (host 1's)
+    killed once they stream and left down; then 8 new streams, and host 2 cut off once they
+    stream, left cut until they end (every stage that had moved to host 2's server must move
+    again). Then the cluster is whole again. The streams are the pool's last 8 requests."""
+    first, left_on = len(pool) - COMPOUND_STREAMS, []
+    for phase, target in (("nats-api-left-down", "nats1"), ("partition-left-cut", "h2")):
+        mine = [Outcome(first + i, time.time(), phase=phase) for i in range(COMPOUND_STREAMS)]
+        outcomes.extend(mine)
+        streams = [asyncio.create_task(send(http, cluster.base_url, pool[o.shape], o))
+                   for o in mine]
+        await asyncio.sleep(3.0)  # each under way: 10 or more chunks
+        fault = Fault("kill (left down)" if target == "nats1" else "cut (left cut)", target,
+                      time.time(), touches={"nats1"} if target == "nats1" else
+                      faults._hosts_of(2))
+        faults.log.append(fault)
+        left_on.append(fault)
+        print(f"  {time.strftime('%H:%M:%S')} compound: {fault}", flush=True)
+        if target == "nats1":
+            cluster.kill("nats1")
+        else:
+            cluster.hosts.partition(2, cut=True)
+        await asyncio.gather(*streams)
+    cluster.hosts.partition(2, cut=False)
+    cluster.restart("nats1")
+    for fault in left_on:
+        fault.ended = time.time()
+    await cluster.wait_ready()
+
+
 async def soak(cluster: Cluster, pool: list[dict], args: argparse.Namespace,
                faults: Faults) -> list[Outcome]:
     """Poisson arrivals for `args.seconds`, the faults beside them; every request's outcome
@@ -282,12 +325,14 @@ async def soak(cluster: Cluster, pool: list[dict], args: argparse.Namespace,
     outcomes: list[Outcome] = []
     tasks: list[asyncio.Task] = []
     until = time.monotonic() + args.seconds
-    fault_task = asyncio.create_task(faults.run(until))
     timeout = httpx.Timeout(HUNG_AFTER + 60, connect=10)
     limits = httpx.Limits(max_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        opener = asyncio.create_task(compound_case(cluster, http, pool, faults, outcomes)) \
+            if args.compound else None
+        fault_task = asyncio.create_task(faults.run(until, opener))
         while time.monotonic() < until:
-            shape = rng.randrange(len(pool))
+            shape = rng.randrange(len(pool) - COMPOUND_STREAMS)
             request, leave = pool[shape], 0
             if request["body"]["stream"] and rng.random() < 0.1:  # one its client will leave
                 request, leave = LEFT_STREAM, rng.randint(2, 6)
@@ -320,7 +365,12 @@ def judge(cluster: Cluster, outcomes: list[Outcome], answers: list[str], faults:
         aborted = [wall for wall, name, line in lines if name in ("e1", "e2")
                    and "aborted" in line and o.request_id in line and wall >= o.left_at - 0.5]
         abort_delays[o.request_id] = round(min(aborted, default=float("inf")) - o.left_at, 2)
+    compound = {phase: [o for o in judged if o.phase == phase]
+                for phase in dict.fromkeys(o.phase for o in judged if o.phase)}
     return {
+        "compound": {phase: {"streams": len(mine), "equal_to_undisturbed": sum(
+            not o.error and o.answer == answers[o.shape] for o in mine),
+            "errors": [o.error for o in mine if o.error]} for phase, mine in compound.items()},
         "requests": len(outcomes), "judged": len(judged),
         "equal_to_undisturbed": len(judged) - len(hung) - len(errors) - len(wrong),
         "errors": [o.error for o in errors], "unexplained_errors": [
@@ -353,9 +403,11 @@ def false_reaps(lines: list[tuple[float, str, str]], faults: list[Fault]) -> lis
 
 
 def passed(report: dict) -> bool:
-    """Issue 46's bar: no hang, nothing held, no healthy copy reaped, every error explained,
-    and at least 99% of the judged requests answered as undisturbed."""
-    return (not report["hung"] and not any(report["kv_blocks_held_after"].values())
+    """Issue 46's bar: the compound case's streams all answered as undisturbed; no hang,
+    nothing held, no healthy copy reaped, every error explained, and at least 99% of the
+    judged requests answered as undisturbed."""
+    return (all(p["equal_to_undisturbed"] == p["streams"] for p in report["compound"].values())
+            and not report["hung"] and not any(report["kv_blocks_held_after"].values())
             and not report["healthy_copies_reaped"] and not report["unexplained_errors"]
             and not report["different_answers"]
             and report["equal_to_undisturbed"] >= 0.99 * report["judged"])
@@ -377,14 +429,8 @@ async def main_async(args: argparse.Namespace) -> int:
         cluster.start()
         print(f"cluster ready after {await cluster.wait_ready():.1f} s (logs in {work})",
               flush=True)
-        if args.compound:  # issue 46's compound case first, on the same cluster
-            reference = [s.text for s in (await run_load(cluster, None, 8, 120))["streams"]]
-            phases = await run_fault(cluster, "compound", argparse.Namespace(
-                streams=8, max_tokens=120), reference)
-            report["compound"] = [{k: p[k] for k in ("fault", "complete", "equal_to_undisturbed",
-                                                     "errors", "kv_blocks_held_after")}
-                                  for p in phases]
-        pool = request_pool(random.Random(args.seed), args.pool)
+        pool = request_pool(random.Random(args.seed), args.pool) + [
+            compound_stream(topic) for topic in TOPICS[:COMPOUND_STREAMS]]
         answers = await take_answers(cluster.base_url, pool)
         print(f"{len(pool)} undisturbed answers taken; soaking for {args.seconds:.0f} s",
               flush=True)
@@ -393,17 +439,15 @@ async def main_async(args: argparse.Namespace) -> int:
         outcomes = await soak(cluster, pool, args, faults)
         await cluster.wait_ready()
         await asyncio.sleep(3)  # the last aborts land
-        report["soak"] = judge(cluster, outcomes, answers, faults.log, since,
-                               await cluster.held_blocks())
+        report = judge(cluster, outcomes, answers, faults.log, since,
+                       await cluster.held_blocks())
     finally:
         cluster.stop()
         hosts.remove()
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    compound_ok = all(p["equal_to_undisturbed"] == 8 and not any(p["kv_blocks_held_after"].values())
-                      for p in report.get("compound", []))
-    return 0 if compound_ok and passed(report["soak"]) else 1
+    return 0 if passed(report) else 1
 
 
 def main() -> None:
@@ -415,7 +459,9 @@ def main() -> None:
     parser.add_argument("--fault-every", type=float, nargs=2, default=[15, 40],
                         metavar=("MIN", "MAX"), help="seconds between two faults' starts")
     parser.add_argument("--compound", action="store_true",
-                        help="first issue 46's compound case (8 streams), on the same cluster")
+                        help="open the soak with issue 46's compound case: 8 streams and the "
+                             "api's server killed and left down, then 8 new streams and host 2 "
+                             "cut off until they end")
     parser.add_argument("--json", help="also write the report to this file")
     args = parser.parse_args()
     sys.exit(asyncio.run(main_async(args)))

@@ -59,8 +59,9 @@ def test_routing_is_sticky_and_moves_off_dead_copies():
     again = routing.route([update(i) for i in ids], now=0.2)
     assert {u.request_id: subject for subject, items in again.items() for u in items} == owner
     dead = owner["r0"]
-    for name in ("d0", "d1", "d2"):
+    for name in ("d0", "d1", "d2"):  # the others beat on (every 0.5 s; here at 1.5 and 2.5)
         if subjects.detokenizer_tokens(name) != dead:
+            routing.liveness.seen(beat(name), now=1.5)
             routing.liveness.seen(beat(name), now=2.5)
     moved = routing.route([update("r0", finish=FinishReason.STOP)], now=3.0)
     assert dead not in moved
@@ -78,6 +79,7 @@ def test_a_moved_completion_gets_its_start_again_with_the_tokens_its_dead_copy_h
         assert (routed.start is START) == (step == 0)  # its first update: as the core made it
         sent += item.new_token_ids
     survivor = "d1" if owner == subjects.detokenizer_tokens("d0") else "d0"
+    routing.liveness.seen(beat(survivor), now=1.5)  # it beats on; the owner fell silent
     routing.liveness.seen(beat(survivor), now=2.5)
     subject, routed = only(routing.route([update("r", [99])], now=3.0))
     assert subject == subjects.detokenizer_tokens(survivor)
@@ -140,7 +142,8 @@ def test_the_scheduler_sends_the_constants_once_per_completion_and_copy():
         sent[(u.request_id, u.index)] += len(u.new_token_ids)
 
     dead = subjects.detokenizer_tokens("d0")
-    for name in ("d1", "d2"):
+    for name in ("d1", "d2"):  # they beat on; d0 fell silent
+        routing.liveness.seen(beat(name), now=1.5)
         routing.liveness.seen(beat(name), now=2.5)
     after = _run(scheduler, routing, now=3.0, num_steps=20)
     assert not scheduler.has_work

@@ -27,6 +27,9 @@ class _Runtime:  # what Migrations asks of its bus runtime here
     def bus_time(self) -> float:
         return time.monotonic()
 
+    async def publish(self, *_: object) -> None:  # a resumption's abort of the old attempt
+        return None
+
 
 def _migrations(alive: set[str], refusals: int,
                 role: str = "mixed") -> tuple[Migrations, list[float]]:
@@ -133,3 +136,20 @@ def test_a_copy_reaped_meanwhile_still_fell_silent_with_them(monkeypatch):
 def test_a_copy_that_fell_silent_long_before_is_another_story(monkeypatch):
     migrations = _copies_heard(monkeypatch, {"detokenizer": 100.0, "executor": 90.0})
     assert not migrations._detokenizers_may_return(107.0)
+
+
+async def test_a_fault_before_the_first_admission_moves_the_request_once_it_is_back():
+    """A request whose first attempt is still on its way to an engine (the tokenizer trying
+    one that does not answer) when a fault would move it: it moves once that admission is
+    back, never while the first attempt may still be taken late (an engine would then refuse
+    it as stale, and the client would get that refusal)."""
+    import asyncio
+
+    migrations, tries = _migrations({"scheduler", "tokenizer", "executor"}, refusals=0)
+    placement = migrations.track(REQUEST, asyncio.Queue())
+    migrations._migrate(placement, "detokenizer d2 stopped answering")
+    await asyncio.sleep(0.05)
+    assert tries == []  # nothing moves while the first admission is out
+    migrations.admitted(placement, Admission(num_prompt_tokens=1, scheduler_instance_id="e1"))
+    await asyncio.sleep(0.05)
+    assert len(tries) == 1 and placement.attempt == 1

@@ -409,7 +409,8 @@ async def main_async(args: argparse.Namespace) -> int:
         return 2
     faults = FAULTS if args.faults == "all" else args.faults.split(",")
     if args.split_e1:  # e1's executor in two shards: the lead on host 2, its layers on 3
-        LAYOUT[1][3].extend(["--shard", "0/2"])
+        next(extra for _, _, name, extra in LAYOUT if name == "e1-executor").extend(
+            ["--shard", "0/2"])
         LAYOUT.append((3, "executor", "e1-shard1",
                        ["--engine-id", "e1", "--threads", "1", "--exact", "--shard", "1/2"]))
     if args.fast:

@@ -355,16 +355,17 @@ def judge(cluster: Cluster, outcomes: list[Outcome], answers: list[str], faults:
     left = [o for o in outcomes if o.left_at]
     judged = [o for o in outcomes if o.shape >= 0]
     hung = [o for o in judged if not o.ended]
-    errors = [o for o in judged if o.ended and o.error]
+    errors = [o for o in outcomes if o.ended and o.error]
     for o in errors:  # the faults each error overlapped
-        o.error += " [" + ", ".join(str(f) for f in faults if f.covers(o.sent, 0)
-                                    or o.sent <= f.started <= o.ended) + "]"
+        o.error += f" [{_overlapping(faults, o.sent, o.ended)}]"
     wrong = [o for o in judged if o.ended and not o.error and o.answer != answers[o.shape]]
     abort_delays = {}
     for o in left:
         aborted = [wall for wall, name, line in lines if name in ("e1", "e2")
                    and "aborted" in line and o.request_id in line and wall >= o.left_at - 0.5]
         abort_delays[o.request_id] = round(min(aborted, default=float("inf")) - o.left_at, 2)
+    late = {o.request_id: f"{d} s [{_overlapping(faults, o.left_at, o.left_at + min(d, 30.0))}]"
+            for o in left if (d := abort_delays[o.request_id]) > ABORT_WITHIN}
     compound = {phase: [o for o in judged if o.phase == phase]
                 for phase in dict.fromkeys(o.phase for o in judged if o.phase)}
     return {
@@ -373,14 +374,14 @@ def judge(cluster: Cluster, outcomes: list[Outcome], answers: list[str], faults:
             "errors": [o.error for o in mine if o.error]} for phase, mine in compound.items()},
         "requests": len(outcomes), "judged": len(judged),
         "equal_to_undisturbed": len(judged) - len(hung) - len(errors) - len(wrong),
-        "errors": [o.error for o in errors], "unexplained_errors": [
-            o.error for o in errors if o.error.endswith("[]")],
+        "errors": [o.error for o in errors if o.shape >= 0], "unexplained_errors": [
+            o.error for o in errors if o.shape >= 0 and o.error.endswith("[]")],
         "different_answers": len(wrong), "hung": len(hung),
         "left_by_client": len(left),
         "to_leave_but_failed_first": [o.error for o in outcomes if o.shape < 0 and not o.left_at],
         "aborts_within_1s": sum(d <= ABORT_WITHIN for d in abort_delays.values()),
-        "aborts_later": {i: d if d < float("inf") else None  # None: never seen
-                         for i, d in abort_delays.items() if d > ABORT_WITHIN},
+        "aborts_later": late,  # inf s: never seen; each with the faults it overlapped
+        "unexplained_late_aborts": [i for i, text in late.items() if text.endswith("[]")],
         "retried_by_the_client": sum(o.retries for o in outcomes),
         "migrated": sum("request migrated" in line for _, name, line in lines
                         if name.startswith("api")),
@@ -389,6 +390,11 @@ def judge(cluster: Cluster, outcomes: list[Outcome], answers: list[str], faults:
         "faults": [f"{time.strftime('%X', time.localtime(f.started))} {f} "
                    f"({f.ended - f.started:.0f} s)" for f in faults],
     }
+
+
+def _overlapping(faults: list[Fault], start: float, end: float) -> str:
+    """The faults on at some moment of [start, end] (wall clock), named."""
+    return ", ".join(str(f) for f in faults if f.started <= end and start <= f.ended)
 
 
 def false_reaps(lines: list[tuple[float, str, str]], faults: list[Fault]) -> list[str]:
@@ -409,6 +415,7 @@ def passed(report: dict) -> bool:
     return (all(p["equal_to_undisturbed"] == p["streams"] for p in report["compound"].values())
             and not report["hung"] and not any(report["kv_blocks_held_after"].values())
             and not report["healthy_copies_reaped"] and not report["unexplained_errors"]
+            and not report["unexplained_late_aborts"]
             and not report["different_answers"]
             and report["equal_to_undisturbed"] >= 0.99 * report["judged"])
 

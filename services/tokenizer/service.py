@@ -81,6 +81,8 @@ async def submit_to_an_engine(runtime: ServiceRuntime, router: Router, submit: S
         adapter = submit.params.adapter
         chosen = (router.choose(routed_ids, now, frozenset(tried | {avoid_instance_id}), adapter)
                   or router.choose(routed_ids, now, frozenset(tried), adapter))
+        if chosen is None and tried:
+            break  # each live engine tried: the one it was withdrawn from would refuse it
         subject = (subjects.engine_submit(chosen.engine_id) if chosen is not None
                    else subjects.ENGINE_SUBMIT)  # no heartbeat yet: any engine
         try:

@@ -9,11 +9,12 @@ their clients.
 
 Asserted: the compound case's 8 streams of each phase end with the undisturbed answer; nothing
 hangs, no KV block stays held, no copy is taken for dead while no fault touched it,
-every answer that came is the undisturbed one, every error overlapped a fault, at most the
-streams an api copy's kill cut mid-answer failed (nothing on a server can carry a connection
-that died with its process), and every left stream's abort reached its engine. The report's
-numbers are printed; the 10-minute form, `sudo .venv/bin/python -m llmbus.bench.chaos`, is
-in docs/benchmarks.md."""
+every answer that came is the undisturbed one, every error overlapped a fault, and is either a
+stream an api copy's kill cut mid-answer (nothing on a server can carry a connection that died
+with its process) or a 503 through all the client's tries, and every left stream's abort
+reached its engine within 1 s but where a fault was on meanwhile. The report's numbers are
+printed; the 10-minute form, `sudo .venv/bin/python -m llmbus.bench.chaos`, is in
+docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -70,7 +71,10 @@ def test_a_chaos_soak_loses_nothing_it_could_keep(tmp_path):
     assert soak["hung"] == 0 and not any(soak["kv_blocks_held_after"].values())
     assert soak["healthy_copies_reaped"] == [] and soak["unexplained_errors"] == []
     assert soak["different_answers"] == 0
-    assert all("kill api" in error for error in soak["errors"]), soak["errors"]
-    assert soak["aborts_later"] == {} and soak["left_by_client"] > 0
+    # What may fail: a stream an api copy's kill cut mid-answer, or a request that found no
+    # engine through its client's three tries (a 503, every engine cut off or down at once).
+    assert all("kill api" in error or error.startswith("HTTP 503") for error in soak["errors"]
+               ), soak["errors"]
+    assert soak["unexplained_late_aborts"] == [] and soak["left_by_client"] > 0
     assert soak["judged"] > SECONDS / 2  # the load ran: about a request a second
     assert _namespaces() == before

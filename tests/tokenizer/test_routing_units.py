@@ -139,3 +139,63 @@ async def test_an_engine_too_slow_to_admit_is_told_to_withdraw():
         await engines.close()
     finally:
         stack.stop()
+
+
+async def test_when_every_engine_was_too_slow_the_request_is_a_503_not_a_refusal():
+    """Both engines stall past the router's patience (a cluster settling): each is told to
+    withdraw the attempt, and the answer is "no engine is available" (a 503 a client
+    retries), not a last try on the any-engine subject, where an engine that has withdrawn
+    the attempt refuses it as "withdrawn (admitted elsewhere)", a 400."""
+    import asyncio
+
+    import nats
+
+    from llmbus.bus.codec import decode, encode
+    from llmbus.bus.messages import AbortRequest, Admission, ErrorCode, SubmitRequest
+    from llmbus.bus.runtime import ServiceRuntime
+    from llmbus.services.launcher import Stack
+    from llmbus.services.tokenizer.service import submit_to_an_engine
+
+    stack = Stack()
+    try:
+        url = stack.start_nats(auth=False)
+        engines = await nats.connect(url)
+        withdrawn: list[str] = []
+        anywhere: list[str] = []
+
+        async def slow(msg) -> None:
+            await asyncio.sleep(1.0)
+            await msg.respond(encode(Admission(scheduler_instance_id="slow")))
+
+        async def any_engine(msg) -> None:  # an engine that withdrew it refuses it here
+            anywhere.append("tried")
+            await msg.respond(encode(Admission(error_code=ErrorCode.INVALID_REQUEST,
+                                               error_message="withdrawn")))
+
+        async def on_withdraw(msg) -> None:
+            withdrawn.append(decode(msg.data, AbortRequest).request_id)
+
+        for engine in ("e0", "e1"):
+            await engines.subscribe(subjects.engine_submit(engine), cb=slow)
+            await engines.subscribe(subjects.engine_withdraw(engine), cb=on_withdraw)
+        await engines.subscribe(subjects.ENGINE_SUBMIT, cb=any_engine)
+        await engines.flush()
+        router = Router()
+        router.on_heartbeat(beat("e0"), now=0.0)
+        router.on_heartbeat(beat("e1"), now=0.0)
+        router.liveness.dead_after = 1e9  # the test's clock is not the router's
+        runtime = ServiceRuntime("tokenizer", url)
+        await runtime.connect()
+        submit = SubmitRequest(request_id="req-2", reply_subject="api",
+                               prompt_token_ids=[1, 2, 3], params=SamplingParams())
+        admission = await submit_to_an_engine(runtime, router, submit, timeout=0.3)
+        assert admission.error_code == ErrorCode.OVERLOADED and anywhere == []
+        for _ in range(50):
+            if len(withdrawn) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert withdrawn == ["req-2", "req-2"]
+        await runtime.close()
+        await engines.close()
+    finally:
+        stack.stop()

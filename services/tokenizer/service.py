@@ -68,7 +68,8 @@ async def submit_to_an_engine(runtime: ServiceRuntime, router: Router, submit: S
     """Route to the best engine; on a dead or silent one, try the next. Never hangs.
 
     An engine that did not answer in time may still admit the request later (a stalled
-    process): it is told to withdraw it, so that it never runs on two engines. A migrated
+    process): it is told to withdraw it, so that it never runs on two engines; once every
+    live engine was tried, the answer is "no engine is available" (a 503 to retry). A migrated
     request avoids the engine that failed it while another is alive, and is routed by its
     prompt and the output it resumes from (what an engine may have cached).
     """

@@ -43,6 +43,7 @@ import httpx
 
 from llmbus.bench.client import _sse_chunks
 from llmbus.bench.cluster_check import LAYOUT, TOPICS, Cluster, _named
+from llmbus.bench.metrics import percentile
 from llmbus.bench.netns_hosts import Hosts
 from llmbus.bench.stack import MODEL_NAME
 from llmbus.bus.liveness import DEAD_AFTER
@@ -366,6 +367,7 @@ def judge(cluster: Cluster, outcomes: list[Outcome], answers: list[str], faults:
         abort_delays[o.request_id] = round(min(aborted, default=float("inf")) - o.left_at, 2)
     late = {o.request_id: f"{d} s [{_overlapping(faults, o.left_at, o.left_at + min(d, 30.0))}]"
             for o in left if (d := abort_delays[o.request_id]) > ABORT_WITHIN}
+    stalls = [o.longest_stall for o in outcomes if o.longest_stall]
     compound = {phase: [o for o in judged if o.phase == phase]
                 for phase in dict.fromkeys(o.phase for o in judged if o.phase)}
     return {
@@ -386,7 +388,9 @@ def judge(cluster: Cluster, outcomes: list[Outcome], answers: list[str], faults:
         "migrated": sum("request migrated" in line for _, name, line in lines
                         if name.startswith("api")),
         "kv_blocks_held_after": held, "healthy_copies_reaped": false_reaps(lines, faults),
-        "longest_stall_s": round(max((o.longest_stall for o in outcomes), default=0.0), 2),
+        # Each stream's longest wait between two chunks: the longest, and their median.
+        "longest_stall_s": round(max(stalls, default=0.0), 2),
+        "median_longest_stall_s": round(percentile(stalls, 50), 2) if stalls else 0.0,
         "faults": [f"{time.strftime('%X', time.localtime(f.started))} {f} "
                    f"({f.ended - f.started:.0f} s)" for f in faults],
     }

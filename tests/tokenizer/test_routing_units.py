@@ -85,6 +85,21 @@ def test_router_skips_dead_and_excluded_engines():
     assert [h.instance_id for h in router.forget_dead(now)] == ["e0"]
 
 
+async def _submit_to_e0_or_e1(runtime, request_id: str, e1_running: int = 0):
+    """A submit routed between engines e0 and e1 (heard from; e1 with `e1_running` requests),
+    each given 0.3 s to answer."""
+    from llmbus.bus.messages import SubmitRequest
+    from llmbus.services.tokenizer.service import submit_to_an_engine
+
+    router = Router()
+    router.on_heartbeat(beat("e0"), now=0.0)
+    router.on_heartbeat(beat("e1", running=e1_running), now=0.0)
+    router.liveness.dead_after = 1e9  # the test's clock is not the router's
+    submit = SubmitRequest(request_id=request_id, reply_subject="api",
+                           prompt_token_ids=[1, 2, 3], params=SamplingParams())
+    return await submit_to_an_engine(runtime, router, submit, timeout=0.3)
+
+
 async def test_an_engine_too_slow_to_admit_is_told_to_withdraw():
     """The chosen engine does not answer the submit in time: the request goes to the other
     engine, and the slow one is told to withdraw it (it may admit it later, when it wakes),
@@ -94,10 +109,9 @@ async def test_an_engine_too_slow_to_admit_is_told_to_withdraw():
     import nats
 
     from llmbus.bus.codec import decode, encode
-    from llmbus.bus.messages import AbortRequest, Admission, SubmitRequest
+    from llmbus.bus.messages import AbortRequest, Admission
     from llmbus.bus.runtime import ServiceRuntime
     from llmbus.services.launcher import Stack
-    from llmbus.services.tokenizer.service import submit_to_an_engine
 
     stack = Stack()
     try:
@@ -120,15 +134,9 @@ async def test_an_engine_too_slow_to_admit_is_told_to_withdraw():
         await engines.subscribe(subjects.engine_withdraw("e0"), cb=on_withdraw)
         await engines.subscribe(subjects.engine_withdraw("e1"), cb=on_withdraw)
         await engines.flush()
-        router = Router()
-        router.on_heartbeat(beat("e0"), now=0.0)
-        router.on_heartbeat(beat("e1", running=3), now=0.0)  # busier: e0 is tried first
-        router.liveness.dead_after = 1e9  # the test's clock is not the router's
         runtime = ServiceRuntime("tokenizer", url)
         await runtime.connect()
-        submit = SubmitRequest(request_id="req-1", reply_subject="api",
-                               prompt_token_ids=[1, 2, 3], params=SamplingParams())
-        admission = await submit_to_an_engine(runtime, router, submit, timeout=0.3)
+        admission = await _submit_to_e0_or_e1(runtime, "req-1", e1_running=3)  # e0 first
         assert admission.scheduler_instance_id == "fast"
         for _ in range(50):
             if withdrawn:
@@ -151,10 +159,9 @@ async def test_when_every_engine_was_too_slow_the_request_is_a_503_not_a_refusal
     import nats
 
     from llmbus.bus.codec import decode, encode
-    from llmbus.bus.messages import AbortRequest, Admission, ErrorCode, SubmitRequest
+    from llmbus.bus.messages import AbortRequest, Admission, ErrorCode
     from llmbus.bus.runtime import ServiceRuntime
     from llmbus.services.launcher import Stack
-    from llmbus.services.tokenizer.service import submit_to_an_engine
 
     stack = Stack()
     try:
@@ -180,15 +187,9 @@ async def test_when_every_engine_was_too_slow_the_request_is_a_503_not_a_refusal
             await engines.subscribe(subjects.engine_withdraw(engine), cb=on_withdraw)
         await engines.subscribe(subjects.ENGINE_SUBMIT, cb=any_engine)
         await engines.flush()
-        router = Router()
-        router.on_heartbeat(beat("e0"), now=0.0)
-        router.on_heartbeat(beat("e1"), now=0.0)
-        router.liveness.dead_after = 1e9  # the test's clock is not the router's
         runtime = ServiceRuntime("tokenizer", url)
         await runtime.connect()
-        submit = SubmitRequest(request_id="req-2", reply_subject="api",
-                               prompt_token_ids=[1, 2, 3], params=SamplingParams())
-        admission = await submit_to_an_engine(runtime, router, submit, timeout=0.3)
+        admission = await _submit_to_e0_or_e1(runtime, "req-2")
         assert admission.error_code == ErrorCode.OVERLOADED and anywhere == []
         for _ in range(50):
             if len(withdrawn) == 2:

@@ -384,6 +384,8 @@ def judge(cluster: Cluster, outcomes: list[Outcome], answers: list[str], faults:
         "aborts_within_1s": sum(d <= ABORT_WITHIN for d in abort_delays.values()),
         "aborts_later": late,  # inf s: never seen; each with the faults it overlapped
         "unexplained_late_aborts": [i for i, text in late.items() if text.endswith("[]")],
+        "unexplained_lost_aborts": [i for i, text in late.items()
+                                    if text.startswith("inf") and text.endswith("[]")],
         "retried_by_the_client": sum(o.retries for o in outcomes),
         "migrated": sum("request migrated" in line for _, name, line in lines
                         if name.startswith("api")),

@@ -223,6 +223,7 @@ class Faults:
         self.cluster, self.rng, self.every = cluster, rng, every
         self.log: list[Fault] = []
         self.impairments = cluster.hosts.impairments()  # netem's, or what stands in for it
+        self.until = float("inf")  # when the load ends (`run`)
         self._tasks: set[asyncio.Task] = set()
 
     def _busy(self) -> set[str]:
@@ -231,8 +232,13 @@ class Faults:
     def _hosts_of(self, host: int) -> set[str]:
         return {f"nats{host}"} | {name for h, _, name, _ in self.cluster.layout if h == host}
 
+    async def _last(self, seconds: float) -> None:
+        """A fault's duration, cut short where the load ends first (no fault outlives it)."""
+        await asyncio.sleep(max(min(seconds, self.until - time.monotonic()), 0.5))
+
     async def run(self, until: float, opener: asyncio.Task | None = None) -> None:
         """Random faults until `until`, after the `opener` (the compound case) ends."""
+        self.until = until
         if opener is not None:
             await opener
         while True:
@@ -266,11 +272,11 @@ class Faults:
         cluster, rng = self.cluster, self.rng
         if fault.kind == "kill":
             cluster.kill(fault.target)
-            await asyncio.sleep(rng.uniform(3, 10))
+            await self._last(rng.uniform(3, 10))
             cluster.restart(fault.target)
         elif fault.kind == "stop":
             cluster.processes[fault.target].send_signal(signal.SIGSTOP)
-            await asyncio.sleep(rng.uniform(2, 8))
+            await self._last(rng.uniform(2, 8))
             cluster.processes[fault.target].send_signal(signal.SIGCONT)
         else:
             host = int(fault.target[1:])
@@ -279,7 +285,7 @@ class Faults:
             else:
                 fault.kind = rng.choice(self.impairments)
                 cluster.hosts.impair(host, fault.kind)
-            await asyncio.sleep(rng.uniform(5, 20))
+            await self._last(rng.uniform(5, 20))
             if fault.kind == "cut":
                 cluster.hosts.partition(host, cut=False)
             else:

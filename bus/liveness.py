@@ -31,6 +31,7 @@ class Liveness:
     last_seen: dict[str, float] = field(default_factory=dict)
     latest: dict[str, Heartbeat] = field(default_factory=dict)
     reaped: dict[str, float] = field(default_factory=dict)  # instance: its last heartbeat
+    restarted: list[Heartbeat] = field(default_factory=list)  # dead incarnations, to reap
 
     def seen(self, heartbeat: Heartbeat, now: float) -> bool:
         """Record a heartbeat; True if the instance is new (or back after silence).
@@ -44,6 +45,9 @@ class Liveness:
         fresh = heartbeat.instance_id not in self.last_seen
         if not fresh and now - max(self.last_seen.values()) > self.dead_after:
             self.pardon(now)
+        before = self.latest.get(heartbeat.instance_id)
+        if before is not None and before.incarnation != heartbeat.incarnation:
+            self.restarted.append(before)  # killed and started again: the old one is dead
         self.last_seen[heartbeat.instance_id] = now
         self.reaped.pop(heartbeat.instance_id, None)
         self.latest[heartbeat.instance_id] = heartbeat
@@ -61,10 +65,12 @@ class Liveness:
                 if now - t <= self.dead_after]
 
     def reap(self, now: float) -> list[Heartbeat]:
-        """Forget instances silent for too long; returns them (each once)."""
+        """Forget instances silent for too long; returns them (each once), and the last
+        heartbeat of each copy that started again since (its new start stays counted)."""
         dead = [i for i, t in self.last_seen.items() if now - t > self.dead_after]
         self.reaped = {i: t for i, t in self.reaped.items() if now - t <= REMEMBER_REAPED}
-        return [self._forget(i) for i in dead]
+        restarted, self.restarted = self.restarted, []
+        return [self._forget(i) for i in dead] + restarted
 
     def fell_silent(self, now: float) -> list[float]:
         """The last heartbeat of each copy silent now, past `dead_after`: those still counted

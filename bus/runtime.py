@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import time
 import uuid
@@ -80,6 +81,7 @@ class ServiceRuntime:
         self._make_heartbeat: Callable[[], Heartbeat] | None = None
         self.num_handled = 0  # the service counts its work here; heartbeats report it
         self.num_reconnects = 0  # heartbeats report it: see Heartbeat.num_reconnects
+        self.incarnation = secrets.token_hex(4)  # Heartbeat.incarnation
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
         # When a round trip to the server last succeeded (monotonic): the clock by which this
         # copy judges the others' silence (see bus_time).
@@ -313,6 +315,7 @@ class ServiceRuntime:
             return
         heartbeat = self._make_heartbeat()
         heartbeat.num_reconnects = self.num_reconnects
+        heartbeat.incarnation = self.incarnation
         assert self.nc is not None
         try:
             await self.nc.publish(subjects.heartbeat(self.service), encode(heartbeat))

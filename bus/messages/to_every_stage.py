@@ -29,6 +29,10 @@ class Heartbeat(Message):
     # An engine's LoRA adapters resident in its executor (by name): routers prefer an engine
     # that holds a request's adapter, the pipeline page shows them.
     adapters: list[str] = []
+    # A random id of this process's start: a copy killed and started again under the same
+    # instance id within DEAD_AFTER is told apart from the one that died (and what that one
+    # held is recovered as from a death).
+    incarnation: str = ""
 
 
 class Ping(Message):

@@ -120,7 +120,7 @@ EXAMPLES = [
     m.Heartbeat(service="scheduler", instance_id="s1", engine_id="e0", num_running=1,
                 num_waiting=2, num_free_blocks=3, num_total_blocks=4, block_size=16,
                 num_handled=5, num_reconnects=6, role="decode", num_queued_tokens=7,
-                num_evictable_blocks=8, shard="1/2", adapters=["a1"]),
+                num_evictable_blocks=8, shard="1/2", adapters=["a1"], incarnation="i9"),
     m.AdapterCommand(name="a1", action="load"),
     m.AdapterReply(engine_id="e0", error="e", enabled=False),
     m.ShardSetup(num_blocks=64, block_size=16, max_model_len=1024),
@@ -241,7 +241,8 @@ GOLDEN = {
         "93a26131a47820310a919aaa63686174636d706c2d31a26131cb3ff8000000000000a866696e69736865"
         "64a473746f700203cb3fd0000000000000cb3fe0000000000000a26162"),
     "Heartbeat": (
-        "9fa97363686564756c6572a27331a2653001020304100506a66465636f64650708a3312f3291a26131"),
+        "dc0010a97363686564756c6572a27331a2653001020304100506a66465636f64650708a3312f3291a2"
+        "6131a26939"),
     "AdapterCommand": "92a26131a46c6f6164",
     "AdapterReply": "93a26530a165c2",
     "ShardSetup": "934010cd0400",

@@ -44,6 +44,20 @@ def test_a_silence_of_every_copy_at_once_is_pardoned_by_the_first_heartbeat_afte
     assert [h.instance_id for h in live.reap(12.5)] == ["b"]  # b really gone: reaped later
 
 
+def test_a_copy_killed_and_started_again_before_it_was_missed_is_reaped_once():
+    """d2 killed and started again within dead_after under the same instance id: its new
+    start (another incarnation) is reaped once as the copy that died, so what that one held
+    is recovered, and the new one stays counted."""
+    live = Liveness(dead_after=6.0)
+    old = Heartbeat(service="detokenizer", instance_id="d2", incarnation="a")
+    live.seen(old, now=0.0)
+    live.seen(Heartbeat(service="detokenizer", instance_id="d2", incarnation="a"), now=0.5)
+    assert live.reap(1.0) == []
+    live.seen(Heartbeat(service="detokenizer", instance_id="d2", incarnation="b"), now=4.0)
+    assert live.reap(4.0) == [old] and live.reap(4.5) == []
+    assert [h.incarnation for h in live.alive(4.5)] == ["b"]
+
+
 def test_engine_tree_hashes_equal_router_hashes():
     s = Scheduler(SchedulerConfig(num_blocks=20, block_size=4, max_model_len=64))
     prompt = list(range(100, 113))

@@ -330,7 +330,7 @@ async def soak(cluster: Cluster, pool: list[dict], args: argparse.Namespace,
     (one still open HUNG_AFTER seconds after the load ends is cancelled: hung)."""
     rng = random.Random(args.seed + 1)
     outcomes: list[Outcome] = []
-    tasks: list[asyncio.Task] = []
+    tasks: dict[asyncio.Task, Outcome] = {}
     until = time.monotonic() + args.seconds
     timeout = httpx.Timeout(HUNG_AFTER + 60, connect=10)
     limits = httpx.Limits(max_connections=None)
@@ -344,14 +344,16 @@ async def soak(cluster: Cluster, pool: list[dict], args: argparse.Namespace,
             if request["body"]["stream"] and rng.random() < 0.1:  # one its client will leave
                 request, leave = LEFT_STREAM, rng.randint(2, 6)
             outcomes.append(Outcome(-1 if leave else shape, time.time()))
-            tasks.append(asyncio.create_task(send(http, cluster.base_url, request,
-                                                  outcomes[-1], leave)))
+            tasks[asyncio.create_task(send(http, cluster.base_url, request, outcomes[-1],
+                                           leave))] = outcomes[-1]
             await asyncio.sleep(rng.expovariate(args.rate))
         await fault_task
         done, pending = await asyncio.wait(tasks, timeout=HUNG_AFTER)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        for task in pending:  # hung: cancelled, not ended
+            tasks[task].ended = 0.0
     return outcomes
 
 

@@ -31,7 +31,8 @@ class Liveness:
     last_seen: dict[str, float] = field(default_factory=dict)
     latest: dict[str, Heartbeat] = field(default_factory=dict)
     reaped: dict[str, float] = field(default_factory=dict)  # instance: its last heartbeat
-    restarted: list[Heartbeat] = field(default_factory=list)  # dead incarnations, to reap
+    # Each copy's dead incarnation, to reap: one a copy (tables no one reaps stay bounded).
+    restarted: dict[str, Heartbeat] = field(default_factory=dict)
 
     def seen(self, heartbeat: Heartbeat, now: float) -> bool:
         """Record a heartbeat; True if the instance is new (or back after silence).
@@ -47,7 +48,7 @@ class Liveness:
             self.pardon(now)
         before = self.latest.get(heartbeat.instance_id)
         if before is not None and before.incarnation != heartbeat.incarnation:
-            self.restarted.append(before)  # killed and started again: the old one is dead
+            self.restarted.setdefault(heartbeat.instance_id, before)  # the old one died
         self.last_seen[heartbeat.instance_id] = now
         self.reaped.pop(heartbeat.instance_id, None)
         self.latest[heartbeat.instance_id] = heartbeat
@@ -69,7 +70,7 @@ class Liveness:
         heartbeat of each copy that started again since (its new start stays counted)."""
         dead = [i for i, t in self.last_seen.items() if now - t > self.dead_after]
         self.reaped = {i: t for i, t in self.reaped.items() if now - t <= REMEMBER_REAPED}
-        restarted, self.restarted = self.restarted, []
+        restarted, self.restarted = list(self.restarted.values()), {}
         return [self._forget(i) for i in dead] + restarted
 
     def fell_silent(self, now: float) -> list[float]:

@@ -194,3 +194,40 @@ async def test_a_stream_whose_engine_dies_resumes_on_the_other_engine(two_engine
     assert moved["error"] is None, moved
     assert moved["text"] == undisturbed["text"]  # nothing repeated, nothing lost
     assert (moved["finish_reason"], moved["completion_tokens"]) == ("length", MAX_TOKENS)
+
+
+async def test_a_detokenizer_started_again_before_it_was_missed_loses_no_request(two_engines):
+    """A detokenizer copy killed -9 and started again at once under its instance id (as a
+    supervisor with fixed ids does), well within DEAD_AFTER, three times while short requests
+    run: none hangs. The new start (another incarnation in its heartbeats) is taken as the
+    death it is, and the requests whose text the dead process held resume. Before, those
+    whose last text died with it waited for --request-timeout (8 of 49 in the first run)."""
+    two_engines.restore()
+    stack, base_url, url = two_engines.stack, two_engines.base_url, two_engines.url
+    answered, hung = [], []
+    stop = asyncio.get_running_loop().time() + 10
+
+    async def ask(i: int) -> None:
+        async with httpx.AsyncClient(timeout=30, headers=AUTH) as http:
+            while asyncio.get_running_loop().time() < stop:
+                body = {"model": MODEL_NAME, "max_tokens": 3 + i % 5, "temperature": 0,
+                        "messages": [{"role": "user", "content": f"Say {i} {len(answered)}"}]}
+                try:
+                    response = await http.post(f"{base_url}/chat/completions", json=body)
+                    answered.append(response.status_code)
+                except httpx.ReadTimeout:
+                    hung.append(i)
+
+    async def restart_a_detokenizer() -> None:
+        for _ in range(3):
+            await asyncio.sleep(2.5)
+            child = next(c for c in stack.children if c.name.startswith("detokenizer"))
+            instance = _replica(child)
+            os.kill(child.process.pid, signal.SIGKILL)
+            child.process.wait()
+            stack.children.remove(child)
+            stack.start_service("detokenizer", ["--nats-url", url, "--instance-id", instance],
+                                child.name)
+
+    await asyncio.gather(restart_a_detokenizer(), *(ask(i) for i in range(8)))
+    assert hung == [] and answered and set(answered) == {200}, (hung, set(answered))

@@ -262,7 +262,7 @@ class Faults:
             target = self.rng.choice(names)
             return Fault(kind, target, now, touches={target})
         hosts = [h for h in (1, 2, 3) if f"h{h}" not in busy]
-        if not hosts:
+        if not hosts or (kind == "netem" and not self.impairments):
             return None
         host = self.rng.choice(hosts)
         touches = self._hosts_of(host) if kind == "cut" else set()

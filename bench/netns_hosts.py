@@ -72,15 +72,19 @@ class Hosts:
     def impairments(self) -> list[str]:
         """What `impair` can do here: tc netem's delay and loss where the kernel has netem;
         else a loss by nftables (where `nft` is installed) and a link throttled by tc tbf,
-        whose queue delays packets up to 200 ms and drops what overflows it."""
-        probe = subprocess.run(["ip", "netns", "exec", self.namespace(1), "tc", "qdisc", "add",
-                                "dev", "lo", "root", "netem", "delay", "1ms"], capture_output=True)
-        self.netem = probe.returncode == 0
+        whose queue delays packets up to 200 ms and drops what overflows it (where the kernel
+        has tbf). Each is tried once on the host's loopback. Nothing: an empty list."""
+        def works(*qdisc: str) -> bool:
+            run = ["ip", "netns", "exec", self.namespace(1), "tc", "qdisc"]
+            made = subprocess.run([*run, "add", "dev", "lo", "root", *qdisc], capture_output=True)
+            subprocess.run([*run, "del", "dev", "lo", "root"], capture_output=True)
+            return made.returncode == 0
+
+        self.netem = works("netem", "delay", "1ms")
         if self.netem:
-            subprocess.run(["ip", "netns", "exec", self.namespace(1), "tc", "qdisc", "del", "dev",
-                            "lo", "root"], capture_output=True)
             return ["delay 200ms", "loss 5%"]
-        return ["throttle 1mbit"] + (["loss 5%"] if shutil.which("nft") else [])
+        throttle = works("tbf", "rate", "1mbit", "burst", "16kb", "latency", "200ms")
+        return ["throttle 1mbit"] * throttle + ["loss 5%"] * bool(shutil.which("nft"))
 
     def impair(self, host: int, how: str | None) -> None:
         """Impair the host's link as `how` (one of `impairments()`), or mend it (None)."""

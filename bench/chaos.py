@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import signal
 import sys
@@ -42,12 +41,11 @@ from pathlib import Path
 import httpx
 
 from llmbus.bench.client import _sse_chunks
-from llmbus.bench.cluster_check import LAYOUT, TOPICS, Cluster, _named
+from llmbus.bench.cluster_check import LAYOUT, TOPICS, Cluster, _named, cannot_run
 from llmbus.bench.metrics import percentile
 from llmbus.bench.netns_hosts import Hosts
 from llmbus.bench.stack import MODEL_NAME
 from llmbus.bus.liveness import DEAD_AFTER
-from llmbus.services.model_files import default_model_path
 
 # Two copies of every stage: cluster_check's layout, a second api and a second tokenizer.
 CHAOS_LAYOUT = [*LAYOUT, (1, "api", "api2", []), (3, "tokenizer", "tok3", ["--routing", "random"])]
@@ -435,11 +433,8 @@ def passed(report: dict) -> bool:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    if os.geteuid() != 0:
-        print("chaos needs root (ip netns)", file=sys.stderr)
-        return 2
-    if not default_model_path().is_file():
-        print("the default model is not pulled (`llmbus model pull`)", file=sys.stderr)
+    if why := cannot_run("chaos"):
+        print(why, file=sys.stderr)
         return 2
     hosts = Hosts()
     work = Path(tempfile.mkdtemp(prefix="llmbus-chaos-"))

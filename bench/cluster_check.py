@@ -400,12 +400,18 @@ def _named(line: str) -> str:
     return "?"
 
 
-async def main_async(args: argparse.Namespace) -> int:
+def cannot_run(script: str) -> str:
+    """Why a script that builds this cluster cannot run here ("" if it can)."""
     if os.geteuid() != 0:
-        print("cluster_check needs root (ip netns)", file=sys.stderr)
-        return 2
+        return f"{script} needs root (ip netns)"
     if not default_model_path().is_file():
-        print("the default model is not pulled (`llmbus model pull`)", file=sys.stderr)
+        return "the default model is not pulled (`llmbus model pull`)"
+    return ""
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    if why := cannot_run("cluster_check"):
+        print(why, file=sys.stderr)
         return 2
     faults = FAULTS if args.faults == "all" else args.faults.split(",")
     if args.split_e1:  # e1's executor in two shards: the lead on host 2, its layers on 3

@@ -12,8 +12,13 @@
 #    default model (pulled from PyPI by `llmbus model pull` when missing), Triton kernels first,
 #    then the unfused torch ops for comparison.
 #
-# Environment: VENV (default ~/.cache/llmbus/venv-gpu, outside the checkout), PYTHON (default python3), DTYPE (default bfloat16),
-# PEAK_GBPS (override the device's memory bandwidth for the GB/s fraction).
+# Environment: VENV (default ~/.cache/llmbus/venv-gpu, outside the checkout; `system` runs
+# PYTHON as it is, with no virtualenv and no install: for a machine with torch and triton but no
+# package registry, where llmbus and its dependencies are already importable), PYTHON (default
+# python3), DTYPE (default bfloat16), PEAK_GBPS (override the device's memory bandwidth for the
+# GB/s fraction), MODEL (a GGUF file for step 4 instead of the default model; HF is then
+# skipped, as a generated file's random weights give it nothing to agree on), PYTEST_ARGS (say
+# `-n 8` where pytest-xdist is installed).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -24,14 +29,24 @@ unset TRITON_INTERPRET
 
 step() { printf '\n=== %s (%ds)\n' "$1" "$SECONDS"; }
 
-step "virtualenv $VENV"
-if [ ! -x "$VENV/bin/python" ]; then
-    mkdir -p "$(dirname "$VENV")"
-    "$PYTHON" -m venv "$VENV"
+if [ "$VENV" = system ]; then
+    step "no virtualenv: $PYTHON as it is"
+    PY=$(command -v "$PYTHON")
+else
+    step "virtualenv $VENV"
+    if [ ! -x "$VENV/bin/python" ]; then
+        mkdir -p "$(dirname "$VENV")"
+        "$PYTHON" -m venv "$VENV"
+    fi
+    PY=$VENV/bin/python
+    "$PY" -m pip install --quiet --upgrade pip
+    "$PY" -m pip install --quiet -e '.[test,gpu]'
 fi
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
-"$VENV/bin/python" -m pip install --quiet -e '.[test,gpu]'
-"$VENV/bin/python" - <<'PY'
+THROUGHPUT=(--device cuda --backends "$DTYPE" --batch-sizes 1,16,64)
+if [ -n "${MODEL:-}" ]; then
+    THROUGHPUT+=(--model "$MODEL" --no-hf)
+fi
+"$PY" - <<'PY'
 import torch
 import triton
 
@@ -41,18 +56,28 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__
       f"{torch.cuda.get_device_name()}")
 PY
 
-step "kernel parity on the device"
-"$VENV/bin/python" -m pytest tests/executor/kernels/triton -m "gpu or not gpu" -q -p no:cacheprovider
+# Each check runs whatever the one before did: a failed parity test still leaves the speed
+# numbers to read, and every failure is named at the end.
+failed=()
+check() {
+    local name=$1
+    shift
+    step "$name"
+    "$@" || failed+=("$name (exit $?)")
+}
 
-step "kernel micro-benchmarks"
-"$VENV/bin/python" -m llmbus.bench.kernels --dtype "$DTYPE" ${PEAK_GBPS:+--peak-gbps "$PEAK_GBPS"}
-
-step "end-to-end throughput, Triton kernels"
-"$VENV/bin/python" -m llmbus.bench.executor_throughput --device cuda --dtype "$DTYPE" \
-    --batch-sizes 1,16,64 --kernels triton
-
-step "end-to-end throughput, unfused torch ops"
-"$VENV/bin/python" -m llmbus.bench.executor_throughput --device cuda --dtype "$DTYPE" \
-    --batch-sizes 1,16,64 --kernels torch --no-hf
+# shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
+check "kernel parity on the device" "$PY" -m pytest tests/executor/kernels/triton \
+    -m "gpu or not gpu" -q -p no:cacheprovider ${PYTEST_ARGS:-}
+check "kernel micro-benchmarks" "$PY" -m llmbus.bench.kernels --dtype "$DTYPE" \
+    ${PEAK_GBPS:+--peak-gbps "$PEAK_GBPS"}
+check "end-to-end throughput, Triton kernels" "$PY" -m llmbus.bench.executor_throughput \
+    "${THROUGHPUT[@]}" --kernels triton
+check "end-to-end throughput, unfused torch ops" "$PY" -m llmbus.bench.executor_throughput \
+    "${THROUGHPUT[@]}" --kernels torch --no-hf
 
 step "done"
+if [ ${#failed[@]} != 0 ]; then
+    printf 'gpu_check: FAILED: %s\n' "${failed[@]}" >&2
+    exit 1
+fi

@@ -2,9 +2,13 @@
 
 Needs a CUDA device; without one it says so and exits 0. Prints microseconds per call (median
 of triton's do_bench) and, for paged decode attention, the achieved memory bandwidth in GB/s
-and as a fraction of the device's peak (table below, or --peak-gbps).
+and as a fraction of the device's peak (table below, or --peak-gbps). A small kernel's call
+is mostly the host's launch (Python and the driver, ~20-40 us); `--cuda-graphs` replays each
+call from a captured graph instead, so the times are the device's alone (sampling, whose torch
+path syncs with the host, is then left out).
 
     python -m llmbus.bench.kernels [--shapes smollm2-135m|llama-8b] [--dtype bfloat16]
+        [--cuda-graphs]
 """
 
 from __future__ import annotations
@@ -48,9 +52,18 @@ def peak_gbps(name: str) -> float | None:
     return next((gbps for key, gbps in PEAK_GBPS if key in name), None)
 
 
+CUDA_GRAPHS = False  # --cuda-graphs
+
+
 def time_us(fn: Callable[[], object]) -> float:
     import triton.testing
 
+    if CUDA_GRAPHS:
+        try:
+            return 1000 * triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+        except RuntimeError as e:  # a host sync inside: it cannot be captured
+            print(f"# not capturable, timed as launched calls: {str(e).splitlines()[0]}")
+            torch.cuda.synchronize()
     return 1000 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -108,7 +121,9 @@ def bench_elementwise(s: Shapes, dtype, num_tokens: int) -> None:
 def bench_decode(s: Shapes, dtype, num_seqs: int, context_len: int, peak: float | None) -> None:
     from llmbus.services.executor.attention.torch_paged import paged_attention
     from llmbus.services.executor.kernels.triton.paged_decode_attention import (
+        multiprocessors,
         paged_decode_attention,
+        partition_size_for,
     )
 
     lens = [context_len] * num_seqs
@@ -122,6 +137,11 @@ def bench_decode(s: Shapes, dtype, num_seqs: int, context_len: int, peak: float 
     moved = kv_bytes + 2 * q.numel() * element + meta.block_tables.numel() * 4
     gbps = moved / fused_us / 1e3
     share = f" = {gbps / peak:.0%} of {peak:.0f}" if peak else " (peak unknown: --peak-gbps)"
+    chosen = partition_size_for(num_seqs, s.num_kv_heads, context_len, multiprocessors(q.device))
+    if chosen != 512:  # what the chosen partitions bought over the coarsest
+        coarse_us = time_us(lambda: paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, 512))
+        share += f"; partitions of {chosen} (at 512: {coarse_us:.1f} us)"
     print(f"{'paged_decode_attention':<24} {f'B={num_seqs} ctx={context_len}':<28} "
           f"{fused_us:9.1f} {unfused_us:9.1f} {unfused_us / fused_us:7.2f}x  "
           f"{gbps:.0f} GB/s{share}")
@@ -172,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
                         default="bfloat16")
     parser.add_argument("--peak-gbps", type=float, default=None,
                         help="device memory bandwidth, overriding the built-in table")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="time replays of captured graphs: the device's time, no launch")
     args = parser.parse_args(argv)
+    global CUDA_GRAPHS
+    CUDA_GRAPHS = args.cuda_graphs
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA device; none found, nothing to measure.")
         return 0
@@ -180,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     peak = args.peak_gbps or peak_gbps(name)
     s, dtype = SHAPES[args.shapes], getattr(torch, args.dtype)
     print(f"# {name}, {args.shapes}, {args.dtype}, peak {peak or '?'} GB/s; "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}; "
+          + ("graph replays (device time)" if CUDA_GRAPHS else "launched calls (host + device)"))
     print(f"{'kernel':<24} {'shape':<28} {'fused us':>9} {'torch us':>9} {'speedup':>8}")
     with torch.inference_mode():
         for num_tokens in (1, 64, 4096):
@@ -189,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             bench_decode(s, dtype, num_seqs, context_len, peak)
         for num_seqs, chunk, prefix in ((1, 2048, 0), (4, 512, 1536)):
             bench_prefill(s, dtype, num_seqs, chunk, prefix)
-        for num_rows in (1, 64):
+        for num_rows in () if CUDA_GRAPHS else (1, 64):
             bench_sampling(s, num_rows)
     return 0
 

@@ -10,9 +10,12 @@ A decode step has too few rows to fill a GPU with one program per (sequence, KV 
 context is cut into partitions of `partition_size` tokens (flash-decoding): each program
 softmaxes one partition for all `group` query heads of one KV head (K/V are read once), and a
 reduce kernel merges the partitions with their max and sum. One partition skips the reduce.
+How finely to cut is `partition_size_for`: as coarse as still keeps every multiprocessor busy.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 import triton
@@ -31,6 +34,33 @@ from llmbus.services.executor.kernels.triton._paged import kv_slot_offsets, onli
 from llmbus.services.executor.kernels.triton._rounding import to_dtype
 
 _LOG2E = 1.4426950408889634
+# Programs per multiprocessor a launch should give, and the partition sizes to choose from: 512
+# keeps the partials (and the reduce) small where the batch fills the GPU; 32 is two blocks of
+# 16, below which a program's loads are too short to hide their latency.
+PROGRAMS_PER_MULTIPROCESSOR = 2
+LARGEST_PARTITION, SMALLEST_PARTITION = 512, 32
+
+
+def partition_size_for(num_seqs: int, num_kv_heads: int, max_context: int,
+                       multiprocessors: int) -> int:
+    """The largest power-of-two partition (512 down to 32) whose grid still gives every
+    multiprocessor PROGRAMS_PER_MULTIPROCESSOR programs. One sequence of 4,096 tokens on a
+    132-SM H200 with 3 KV heads reads its context in 8 x 3 = 24 programs at 512 (a fifth of the
+    chip idles) and in 128 x 3 at 32; 64 sequences of 2,048 fill it at 512."""
+    target = PROGRAMS_PER_MULTIPROCESSOR * multiprocessors
+    size = LARGEST_PARTITION
+    while size > SMALLEST_PARTITION and \
+            num_seqs * num_kv_heads * triton.cdiv(max_context, size) < target:
+        size //= 2
+    return size
+
+
+@cache
+def multiprocessors(device: torch.device) -> int:
+    """The device's SM count; 1 under the interpreter, where partitions run one by one."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -108,13 +138,15 @@ def _paged_decode_reduce_kernel(
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           partition_size: int = 512, window: int = 0) -> torch.Tensor:
+                           partition_size: int | None = None,
+                           window: int = 0) -> torch.Tensor:
     """q [B, H, Dh] (one token per sequence) -> [B, H, Dh]; `window` > 0: over each
     sequence's last `window` positions only (a sliding-window layer).
 
     Caches [num_blocks, block_size, Hkv, Dh]; block_tables [B, max_blocks] int32 (padding
     points at block 0); context_lens [B], each >= 1, covering the token being decoded. The
-    number of partitions comes from max_blocks, so the launch needs no device sync.
+    number of partitions comes from max_blocks, so the launch needs no device sync;
+    `partition_size` None: `partition_size_for` this batch on this device.
     Grid: (B, Hkv, partitions), then (B, H) for the reduce when partitions > 1.
     """
     device, dtype = q.device, q.dtype
@@ -127,13 +159,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check(num_heads % num_kv_heads == 0, f"{num_heads} query heads over {num_kv_heads} KV heads")
     check_tensor(block_tables, "block_tables", (num_seqs, None), (torch.int32,), device)
     check_tensor(context_lens, "context_lens", (num_seqs,), INDEX_DTYPES, device)
+    max_context = block_tables.shape[1] * block_size
+    if partition_size is None:
+        partition_size = partition_size_for(num_seqs, num_kv_heads, max_context,
+                                            multiprocessors(device))
     check(partition_size >= 16 and partition_size & (partition_size - 1) == 0,
           f"partition_size must be a power of two >= 16, got {partition_size}")
     group = num_heads // num_kv_heads
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=dtype, device=device)  # [B, H, Dh]
     if num_seqs == 0:
         return out
-    max_context = block_tables.shape[1] * block_size
     num_partitions = max(1, triton.cdiv(max_context, partition_size))
     split = num_partitions > 1
     part_shape = (num_seqs, num_heads, num_partitions) if split else (1, 1, 1)

@@ -11,6 +11,7 @@ import torch  # noqa: E402
 from llmbus.services.executor.kernels.triton.paged_decode_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
+    partition_size_for,
 )
 from tests.executor.kernels.triton.helpers import (  # noqa: E402
     ATTENTION_TOLERANCES,
@@ -40,11 +41,21 @@ def _run(context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, par
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(3, 3), (9, 3)], ids=["H3-Hkv3", "H9-Hkv3"])
-@pytest.mark.parametrize("partition_size", [512, 16], ids=["one-pass", "split-k"])
+@pytest.mark.parametrize("partition_size", [512, 16, None], ids=["one-pass", "split-k", "auto"])
 def test_decode_matches_reference(dtype, heads, partition_size):
     # lengths off the block size; a single token; shuffled, non-contiguous blocks
     _run([37, 1, 16], *heads, head_dim=64, block_size=4, dtype=dtype,
          partition_size=partition_size)
+
+
+def test_partition_size_fills_the_device_as_coarsely_as_it_can():
+    """Grid programs = sequences x KV heads x partitions; the rule wants 2 per SM."""
+    h200 = 132  # SMs: 264 programs wanted
+    assert partition_size_for(1, 3, 4096, h200) == 32  # 3 x 128 = 384; at 64: 192, too few
+    assert partition_size_for(16, 3, 1024, h200) == 128  # 16 x 3 x 8 = 384; at 256: 192
+    assert partition_size_for(64, 3, 2048, h200) == 512  # 64 x 3 x 4 = 768 already
+    assert partition_size_for(1, 1, 16, h200) == 32  # nothing to split: the smallest
+    assert partition_size_for(1, 1, 4096, 1) == 512  # the interpreter: one program at a time
 
 
 @pytest.mark.parametrize("context_lens", [[1], [50], [3, 29, 64, 5, 17]],

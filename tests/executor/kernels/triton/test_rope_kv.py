@@ -72,7 +72,10 @@ def test_per_token_rows_and_skipped_slots():
     q_expected = rope_kv_reference(qkv, cos, sin, k_expected, v_expected, slots, 9,
                                    positions=positions)
     assert_close(q, q_expected)
-    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    # K is rotated (a fused multiply-add on a GPU rounds once where torch rounds twice), so it
+    # is close; V is a plain copy, so it is equal. Untouched slots compare too: -1 wrote nothing.
+    assert_close(k_cache, k_expected)
+    assert torch.equal(v_cache, v_expected)
 
 
 def test_launcher_rejects_bad_arguments():

@@ -28,7 +28,6 @@ from llmbus.bus.messages import AdapterCommand, AdapterReply
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.adapter_files import pack_adapter
 from llmbus.services.adapter_store_bus import AdapterStore, AdapterStoreUnavailable
-from llmbus.services.executor.weights.lora_files import read_adapter
 
 if TYPE_CHECKING:
     from llmbus.services.executor.runner import ModelRunner
@@ -154,6 +153,10 @@ class ExecutorAdapters:
     async def _prepare_blob(self, name: str, blob: bytes) -> str:
         """Parse off the loop, then know it on the forward thread; "" or why it does not fit."""
         assert self.runner.adapters is not None
+        # imported here, not above: it imports torch, which the executor imports only after
+        # configuring OpenMP, and which `llmbus up` and the other services never need
+        from llmbus.services.executor.weights.lora_files import read_adapter
+
         weights = await asyncio.to_thread(read_adapter, blob, self.architecture,
                                           self.runner.config)
         return await asyncio.get_running_loop().run_in_executor(

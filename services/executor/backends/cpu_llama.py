@@ -36,7 +36,6 @@ from llmbus.services.executor.attention.rope import rope_tables
 from llmbus.services.executor.attention.torch_paged import paged_attention, rope_write_kv
 from llmbus.services.executor.backends.int_moe import IntMoeStep
 from llmbus.services.executor.backends.int_step import IntStep
-from llmbus.services.executor.backends.onnx_graphs import MatrixSource, head_graph, layer_graphs
 from llmbus.services.executor.backends.token_embedding import TokenEmbedding
 from llmbus.services.executor.backends.torch_llama import rms_norm
 from llmbus.services.executor.kernels.cpu.library import load_library
@@ -203,6 +202,13 @@ class CpuLlamaModel:
         if any(isinstance(w, QuantPart | PackedRows) for w in native.values()):
             raise ValueError("the ONNX Runtime graphs need the matrices as loaded, not tiled "
                              "for the integer kernel (load without tile_as_loaded)")
+        # here, not above: onnx takes 0.6 s to import, which the integer kernel never needs
+        from llmbus.services.executor.backends.onnx_graphs import (
+            MatrixSource,
+            head_graph,
+            layer_graphs,
+        )
+
         def matrix(name: str) -> MatrixSource:
             weight = native.get(name)
             if isinstance(weight, KQuantWeight):  # no graph takes 16-weight sub-blocks

@@ -138,21 +138,28 @@ def _add_up_command(commands: argparse._SubParsersAction) -> None:
                 group.add_argument(*option.flags, **option.kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only_service: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; with `only_service`, just `serve` of that one service, so that a
+    service's process imports its own module and not the others' (the executor's is torch's)."""
     parser = argparse.ArgumentParser(
         prog="llmbus", description="Serve LLMs behind an OpenAI-compatible API, built as "
         "services on a NATS bus.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    _add_up_command(commands)
+    if only_service is None:
+        _add_up_command(commands)
 
     serve = commands.add_parser("serve", help="run one service (what compose.yaml runs)")
     services = serve.add_subparsers(dest="service", required=True, metavar="SERVICE")
-    for name in SERVICE_ORDER:
+    for name in SERVICE_ORDER if only_service is None else [only_service]:
         sub = services.add_parser(name, help=SERVICE_HELP[name], description=SERVICE_HELP[name])
         add_common_arguments(sub)
         _service_module(name).add_arguments(sub)
+    if only_service is None:
+        _add_other_commands(commands)
+    return parser
 
+
+def _add_other_commands(commands: argparse._SubParsersAction) -> None:
     model = commands.add_parser("model", help="manage model files")
     model_commands = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     pull = model_commands.add_parser(
@@ -171,7 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("bench", add_help=False,
                         help="benchmarks: `bench serve` loads any OpenAI-compatible server, "
                         "`bench compare` runs llmbus against llama.cpp / vLLM / transformers")
-    return parser
 
 
 # Options that must not show in `ps`: `up` hands them to the services through the environment
@@ -222,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         from llmbus.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    serving = argv[1] if argv[:1] == ["serve"] and argv[1:2] and argv[1] in SERVICE_MODULES \
+        else None
+    args = build_parser(serving).parse_args(argv)
     if getattr(args, "nats_url", None):
         from llmbus.bus.servers import server_urls
 

@@ -385,6 +385,10 @@ def judge(cluster: Cluster, outcomes: list[Outcome], answers: list[str], faults:
         "errors": [o.error for o in errors if o.shape >= 0], "unexplained_errors": [
             o.error for o in errors if o.shape >= 0 and o.error.endswith("[]")],
         "different_answers": len(wrong), "hung": len(hung),
+        "hung_requests": [f"{o.request_id or '(no id yet)'} (request {o.shape}, sent "
+                          f"{time.strftime('%X', time.localtime(o.sent))}) "
+                          f"[{_overlapping(faults, o.sent, o.sent + HUNG_AFTER)}]"
+                          for o in hung],
         "left_by_client": len(left),
         "to_leave_but_failed_first": [o.error for o in outcomes if o.shape < 0 and not o.left_at],
         "aborts_within_1s": sum(d <= ABORT_WITHIN for d in abort_delays.values()),

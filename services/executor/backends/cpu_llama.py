@@ -202,29 +202,24 @@ class CpuLlamaModel:
         if any(isinstance(w, QuantPart | PackedRows) for w in native.values()):
             raise ValueError("the ONNX Runtime graphs need the matrices as loaded, not tiled "
                              "for the integer kernel (load without tile_as_loaded)")
-        # here, not above: onnx takes 0.6 s to import, which the integer kernel never needs
-        from llmbus.services.executor.backends.onnx_graphs import (
-            MatrixSource,
-            head_graph,
-            layer_graphs,
-        )
+        from llmbus.services.executor.backends import onnx_graphs as og  # onnx: 0.6 s to load
 
-        def matrix(name: str) -> MatrixSource:
+        def matrix(name: str) -> og.MatrixSource:
             weight = native.get(name)
             if isinstance(weight, KQuantWeight):  # no graph takes 16-weight sub-blocks
-                return MatrixSource(requantize_q8_0(weight.dequantize().numpy()), None)
+                return og.MatrixSource(requantize_q8_0(weight.dequantize().numpy()), None)
             if weight is not None:
-                return MatrixSource(weight, None)
-            return MatrixSource(None, dense[name].float().numpy())
+                return og.MatrixSource(weight, None)
+            return og.MatrixSource(None, dense[name].float().numpy())
 
         names = [f"blk.{i}.{n}.weight" for i in range(config.num_layers) for n in LAYER_MATRICES]
         matrices = {n: matrix(n) for n in names}
         norms = {n: t.float().numpy() for n, t in dense.items() if n.endswith("norm.weight")}
         graphs = [g.SerializeToString()
-                  for g in layer_graphs(config, matrices, norms, self.accuracy_level,
+                  for g in og.layer_graphs(config, matrices, norms, self.accuracy_level,
                                         qkv_q4_accuracy_level=ACCURACY_EXACT)]
         if config.has_vocab:
-            graphs.append(head_graph(config, matrix("output.weight"),
+            graphs.append(og.head_graph(config, matrix("output.weight"),
                                      norms["output_norm.weight"],
                                      self.accuracy_level).SerializeToString())
         self.graphs = _sessions(graphs, num_threads)

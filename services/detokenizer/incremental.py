@@ -6,8 +6,9 @@ token would emit U+FFFD halves. Instead we keep a short window of recent token i
     ids:    [ ... context ... | ... already emitted ... | new ids ... ]
                               ^ prefix_offset           ^ read_offset
 
-and emit decode(ids[prefix:]) minus decode(ids[prefix:read]), holding back while that text ends
-in U+FFFD (an incomplete character). The window only ever spans a few tokens, so a step costs
+and emit decode(ids[prefix:end]) minus decode(ids[prefix:read]), where `end` is the last new
+token after which the text does not end in U+FFFD (an incomplete character): the tokens after it
+wait for the rest of their character. The window only ever spans a few tokens, so a step costs
 O(new tokens) whatever the length of the output.
 
 Stop strings are matched on the text: any suffix that could still grow into a stop string is held
@@ -98,13 +99,21 @@ class IncrementalDetokenizer:
         return self._release(self._decode_window(final=True), final=True)
 
     def _decode_window(self, final: bool) -> str:
+        """The text up to the last new token that ends a character (all of it when final):
+        where text stops depends on the tokens alone, not on how they came in steps, so a
+        copy that replays a dead one's tokens in one step stands where that one stood."""
         prefix_text = self._decode(self._ids[:self._read_offset])
-        text = self._decode(self._ids)
-        if len(text) <= len(prefix_text) or (text.endswith(REPLACEMENT_CHAR) and not final):
+        for end in range(len(self._ids), self._read_offset, -1):
+            text = self._decode(self._ids[:end])
+            if final or not text.endswith(REPLACEMENT_CHAR):
+                break
+        else:
             return ""
-        # Everything read so far ends on a character boundary: it becomes the next prefix.
+        if len(text) <= len(prefix_text):
+            return ""
+        # What is read up to `end` ends on a character boundary: it becomes the next prefix.
         del self._ids[:self._read_offset]
-        self._read_offset = len(self._ids)
+        self._read_offset = end - self._read_offset
         return text[len(prefix_text):]
 
     def _release(self, new_text: str, final: bool) -> Delta:

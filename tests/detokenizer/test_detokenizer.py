@@ -208,3 +208,22 @@ def test_a_copy_taking_over_keeps_the_text_held_back_for_a_stop_string(tokenizer
     after = text(survivor.process(item(ids[cut:], replay=ids[:cut],
                                        finish=FinishReason.LENGTH)).deltas)
     assert before + after == "We went to the Parade today."
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_copy_taking_over_inside_a_character_sends_each_character_once(tokenizer, seed):
+    """The copy dies after tokens whose last character is still incomplete (its text held
+    back): the copy taking over replays every token the dead one had, however they came to
+    it, and the client gets each character exactly once (a replay that ended inside a
+    character used to send the text before it again)."""
+    text = "Hi 😀 and 日本語 👍🏽!"
+    ids = tokenizer.encode(text)
+    for cut in range(1, len(ids)):
+        dying = IncrementalDetokenizer(tokenizer.decode)
+        before = "".join(dying.step(chunk).text
+                         for chunk in chunked(ids[:cut], random.Random(seed)))
+        survivor = IncrementalDetokenizer(tokenizer.decode)
+        survivor.step(ids[:cut])  # the replay: silent
+        after = survivor.step(ids[cut:]).text + survivor.finish().text
+        assert before + after == text, (cut, before, after)

@@ -217,11 +217,11 @@ class CpuLlamaModel:
         norms = {n: t.float().numpy() for n, t in dense.items() if n.endswith("norm.weight")}
         graphs = [g.SerializeToString()
                   for g in og.layer_graphs(config, matrices, norms, self.accuracy_level,
-                                        qkv_q4_accuracy_level=ACCURACY_EXACT)]
+                                           qkv_q4_accuracy_level=ACCURACY_EXACT)]
         if config.has_vocab:
             graphs.append(og.head_graph(config, matrix("output.weight"),
-                                     norms["output_norm.weight"],
-                                     self.accuracy_level).SerializeToString())
+                                        norms["output_norm.weight"],
+                                        self.accuracy_level).SerializeToString())
         self.graphs = _sessions(graphs, num_threads)
         # Small steps run single-threaded: their matmuls are too short to pay for waking a
         # second pool thread 31 times a step (2 cores, one decode at 300 tokens: 14.5 ms per

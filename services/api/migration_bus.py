@@ -31,11 +31,6 @@ RESUME_PATIENCE = 3.0  # seconds a resumed request may wait for an engine to tak
 # or this copy off the bus. With a stage empty, a 503 is for real: no wait beyond the first.
 RESUME_PATIENCE_SETTLING = 30.0
 RESUME_RETRY_SECONDS = 0.5  # between two tries
-# A detokenizer copy this api found silent is found so by the schedulers from the same
-# heartbeats, but not at the same instant: a request moved at once could be routed to that
-# copy again by a scheduler that still counts it alive, and wait forever for text that never
-# comes (the chaos soak's compound case, once). Its requests move this much later.
-DETOKENIZER_AGREEMENT_SECONDS = 4 * HEARTBEAT_INTERVAL
 
 
 class Migrations:
@@ -104,26 +99,20 @@ class Migrations:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _migrate(self, placement: Placement, reason: str, avoid_instance_id: str = "",
-                 after: float = 0.0) -> None:
+    def _migrate(self, placement: Placement, reason: str, avoid_instance_id: str = "") -> None:
         """Resume the request as its next attempt on an engine (another one than
-        `avoid_instance_id` if any is alive), `after` seconds from now, or end it with an
-        explicit error once it has moved `migration_limit` times or no engine takes it."""
+        `avoid_instance_id` if any is alive), or end it with an explicit error once it has
+        moved `migration_limit` times or no engine takes it."""
         if not placement.unfinished():  # it ended; its client is still reading it
             return
         if placement.moving:  # the new attempt failed before its admission came back
             placement.failed_meanwhile = reason
             return
         placement.moving = True
-        self._spawn(self._resume(placement, reason, avoid_instance_id, after))
+        self._spawn(self._resume(placement, reason, avoid_instance_id))
 
-    async def _resume(self, placement: Placement, reason: str, avoid_instance_id: str,
-                      after: float) -> None:
-        await asyncio.sleep(after)
+    async def _resume(self, placement: Placement, reason: str, avoid_instance_id: str) -> None:
         request_id = placement.request.request_id
-        if self.placements.get(request_id) is not placement or not placement.unfinished():
-            placement.moving = False  # it ended, or its client left, meanwhile
-            return
         if placement.attempt >= self.migration_limit:
             log.warning("migration limit reached", request_id=request_id, reason=reason)
             placement.end_with_error(f"{reason}; gave up after {placement.attempt} "
@@ -258,4 +247,4 @@ class Migrations:
                                   avoid_instance_id=gone.instance_id)
                 elif lost_copies and placement.decoded_by(lost_copies):
                     self._migrate(placement, f"detokenizer {', '.join(sorted(lost_copies))} "
-                                  "stopped answering", after=DETOKENIZER_AGREEMENT_SECONDS)
+                                  "stopped answering")

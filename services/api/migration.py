@@ -24,10 +24,7 @@ import msgspec
 from llmbus.bus.messages import FinishReason, GenerateRequest, ResumedCompletion, TextDelta
 
 # Migrations of one request before its client gets the error (Dynamo's --migration-limit).
-# One compound fault can take several: a server killed and a host cut off moved one stream 4
-# times in 5 s (its api's bus connection, its engine's, tokens lost between, the detokenizer
-# on the cut host), so 3 failed requests that every stage could still serve (bench/chaos.py).
-DEFAULT_MIGRATION_LIMIT = 5
+DEFAULT_MIGRATION_LIMIT = 3
 
 
 class Verdict(enum.Enum):

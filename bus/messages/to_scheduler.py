@@ -26,6 +26,7 @@ class SubmitRequest(Message):
     # completion with what it already streamed (empty: all n start afresh).
     attempt: int = 0
     resumed: list[ResumedCompletion] = []
+    avoid_detokenizer_ids: list[str] = []  # as in GenerateRequest
 
 
 class AbortRequest(Message):

@@ -30,6 +30,11 @@ class GenerateRequest(Message):
     # Extra variables for the chat template, a JSON object (`chat_template_kwargs`, vLLM's
     # extension: `{"enable_thinking": false}`); empty: none.
     chat_template_kwargs_json: str = ""
+    # The detokenizer copies the api takes for dead (it heard none of them for DEAD_AFTER): no
+    # engine sends this request's tokens there, though its own view of them may lag (a
+    # scheduler that reconnected counts them alive a while longer, and what it sends them
+    # meanwhile is lost with no one left to notice).
+    avoid_detokenizer_ids: list[str] = []
 
 
 class Admission(Message):

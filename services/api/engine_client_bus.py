@@ -84,7 +84,7 @@ class EngineClient:
         self._streams[request.request_id] = queue
         placement = self.migrations.track(request, queue)
         try:
-            admission = await self._admit(request)
+            admission = await self._admit(placement.request)
         except OpenAIError:
             self._streams.pop(request.request_id, None)
             self.migrations.forget(request.request_id)

@@ -79,15 +79,18 @@ class Placement:
         detokenizer copies (one with no text yet may have gone to any)."""
         return any(self.detokenizer_ids.get(i, "") in copies | {""} for i in self.unfinished())
 
-    def next_attempt(self, avoid_instance_id: str = "") -> GenerateRequest:
+    def next_attempt(self, avoid_instance_id: str = "",
+                     avoid_detokenizer_ids: list[str] | None = None) -> GenerateRequest:
         """The request as its next attempt, resuming each unfinished completion from what its
-        client has; `avoid_instance_id`: the engine not to route to."""
+        client has; `avoid_instance_id`: the engine not to route to; `avoid_detokenizer_ids`:
+        the detokenizer copies its tokens are not to go to."""
         self.attempt += 1
         unfinished = self.unfinished()
         resumed = ([ResumedCompletion(i, list(self.received.get(i, []))) for i in unfinished]
                    if self.finished or any(self.received.get(i) for i in unfinished) else [])
         return msgspec.structs.replace(self.request, attempt=self.attempt, resumed=resumed,
-                                       avoid_instance_id=avoid_instance_id)
+                                       avoid_instance_id=avoid_instance_id,
+                                       avoid_detokenizer_ids=avoid_detokenizer_ids or [])
 
     def end_with_error(self, error: str) -> None:
         """Every unfinished completion ends with `error` (explicit, to the client)."""

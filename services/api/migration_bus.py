@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import msgspec
 import structlog
 
 from llmbus.bus import subjects
@@ -57,7 +58,11 @@ class Migrations:
     def track(self, request: GenerateRequest, queue: asyncio.Queue) -> Placement:
         """A request on its way into the pipeline, its deltas to `queue`. Until `admitted`,
         it is moving: a fault meanwhile moves it once its admission is back, not while the
-        first attempt may still be admitted by an engine (which would refuse it as stale)."""
+        first attempt may still be admitted by an engine (which would refuse it as stale).
+        Its tokens are not to go to a detokenizer copy this api took for dead: the request to
+        send is `placement.request`."""
+        request = msgspec.structs.replace(request,
+                                          avoid_detokenizer_ids=self.lost_detokenizers())
         placement = self.placements[request.request_id] = Placement(request, queue, moving=True)
         return placement
 
@@ -68,6 +73,11 @@ class Migrations:
         placement.scheduler_reconnects = admission.scheduler_reconnects
         placement.moving = False
         self._move_again(placement)
+
+    def lost_detokenizers(self) -> list[str]:
+        """The detokenizer copies this api reaped (and has not heard from since): what an
+        engine sends them is lost without a word, so no request's tokens are to go there."""
+        return sorted(self.copies["detokenizer"].reaped)
 
     def forget(self, request_id: str) -> None:
         """It ended, or its client left: nothing of it moves any more."""
@@ -120,7 +130,7 @@ class Migrations:
             self.placements.pop(request_id, None)
             return
         old = placement.attempt
-        request = placement.next_attempt(avoid_instance_id)
+        request = placement.next_attempt(avoid_instance_id, self.lost_detokenizers())
         placement.aborted_attempts.add(old)
         try:
             await self.runtime.publish(subjects.SCHEDULER_ABORT,

@@ -14,6 +14,11 @@ held back for a stop string (its text so far was already delivered), then goes o
 next tokens. Before any copy is heard from, updates go to the shared subject, where any copy
 may take each one: every such update carries the start.
 
+The api that owns a request may name copies it takes for dead (`avoid`): a copy this engine
+still counts alive, because its own view lags (it reconnected, which pardons every silence),
+would otherwise swallow a short completion whole, and the api, which moved the request off
+that copy already, would wait for it for ever.
+
 A copy that gets tokens of a completion it knows nothing of, without a start (the message
 with it was lost), reports it (`UnknownCompletion`); `lost` makes the completion's next update
 carry the start again, so that the error the scheduler then ends it with reaches its client,
@@ -58,6 +63,16 @@ class DetokenizerRouting:
     # Ended completions: the copy that had each, and its start (insertion-ordered, bounded).
     ended: dict[Key, tuple[str | None, CompletionStart, int]] = field(default_factory=dict)
     #                      (the copy, the start, the attempt)
+    # Copies each request's owner takes for dead (bounded like `ended`: kept past the end).
+    avoided: dict[str, frozenset[str]] = field(default_factory=dict)
+
+    def avoid(self, request_id: str, copies: list[str]) -> None:
+        """The request's owner takes `copies` for dead: none of its completions goes there
+        while another copy is alive."""
+        if copies:
+            self.avoided[request_id] = frozenset(copies)
+            while len(self.avoided) > MAX_ENDED_REMEMBERED:
+                del self.avoided[next(iter(self.avoided))]
 
     def route(self, updates: list[RequestTokens], now: float) -> dict[str, list[RequestTokens]]:
         """Updates grouped by the subject of the detokenizer copy each completion goes to.
@@ -73,8 +88,10 @@ class DetokenizerRouting:
                 self.assigned.pop(key, None)
                 self.sent[key] = list(update.start.replay_token_ids)
             holder = self.assigned.get(key)
-            instance = holder if holder in alive else (
-                preferred_copy(key, alive) if alive else None)
+            # Another copy than those the owner avoids; all of them if it avoids every one.
+            allowed = alive - self.avoided.get(update.request_id, frozenset()) or alive
+            instance = holder if holder in allowed else (
+                preferred_copy(key, allowed) if allowed else None)
             start = self.starts.get(key)
             if instance is not None and instance == holder:
                 update.start = None  # that copy has it

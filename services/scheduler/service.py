@@ -194,6 +194,7 @@ class SchedulerService:
             code = (ErrorCode.CONTEXT_LENGTH_EXCEEDED if exc.context_length
                     else ErrorCode.INVALID_REQUEST)
             return Admission(error_code=code, error_message=str(exc), error_param=exc.param)
+        self.detokenizers.avoid(submit.request_id, submit.avoid_detokenizer_ids)
         self.loop.wakeup.set()
         return Admission(num_prompt_tokens=len(submit.prompt_token_ids),
                          scheduler_instance_id=self.runtime.instance_id,

@@ -165,7 +165,8 @@ class TokenizerService:
                                reply_subject=request.reply_subject,
                                prompt_token_ids=prompt.token_ids, params=request.params,
                                arrival_time=time.time(), n=request.n, attempt=request.attempt,
-                               resumed=request.resumed)
+                               resumed=request.resumed,
+                               avoid_detokenizer_ids=request.avoid_detokenizer_ids)
         admission = await submit_to_an_engine(self.runtime, self.router, submit,
                                               avoid_instance_id=request.avoid_instance_id)
         # the engine names the chat's field; a plain prompt's is `prompt`

@@ -153,3 +153,33 @@ async def test_a_fault_before_the_first_admission_moves_the_request_once_it_is_b
     migrations.admitted(placement, Admission(num_prompt_tokens=1, scheduler_instance_id="e1"))
     await asyncio.sleep(0.05)
     assert len(tries) == 1 and placement.attempt == 1
+
+
+async def test_every_attempt_names_the_detokenizer_copies_this_api_took_for_dead():
+    """An engine may count a copy alive for seconds after this api reaped it (it reconnected,
+    which pardons silences); a short request it sent there would be lost whole, after the api
+    had moved it off that copy: so each attempt names the copies to avoid."""
+    import asyncio
+
+    migrations, _ = _migrations({"scheduler", "tokenizer", "executor"}, refusals=0)
+    sent: list[GenerateRequest] = []
+
+    async def admit(request: GenerateRequest) -> Admission:
+        sent.append(request)
+        return Admission(num_prompt_tokens=1, scheduler_instance_id="e1")
+
+    migrations.admit = admit
+    detokenizers = migrations.copies["detokenizer"]
+    for name in ("d2", "d3"):
+        detokenizers.seen(Heartbeat(service="detokenizer", instance_id=name), 100.0)
+    detokenizers.seen(Heartbeat(service="detokenizer", instance_id="d3"), 104.0)
+    assert [h.instance_id for h in detokenizers.reap(107.0)] == ["d2"]
+    placement = migrations.track(REQUEST, asyncio.Queue())
+    assert placement.request.avoid_detokenizer_ids == ["d2"]
+    assert REQUEST.avoid_detokenizer_ids == []  # the caller's request is left as it was
+    migrations.admitted(placement, Admission(num_prompt_tokens=1, scheduler_instance_id="e1"))
+    migrations._migrate(placement, "detokenizer d2 stopped answering")
+    await asyncio.sleep(0.05)
+    assert [r.avoid_detokenizer_ids for r in sent] == [["d2"]] and placement.attempt == 1
+    detokenizers.seen(Heartbeat(service="detokenizer", instance_id="d2"), 108.0)  # back
+    assert migrations.track(REQUEST, asyncio.Queue()).request.avoid_detokenizer_ids == []

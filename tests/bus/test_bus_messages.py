@@ -48,7 +48,8 @@ EXAMPLES = [
                       messages=[CHAT], prompt="p", prompt_token_ids=[1],
                       add_generation_prompt=False, n=2, tools_json="[]", attempt=1,
                       resumed=[RESUMED], avoid_instance_id="s1",
-                      chat_template_kwargs_json='{"enable_thinking":false}'),
+                      chat_template_kwargs_json='{"enable_thinking":false}',
+                      avoid_detokenizer_ids=["d2"]),
     m.Admission(num_prompt_tokens=3, error_code=m.ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 error_message="too long", error_param="messages", scheduler_instance_id="s1",
                 scheduler_reconnects=2, reasoning=True, reasoning_open=True),
@@ -59,7 +60,8 @@ EXAMPLES = [
     m.DecodeResult(text="t", error_message="e"),
     m.CacheEvent(engine_id="e0", stored=[11], removed=[12], cleared=True, instance_id="s1"),
     m.SubmitRequest(request_id="r1", reply_subject="api.x", prompt_token_ids=[1, 2],
-                    params=PARAMS, arrival_time=1.5, n=2, attempt=1, resumed=[RESUMED]),
+                    params=PARAMS, arrival_time=1.5, n=2, attempt=1, resumed=[RESUMED],
+                    avoid_detokenizer_ids=["d2"]),
     RESUMED,
     m.AbortRequest(request_id="r1", index=1, up_to_attempt=2),
     m.UnknownCompletion(request_id="r1", index=1, instance_id="d1"),
@@ -148,11 +150,11 @@ GOLDEN = {
     "TokenLogprobs": "93cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000",
     "ChatMessage": "94a475736572a26869a25b5da26331",
     "GenerateRequest": (
-        "9ea27231a56170692e78a16ddc0013cb3fe0000000000000cb3feccccccccccccd280807c3910291a10a"
+        "9fa27231a56170692e78a16ddc0013cb3fe0000000000000cb3feccccccccccccd280807c3910291a10a"
         "c3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cb"
         "bff000000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616ea2"
         "61319194a475736572a26869a25b5da26331a1709101c202a25b5d01919201912aa27331b97b22656e61"
-        "626c655f7468696e6b696e67223a66616c73657d"),
+        "626c655f7468696e6b696e67223a66616c73657d91a26432"),
     "Admission": "980302a8746f6f206c6f6e67a86d65737361676573a2733102c3c3",
     "EncodeRequest": "969194a475736572a26869a25b5da26331a170c2c2a27b7da25b5d",
     "EncodeResult": "92920102a165",
@@ -160,10 +162,10 @@ GOLDEN = {
     "DecodeResult": "92a174a165",
     "CacheEvent": "95a26530910b910cc3a27331",
     "SubmitRequest": (
-        "98a27231a56170692e78920102dc0013cb3fe0000000000000cb3feccccccccccccd280807c3910291a1"
+        "99a27231a56170692e78920102dc0013cb3fe0000000000000cb3feccccccccccccd280807c3910291a1"
         "0ac3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105"
         "cbbff000000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616e"
-        "a26131cb3ff80000000000000201919201912a"),
+        "a26131cb3ff80000000000000201919201912a91a26432"),
     "ResumedCompletion": "9201912a",
     "AbortRequest": "93a272310102",
     "UnknownCompletion": "93a2723101a26431",

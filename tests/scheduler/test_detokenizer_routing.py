@@ -17,7 +17,7 @@ from llmbus.bus.messages import (
     StepResult,
 )
 from llmbus.services.scheduler.config import SchedulerConfig
-from llmbus.services.scheduler.detokenizer_routing import DetokenizerRouting
+from llmbus.services.scheduler.detokenizer_routing import DetokenizerRouting, preferred_copy
 from llmbus.services.scheduler.scheduler import Scheduler
 
 START = CompletionStart(reply_subject="api", stop=["\n"])
@@ -103,6 +103,24 @@ def test_every_update_to_the_shared_subject_carries_the_start():
     assert subject == subjects.detokenizer_tokens("d0")
     assert routed.start.replay_token_ids == [1, 2, 3]  # it may not have been d0 that had them
     assert only(routing.route([update("r", [5])], now=0.2))[1].start is None
+
+
+def test_a_request_avoids_the_copies_its_owner_took_for_dead_while_another_is_alive():
+    """d0 still counts alive here (this engine's view lags), but the request's api took it for
+    dead: its completions go to d1; were d1 the copy avoided too, to any copy alive."""
+    routing = routing_over("d0", "d1")
+    ids = [f"r{i}" for i in range(40)]
+    naturally = {i for i in ids if preferred_copy((i, 0), {"d0", "d1"}) == "d0"}
+    assert naturally  # the ones the avoidance moves
+    for request_id in ids:
+        routing.avoid(request_id, ["d0"])
+    routed = routing.route([update(i, first=True) for i in ids], now=0.1)
+    assert set(routed) == {subjects.detokenizer_tokens("d1")}
+    later = routing.route([update(i, finish=FinishReason.STOP) for i in ids], now=0.2)
+    assert set(later) == {subjects.detokenizer_tokens("d1")}
+    routing.avoid("both", ["d0", "d1"])
+    assert only(routing.route([update("both", first=True)], now=0.3))[0] in {
+        subjects.detokenizer_tokens("d0"), subjects.detokenizer_tokens("d1")}
 
 
 def _run(scheduler: Scheduler, routing: DetokenizerRouting, now: float,

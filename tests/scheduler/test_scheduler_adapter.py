@@ -37,6 +37,7 @@ from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.cli import build_parser
 from llmbus.services.launcher import Stack
 from llmbus.services.scheduler.config import config_from_args
+from llmbus.services.scheduler.detokenizer_routing import preferred_copy
 from llmbus.services.scheduler.service import SchedulerService, _run_until_stopped
 
 pytestmark = pytest.mark.adapter  # a real nats-server, no model
@@ -316,3 +317,28 @@ async def test_a_completion_its_detokenizer_copy_cannot_decode_ends_with_an_erro
     late = _items(detokenizer.batches, "short")[-1]
     assert late.start.reply_subject == "api.x" and late.new_token_ids == []
     await detokenizer.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_request_avoids_the_detokenizer_copies_its_api_took_for_dead(engine):
+    """Both copies beat here, but the api that sent these requests took d1 for dead (its view
+    and this engine's may differ by seconds): none of their tokens goes to d1, though the
+    copies' hashing would send each of them there."""
+    runtime, _, _, service = engine
+    copies = [FakeDetokenizer("d1"), FakeDetokenizer("d2")]
+    for copy in copies:
+        await copy.start(runtime, service)
+    await _until(lambda: len(service.detokenizers.liveness.alive(time.monotonic())) == 2,
+                 "the scheduler heard both copies")
+    ids = [i for i in (f"a{n}" for n in range(40))
+           if preferred_copy((i, 0), {"d1", "d2"}) == "d1"][:4]
+    for request_id in ids:
+        await runtime.request(subjects.engine_submit(ENGINE), SubmitRequest(
+            request_id=request_id, reply_subject="api.x", prompt_token_ids=[10, 11, 12],
+            params=SamplingParams(max_tokens=3, ignore_eos=True),
+            avoid_detokenizer_ids=["d1"]), Admission, timeout=5)
+    await _until(lambda: all(any(i.finish_reason for i in _items(copies[1].batches, r))
+                             for r in ids), "every request ended on d2")
+    for copy in copies:
+        await copy.stop()
+    assert not any(_items(copies[0].batches, r) for r in ids)

@@ -51,10 +51,12 @@ async def test_the_tokenizer_admits_into_an_engine_and_answers_encode_and_decode
 
         admission = await ask(subjects.TOKENIZER_GENERATE, GenerateRequest(
             request_id="r", reply_subject="api.x", model="m", params=SamplingParams(),
-            prompt="hello"), Admission)
+            prompt="hello", attempt=1, avoid_detokenizer_ids=["d2"]), Admission)
         hello = tokenization.tokenizer.encode("hello")
         assert admission.error_code == ErrorCode.NONE and admission.num_prompt_tokens == 2
         assert submitted[0].prompt_token_ids == [0, *hello] and submitted[0].arrival_time > 0
+        # a migration's attempt and the detokenizer copies its api took for dead, passed on
+        assert (submitted[0].attempt, submitted[0].avoid_detokenizer_ids) == (1, ["d2"])
         refused = await ask(subjects.TOKENIZER_GENERATE, GenerateRequest(
             request_id="r2", reply_subject="api.x", model="m",
             params=SamplingParams(logit_bias={999: 1.0}), prompt="hello"), Admission)

@@ -52,6 +52,8 @@ class Placement:
     # The copy each completion's text comes from (if it dies, what it held is lost).
     detokenizer_ids: dict[int, str] = field(default_factory=dict)
     aborted_attempts: set[int] = field(default_factory=set)  # stale ones already told
+    # The detokenizer copies the current attempt's tokens are not to go to (GenerateRequest).
+    avoided_detokenizers: frozenset[str] = frozenset()
 
     def judge(self, delta: TextDelta) -> Verdict:
         """What to do with a delta; a FORWARD one is recorded as sent."""
@@ -88,9 +90,10 @@ class Placement:
         unfinished = self.unfinished()
         resumed = ([ResumedCompletion(i, list(self.received.get(i, []))) for i in unfinished]
                    if self.finished or any(self.received.get(i) for i in unfinished) else [])
+        self.avoided_detokenizers = frozenset(avoid_detokenizer_ids or [])
         return msgspec.structs.replace(self.request, attempt=self.attempt, resumed=resumed,
                                        avoid_instance_id=avoid_instance_id,
-                                       avoid_detokenizer_ids=avoid_detokenizer_ids or [])
+                                       avoid_detokenizer_ids=sorted(self.avoided_detokenizers))
 
     def end_with_error(self, error: str) -> None:
         """Every unfinished completion ends with `error` (explicit, to the client)."""

@@ -61,17 +61,33 @@ class Migrations:
         first attempt may still be admitted by an engine (which would refuse it as stale).
         Its tokens are not to go to a detokenizer copy this api took for dead: the request to
         send is `placement.request`."""
-        request = msgspec.structs.replace(request,
-                                          avoid_detokenizer_ids=self.lost_detokenizers())
-        placement = self.placements[request.request_id] = Placement(request, queue, moving=True)
+        lost = self.lost_detokenizers()
+        request = msgspec.structs.replace(request, avoid_detokenizer_ids=lost)
+        placement = self.placements[request.request_id] = Placement(
+            request, queue, moving=True, avoided_detokenizers=frozenset(lost))
         return placement
 
     def admitted(self, placement: Placement, admission: Admission) -> None:
         """The first attempt's admission came back: where it runs; if a fault came meanwhile,
         it moves now."""
+        self._settle(placement, admission)
+
+    def _settle(self, placement: Placement, admission: Admission) -> None:
+        """An attempt's admission is back: it runs there now. Faults of that engine judged
+        while the admission was on its way (the attempt was moving, so they were taken for
+        the old attempt's) are checked here against what the api knows of the engine now: one
+        reaped meanwhile, or reconnected since it took the attempt, moves it again."""
         placement.scheduler_instance_id = admission.scheduler_instance_id
         placement.scheduler_reconnects = admission.scheduler_reconnects
         placement.moving = False
+        schedulers = self.copies["scheduler"]
+        latest = schedulers.latest.get(admission.scheduler_instance_id)
+        if admission.scheduler_instance_id in schedulers.reaped:
+            placement.failed_meanwhile = placement.failed_meanwhile or (
+                f"engine {admission.scheduler_instance_id} stopped answering")
+        elif latest is not None and latest.num_reconnects > admission.scheduler_reconnects:
+            placement.failed_meanwhile = placement.failed_meanwhile or (
+                f"engine {latest.engine_id} lost its bus connection")
         self._move_again(placement)
 
     def lost_detokenizers(self) -> list[str]:
@@ -150,14 +166,11 @@ class Migrations:
         if self.placements.get(request_id) is not placement:  # its client left meanwhile
             await self.abort(request_id)
             return
-        placement.scheduler_instance_id = admission.scheduler_instance_id
-        placement.scheduler_reconnects = admission.scheduler_reconnects
-        placement.moving = False
         self.on_migrated()
         log.info("request migrated", request_id=request_id, attempt=placement.attempt,
                  reason=reason, scheduler=admission.scheduler_instance_id,
                  resumed_tokens=[len(c.output_token_ids) for c in request.resumed])
-        self._move_again(placement)
+        self._settle(placement, admission)
 
     async def _admit_soon(self, request: GenerateRequest) -> Admission:
         """Admit a resumed request, retrying while no engine takes it (503): after a bus
@@ -222,7 +235,7 @@ class Migrations:
         if copy.service != "scheduler":
             return
         for placement in list(self.placements.values()):
-            if (placement.scheduler_instance_id == copy.instance_id
+            if (placement.scheduler_instance_id == copy.instance_id and not placement.moving
                     and placement.scheduler_reconnects < copy.num_reconnects):
                 self._migrate(placement, f"engine {copy.engine_id} lost its bus connection")
 
@@ -250,11 +263,13 @@ class Migrations:
             # requests resume (those with no text yet may have been its too).
             lost_copies = {h.instance_id for h in detokenizers.reap(now)}
             for request_id, placement in list(self.placements.items()):
-                gone = dead.get(placement.scheduler_instance_id)
+                # A moving request's engine is the old attempt's (the admission checks anew).
+                gone = None if placement.moving else dead.get(placement.scheduler_instance_id)
                 if gone is not None:
                     log.warning("engine gone", request_id=request_id, engine=gone.engine_id)
                     self._migrate(placement, f"engine {gone.engine_id} stopped answering",
                                   avoid_instance_id=gone.instance_id)
-                elif lost_copies and placement.decoded_by(lost_copies):
+                elif (lost_copies and placement.decoded_by(lost_copies)
+                      and not (placement.moving and lost_copies <= placement.avoided_detokenizers)):
                     self._migrate(placement, f"detokenizer {', '.join(sorted(lost_copies))} "
                                   "stopped answering")

@@ -49,6 +49,9 @@ CASES = {  # (query_lens, context_lens, heads, kv heads, head dim, block size, s
     "no GQA, odd sizes": ([1, 1, 5], [131, 2, 9], 6, 6, 48, 8, 0),
     "long context": ([1, 1], [1030, 517], 9, 3, 64, 16, 0),
     "head dim 128, wide group": ([1, 3], [70, 70], 16, 2, 128, 16, 0),
+    # a float16 cache's rows are widened a few heads per sweep, as many as the scratch holds:
+    # at head size 256, the three KV heads of a decode's work item in sweeps of 2 and 1
+    "head dim 256, heads widened in two sweeps": ([1] * 4, [70, 33, 100, 16], 6, 3, 256, 16, 0),
     # prefill chunks longer than one tile of rows and one span of keys: a fresh prompt, and a
     # chunk behind cached context, beside a decode
     "long chunks": ([70, 1, 41], [70, 90, 133], 9, 3, 64, 16, 0),

@@ -306,8 +306,8 @@ inline void prefetch_rows(const Cache<KV>& c, int64_t seq, int64_t pos, int64_t 
 // the attention output. Keys go SPAN at a time (several cache blocks): each block's rows of these heads are
 // read from memory once (blocks ahead are prefetched, blocks scatter), float16 rows are
 // widened into a scratch in one sweep over the heads side by side in each row (a sweep per
-// head, striding over the others' bytes, left 2 cores at half the rate: 1.76 against 0.96 ms
-// for 16 decodes of 1,060 tokens on a Zen 4), and each query head, with its query and running
+// head, striding over the others' bytes, stalled on every load: 2.2 against 1.25 ms for 16
+// decodes of 1,060 tokens on 2 Zen 4 cores), and each query head, with its query and running
 // output in registers, takes the span's scores eight keys at a time, one online-softmax rescale
 // and P @ V. `CH` = Dh / 8 where known at compile time (the common head sizes), so the inner
 // loops keep to registers; 0 = runtime-sized.

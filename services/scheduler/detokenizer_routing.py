@@ -67,8 +67,9 @@ class DetokenizerRouting:
     avoided: dict[str, frozenset[str]] = field(default_factory=dict)
 
     def avoid(self, request_id: str, copies: list[str]) -> None:
-        """The request's owner takes `copies` for dead: none of its completions goes there
-        while another copy is alive."""
+        """The request's owner takes `copies` for dead (as of its latest attempt, which this
+        replaces): none of its completions goes there while another copy is alive."""
+        self.avoided.pop(request_id, None)
         if copies:
             self.avoided[request_id] = frozenset(copies)
             while len(self.avoided) > MAX_ENDED_REMEMBERED:

@@ -118,6 +118,10 @@ def test_a_request_avoids_the_copies_its_owner_took_for_dead_while_another_is_al
     assert set(routed) == {subjects.detokenizer_tokens("d1")}
     later = routing.route([update(i, finish=FinishReason.STOP) for i in ids], now=0.2)
     assert set(later) == {subjects.detokenizer_tokens("d1")}
+    again = sorted(naturally)[0]  # its next attempt avoids nothing: hashing decides again
+    routing.avoid(again, [])
+    assert only(routing.route([update(again, first=True)], now=0.25))[0] == (
+        subjects.detokenizer_tokens("d0"))
     routing.avoid("both", ["d0", "d1"])
     assert only(routing.route([update("both", first=True)], now=0.3))[0] in {
         subjects.detokenizer_tokens("d0"), subjects.detokenizer_tokens("d1")}

@@ -24,7 +24,7 @@ class _Runtime:  # what Migrations asks of its bus runtime here
 
 
 def migrations_over(alive: set[str], refusals: int,
-                role: str = "mixed") -> tuple[Migrations, list[float]]:
+                    role: str = "mixed") -> tuple[Migrations, list[float]]:
     copies = {stage: Liveness() for stage in STAGES}
     for stage in alive:  # heard from an hour ahead: alive throughout; one engine, e0
         copies[stage].seen(Heartbeat(service=stage, instance_id=f"{stage}-1",

@@ -52,7 +52,7 @@ async def test_a_prefill_engine_alone_admits_nothing_so_it_does_not_wait():
     """Disaggregated serving whose decode engine died: the prefill engine's scheduler and
     executor are alive, but a prefill engine takes no request of its own."""
     migrations, tries = migrations_over({"scheduler", "tokenizer", "executor"}, refusals=10_000,
-                                    role="prefill")
+                                        role="prefill")
     with pytest.raises(OpenAIError):
         await migrations._admit_soon(REQUEST)
     assert tries[-1] - tries[0] < 0.5

@@ -68,13 +68,7 @@ async def test_every_attempt_names_the_detokenizer_copies_this_api_took_for_dead
     which pardons silences); a short request it sent there would be lost whole, after the api
     had moved it off that copy: so each attempt names the copies to avoid."""
     migrations, _ = migrations_over(STAGES_UP, refusals=0)
-    sent: list[GenerateRequest] = []
-
-    async def admit(request: GenerateRequest) -> Admission:
-        sent.append(request)
-        return Admission(num_prompt_tokens=1, scheduler_instance_id="e1")
-
-    migrations.admit = admit
+    sent = _recording(migrations)
     detokenizers = migrations.copies["detokenizer"]
     for name in ("d2", "d3"):
         detokenizers.seen(Heartbeat(service="detokenizer", instance_id=name), 100.0)

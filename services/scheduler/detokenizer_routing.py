@@ -90,7 +90,8 @@ class DetokenizerRouting:
                 self.sent[key] = list(update.start.replay_token_ids)
             holder = self.assigned.get(key)
             # Another copy than those the owner avoids; all of them if it avoids every one.
-            allowed = alive - self.avoided.get(update.request_id, frozenset()) or alive
+            avoided = self.avoided.get(update.request_id)
+            allowed = (alive - avoided or alive) if avoided else alive
             instance = holder if holder in allowed else (
                 preferred_copy(key, allowed) if allowed else None)
             start = self.starts.get(key)

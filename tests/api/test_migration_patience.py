@@ -8,6 +8,8 @@ are scaled down, so the test waits for nothing real."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from llmbus.bus.messages import Admission, Heartbeat
@@ -32,11 +34,12 @@ async def test_while_an_engine_and_a_tokenizer_are_alive_a_refused_resumption_tr
 
 async def test_the_settling_wait_has_an_end():
     migrations, tries = migrations_over({"scheduler", "tokenizer", "executor"}, refusals=10_000)
+    started = time.monotonic()
     with pytest.raises(OpenAIError):
         await migrations._admit_soon(REQUEST)
-    # Past the patience (0.5) when it last looked, right after its last try; its first try
-    # came a moment after it started: less than a retry interval (0.01) of slack in all.
-    assert 0.5 - 0.01 <= tries[-1] - tries[0] < 5.0
+    # It gives up once more than the patience (0.5) has passed since it started, and soon
+    # after; the tries themselves are stamped a moment after it starts and before it looks.
+    assert 0.5 < time.monotonic() - started < 5.0 and len(tries) > 1
 
 
 @pytest.mark.parametrize("alive", [set(), {"scheduler", "tokenizer"},  # the executor died

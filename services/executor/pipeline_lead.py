@@ -27,6 +27,7 @@ from llmbus.services.executor.attention.metadata import (
 from llmbus.services.executor.backend import Backend
 from llmbus.services.executor.hidden_handoff import Geometry, step_geometry
 from llmbus.services.executor.kv_cache import KVCache
+from llmbus.services.executor.plan_overlap import LeadTurns
 
 # A micro-batch's tokens, at least. A matmul of a few rows is bound by reading its weights,
 # which each micro-batch reads again; of many, by its arithmetic, which micro-batches overlap.
@@ -65,9 +66,13 @@ class PipelinedForward:
 
     def __init__(self, model: Backend, send: Callable[[torch.Tensor, Geometry],
                                                       Future[torch.Tensor]],
-                 num_shards: int, min_tokens: int = MICRO_BATCH_MIN_TOKENS) -> None:
+                 num_shards: int, min_tokens: int = MICRO_BATCH_MIN_TOKENS,
+                 turns: LeadTurns | None = None) -> None:
+        """`turns`: the lead's, if it computes another plan while this one is in the other
+        shards (plan_overlap.py)."""
         self.model, self.send, self.num_shards = model, send, num_shards
         self.min_tokens = min_tokens
+        self.turns = turns
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata, kv_cache: KVCache,
@@ -82,5 +87,8 @@ class PipelinedForward:
             hidden = model.forward_layers(model.embed_tokens(input_ids[first:end]),
                                           part_meta.positions, part_meta, kv_cache)
             outputs.append(self.send(hidden, part))  # the shards start on it; on to the next
-        hidden = torch.cat([output.result() for output in outputs])
+        def through_shards() -> list[torch.Tensor]:
+            return [output.result() for output in outputs]
+        hidden = torch.cat(through_shards() if self.turns is None
+                           else self.turns.away(through_shards))
         return model.logits(hidden, logits_indices)

@@ -50,6 +50,7 @@ from llmbus.services.executor.hidden_handoff import (
     hidden_parts,
 )
 from llmbus.services.executor.pipeline_lead import PipelinedForward
+from llmbus.services.executor.plan_overlap import LeadTurns
 from llmbus.services.executor.runner import ModelRunner
 from llmbus.services.executor.weights.layer_slice import (
     LayerSlice,
@@ -164,7 +165,11 @@ class PipelineLead:
                      f"of weights, {info.kv_bytes / 2**20:.0f} MiB of KV")
         self.connected_at = self.runtime.bus_time()
         runner.copies_for_shards = self.copies
-        runner.model_forward = PipelinedForward(runner.model, self.send, self.count)
+        # The next plan computes here while this one is in the other shards; not with LoRA
+        # adapters, whose slots a step's forward sets for its own requests.
+        runner.turns = LeadTurns() if runner.adapters is None else None
+        runner.model_forward = PipelinedForward(runner.model, self.send, self.count,
+                                                turns=runner.turns)
 
     async def _on_heartbeat(self, heartbeat: Heartbeat, _: Msg) -> None:
         if heartbeat.engine_id == self.engine_id and heartbeat.shard:

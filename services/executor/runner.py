@@ -6,14 +6,14 @@ builds the StepResult from the outcome (with what only it knows: idle time, KV t
 runner keeps each request's tokens and block table (request_state.py), so plans carry only
 deltas (new requests once, new block ids, token ranges to compute). Around the step, each in
 a room of its own: drafts verified (drafts.py), further steps taken (multi_step.py), grammars
-followed (grammar_state.py), prompt blocks gathered for other engines (kv_gathering.py).
+followed (grammar_state.py), prompt blocks gathered for other engines (kv_gathering.py), a
+split model's lead taking two plans at once (plan_overlap.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,7 +21,6 @@ import torch
 from llmbus.bus.messages import (
     BlockCopy,
     ExecutorInfo,
-    KvTransferReport,
     NewRequestData,
     PooledEmbedding,
     ScheduledRequest,
@@ -50,6 +49,7 @@ from llmbus.services.executor.kv_cache import (
 from llmbus.services.executor.kv_gathering import KvGathering, layout_of
 from llmbus.services.executor.lora.backend_support import adapter_slots
 from llmbus.services.executor.multi_step import ProgressStream, more_steps
+from llmbus.services.executor.plan_overlap import LeadTurns
 from llmbus.services.executor.request_state import RequestState, check_scheduled, seed_positions
 from llmbus.services.executor.sampling.constraints import Grammars, Vocabulary, apply_masks
 from llmbus.services.executor.sampling.logprobs import token_logprobs
@@ -57,6 +57,7 @@ from llmbus.services.executor.sampling.penalties import TokenCounts
 from llmbus.services.executor.sampling.sampled_tokens import SampledTokens
 from llmbus.services.executor.sampling.sampler import sample
 from llmbus.services.executor.sampling.sampling_tensors import RequestSampling, SamplingTensors
+from llmbus.services.executor.step_outcome import StepOutcome
 from llmbus.services.executor.weights.layer_slice import LayerSlice
 from llmbus.services.gguf_metadata import read_metadata
 
@@ -65,30 +66,6 @@ from llmbus.services.gguf_metadata import read_metadata
 # stalls the whole step at the next barrier; leaving a core to the other services costs such
 # steps less than it saves (2 cores: 35.6 tok/s single-stream with 1 thread, 27.8 with 2).
 SMALL_STEP_TOKENS = 4
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What the runner made of one plan: the tokens sampled, or the error that stopped it."""
-
-    step_id: int
-    sampled: SampledTokens
-    forward_seconds: float = 0.0
-    batch_size: int = 0
-    num_tokens: int = 0
-    error: str = ""
-    embeddings: tuple[PooledEmbedding, ...] = ()  # embedding requests whose prompt ended
-
-    def result(self, *, idle_seconds: float = 0.0,
-               transfers: list[KvTransferReport] | None = None) -> StepResult:
-        """The step's StepResult, with what only the service knows: how long the executor
-        waited for this plan, and the KV transfers that ended with the step."""
-        return StepResult(
-            step_id=self.step_id, sampled_token_ids=self.sampled.token_ids,
-            forward_seconds=self.forward_seconds, batch_size=self.batch_size,
-            num_tokens=self.num_tokens, error=self.error, idle_seconds=idle_seconds,
-            logprobs=self.sampled.logprobs, num_sampled=self.sampled.num_sampled,
-            transfers=transfers or [], embeddings=list(self.embeddings))
 
 
 class ModelRunner:
@@ -130,6 +107,8 @@ class ModelRunner:
                                            layers)
         # Backend.forward's contract; a split model's lead replaces it (pipeline_lead.py).
         self.model_forward = self.model.forward
+        # A split model's lead computing two plans at once: their turns (plan_overlap.py).
+        self.turns: LeadTurns | None = None
         # A multi-step plan's tokens as each forward samples them (the service publishes them).
         self.on_progress: Callable[[StepProgress], None] = lambda _: None
         self.config = config = self.model.config
@@ -148,7 +127,6 @@ class ModelRunner:
         self.shared_generator = torch.Generator(device=self.device)
         self.shared_generator.seed()
         self.pooling = model_pooling(read_metadata(model_path), pooling)
-        self._embeddings: list[PooledEmbedding] = []  # of the step under way
         self.grammars = Grammars(lambda: Vocabulary.from_gguf(
             model_path, config.vocab_size, config.eos_token_ids), config.vocab_size)
         self.adapters = (adapter_slots(self.model, layers, max_adapters, max_adapter_rank)
@@ -191,27 +169,35 @@ class ModelRunner:
         benchmarks)."""
         return self.execute(plan).result()
 
-    def execute(self, plan: StepPlan) -> StepOutcome:
+    def execute(self, plan: StepPlan, ticket: int | None = None) -> StepOutcome:
         """Apply the plan's bookkeeping, run one forward, sample. Never raises.
 
         Mutates request state: forgets finished requests, clears preempted block tables,
-        registers new requests, extends block tables, appends sampled tokens.
+        registers new requests, extends block tables, appends sampled tokens. With a
+        `ticket` (the lead of a split model, `turns` set), in the turns that let another
+        plan compute while this one is in the layer shards (plan_overlap.py).
         """
+        if ticket is None or self.turns is None:
+            return self._execute(plan)
+        with self.turns.plan(ticket, plan):
+            return self._execute(plan)
+
+    def _execute(self, plan: StepPlan) -> StepOutcome:
         started = time.perf_counter()
         num_tokens = sum(s.num_tokens for s in plan.scheduled)
         threads = (self.small_step_threads if num_tokens <= SMALL_STEP_TOKENS
                    else self.num_threads)
         if self.device.type == "cpu" and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        self._embeddings = []
+        embeddings: list[PooledEmbedding] = []  # embedding requests whose prompt ends
         try:
             with torch.inference_mode():
-                sampled = self._step(plan)
+                sampled = self._step(plan, embeddings)
         except Exception as exc:  # the adapter reports it; the executor stays up
             return StepOutcome(plan.step_id, SampledTokens(),
                                error=f"{type(exc).__name__}: {exc}")
         return StepOutcome(plan.step_id, sampled, time.perf_counter() - started,
-                           len(plan.scheduled), num_tokens, embeddings=tuple(self._embeddings))
+                           len(plan.scheduled), num_tokens, embeddings=tuple(embeddings))
 
     def _forget(self, sequence_id: str) -> None:
         state = self.requests.pop(sequence_id, None)
@@ -257,7 +243,7 @@ class ModelRunner:
         if self.copies_for_shards is not None:
             self.copies_for_shards.extend(plan.copy_blocks)
 
-    def _step(self, plan: StepPlan) -> SampledTokens:
+    def _step(self, plan: StepPlan, embeddings: list[PooledEmbedding]) -> SampledTokens:
         self._apply_plan_changes(plan)
         if not plan.scheduled:
             return SampledTokens()
@@ -268,19 +254,22 @@ class ModelRunner:
             state.block_table.extend(sched.new_block_ids)
             check_scheduled(sched, state, self.block_size, self.max_model_len)
         progress = ProgressStream(plan.step_id, self.on_progress)  # its interval starts now
-        sampled = self._forward(plan.scheduled)
+        sampled = self._forward(plan.scheduled, embeddings)
         self.kv_gathering.gather_filled(plan.scheduled,
                                         lambda sequence_id: self.requests[sequence_id].block_table)
         if any(s.num_steps > 1 for s in plan.scheduled):
             if sampled.num_sampled:  # drafts verified: a step either speculates or takes several
                 raise ValueError("a plan with drafts cannot also take several steps")
-            return more_steps(plan.scheduled, sampled, self._forward,
+            return more_steps(plan.scheduled, sampled,
+                              lambda scheduled: self._forward(scheduled, embeddings),
                               lambda sequence_id: len(self.requests[sequence_id].token_ids),
                               progress)
         return sampled
 
-    def _forward(self, scheduled: list[ScheduledRequest]) -> SampledTokens:
-        """One forward over `scheduled` (checked, block tables extended), then sampling."""
+    def _forward(self, scheduled: list[ScheduledRequest],
+                 embeddings: list[PooledEmbedding]) -> SampledTokens:
+        """One forward over `scheduled` (checked, block tables extended), then sampling;
+        pooled prompts are added to `embeddings`."""
         input_ids: list[int] = []
         query_lens, context_lens, block_tables = [], [], []
         sampling_rows: list[int] = []  # index of each sampling sequence in the batch
@@ -305,9 +294,9 @@ class ModelRunner:
                 [self.requests[s.sequence_id].params.adapter for s in scheduled], query_lens)
         logits = self.model_forward(ids, meta.positions, meta, self.kv_cache,
                                     logits_indices(last, samplers))
-        self._embeddings += pool_step(scheduled, meta.cu_seqlens_q.tolist(),
-                                      lambda sequence_id: self.requests[sequence_id].pooling,
-                                      self.model.last_hidden)
+        embeddings += pool_step(scheduled, meta.cu_seqlens_q.tolist(),
+                                lambda sequence_id: self.requests[sequence_id].pooling,
+                                self.model.last_hidden)
         if not sampling_rows:
             return SampledTokens()
         states = [self.requests[s.sequence_id] for s in samplers]

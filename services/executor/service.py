@@ -1,5 +1,3 @@
-# Over 300 lines: the executor's options, its start-up (whole, lead shard or layer shard) and
-# its handlers, which share the runner and the forward thread.
 """The executor's bus side: answers the scheduler's step plans with sampled tokens.
 
 The forward runs in a worker thread so that the event loop keeps answering pings while the
@@ -7,6 +5,9 @@ model computes: always the same one, since OpenMP gives every thread that starts
 a team of its own, and teams of alternating threads would fight over the cores (2 Zen 4 cores,
 one stream: ~15 ms per token with the default pool's threads taking turns, ~11 with one). Steps
 of one engine arrive one at a time (the bus hands this handler one message after another).
+The exception is a split model's lead, which takes two plans at once, on two threads that
+compute one at a time (plan_overlap.py): one plan's hidden states are in the other shards
+while the next one's are in the lead's layers.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ import argparse
 import asyncio
 import contextvars
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
@@ -41,8 +41,9 @@ from llmbus.bus.messages import (
 )
 from llmbus.bus.runtime import ServiceRuntime
 from llmbus.services.executor import adapters_bus
-from llmbus.services.executor.backend_choice import BACKENDS, DTYPES, BackendChoice, choose_backend
+from llmbus.services.executor.backend_choice import BackendChoice, choose_backend
 from llmbus.services.executor.kernels.cpu.library import configure_openmp
+from llmbus.services.executor.options import add_arguments, default_small_step_threads
 from llmbus.services.executor.step_traces import StepTraces
 from llmbus.services.executor.weights.layer_slice import (
     LayerSlice,
@@ -57,93 +58,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger()
 
-
-class _DeprecatedSpelling(argparse.Action):
-    """`--engine`, the old spelling of `--backend` ("engine" is a scheduler and its executor):
-    still taken, with a one-line warning."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        print(f"{parser.prog}: warning: --engine is deprecated; use --backend", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine-id", default="engine0",
-                        help="name of the engine this executor serves (default: engine0)")
-    parser.add_argument("--model", default=None,
-                        help="path of a GGUF model (default: the pulled default model)")
-    parser.add_argument("--exact", action="store_true",
-                        help="float32 activations and KV cache on the GGUF's exact weight "
-                             "values, so greedy output equals HF transformers token for token "
-                             "(ONNX Runtime's graphs on a CPU). Default: the fast mode, int8 "
-                             "activations in the matmuls and a float16 KV cache, as llama.cpp "
-                             "computes (perplexity within 1%% of exact, checked by a test)")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto",
-                        help="force a compute backend, for tests and benchmarks: "
-                             "integer-kernel (llmbus's C++ kernels, the fast mode on a CPU), "
-                             "onnxruntime (ONNX Runtime's graphs: --exact on a CPU, or the fast "
-                             "mode without a compiler), torch (the reference; Triton kernels on "
-                             "CUDA). auto = the fastest that runs here for the mode; the "
-                             "executor logs its choice as one line (default: auto)")
-    parser.add_argument("--engine", dest="backend", choices=BACKENDS, action=_DeprecatedSpelling,
-                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="torch backend: compute dtype of weights and KV cache; bfloat16 "
-                             "only on CPUs with native bfloat16 (AVX-512-BF16 or AMX) or CUDA "
-                             "(default: float32)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="where the model runs; cuda uses the Triton kernels "
-                             "(default: auto = cuda when available, else cpu)")
-    parser.add_argument("--block-size", type=int, default=16,
-                        help="tokens per KV-cache block (default: 16)")
-    parser.add_argument("--kv-cache-memory", type=float, default=None,
-                        help="KV-cache budget in GiB (default: min(2 GiB, 25%% of free RAM))")
-    parser.add_argument("--num-blocks", type=int, default=None,
-                        help="exact number of KV blocks (overrides --kv-cache-memory)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="context window (default: the model's)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="compute threads (default: all cores)")
-    parser.add_argument("--small-step-threads", type=int, default=None,
-                        help="torch backend: threads for steps of at most 4 tokens, e.g. "
-                             "single-stream decode (default: --threads minus one on machines "
-                             "of up to 4 cores, which leaves a core to the other services, else "
-                             "--threads)")
-    parser.add_argument("--task", choices=("auto", "embed"), default="auto",
-                        help="auto: a generation model generates and embeds, an encoder (bert, "
-                             "nomic-bert) embeds; embed: only /v1/embeddings and /v1/score "
-                             "(default: auto)")
-    parser.add_argument("--pooling", choices=("mean", "cls", "last"), default=None,
-                        help="how an embedding pools the prompt's final hidden states "
-                             "(default: the file's <arch>.pooling_type, else mean)")
-    _add_shard_arguments(parser)
-    adapters_bus.add_adapter_arguments(parser)
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="on SIGTERM, seconds to keep serving steps while the scheduler "
-                             "finishes its requests (default: 30)")
-
-
-def _add_shard_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shard", default=None, metavar="I/N",
-                        help="run shard I of N of this engine's executor, the model split by "
-                             "layers (N up to its layer count) over processes that may run on "
-                             "other hosts: shard 0 (the lead) takes the scheduler's steps, "
-                             "embeds and samples; shards 1..N-1 hold only their layers. Each "
-                             "loads only its own tensors (default: one executor, the whole "
-                             "model)")
-    parser.add_argument("--layers", default=None, metavar="A:B",
-                        help="with --shard: this shard's layers [A, B) (default: a split "
-                             "that gives every shard about the same bytes of the file, the "
-                             "lead's counting the embedding and the head)")
-    parser.add_argument("--shard-timeout", type=float, default=120.0,
-                        help="lead shard: seconds to wait for a shard's answer to a step "
-                             "before the engine is given up as dead (default: 120)")
-
-
-def default_small_step_threads(threads: int) -> int:
-    """One core left to the rest of the stack where cores are few (see runner.py)."""
-    return max(1, threads - 1) if (os.cpu_count() or 1) <= 4 else threads
+__all__ = ["add_arguments", "backend_choice_for", "main", "serve"]  # the CLI's and tests'
 
 
 def _cuda_available() -> bool:
@@ -275,6 +190,10 @@ class ExecutorService:
 
         self.runtime, self.runner, self.engine_id = runtime, runner, engine_id
         self.compute = compute
+        # A split model's lead takes the next plan while one is in its other shards: two
+        # threads, in the runner's turns (plan_overlap.py); else every step in `compute`.
+        self.overlap = (ThreadPoolExecutor(max_workers=2, thread_name_prefix="plan")
+                        if runner.turns is not None else None)
         self.compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.info = msgspec.structs.replace(runner.info(), num_shards=num_shards)
         self.traces = StepTraces()
@@ -294,7 +213,8 @@ class ExecutorService:
         await runtime.on_request(subjects.executor_kv(engine_id), KvChunk, self.on_kv)
         await runtime.on_request(subjects.executor_info(engine_id), ExecutorInfoRequest,
                                  self.on_info)
-        await runtime.on_request(subjects.executor_step(engine_id), StepPlan, self.on_step)
+        await runtime.on_request(subjects.executor_step(engine_id), StepPlan, self.on_step,
+                                 concurrency=1 if self.overlap is None else 2)
         await runtime.on_request(subjects.executor_grammar(engine_id), GrammarRequest,
                                  self.on_grammar)
 
@@ -302,9 +222,12 @@ class ExecutorService:
         idle = time.perf_counter() - self.last_reply
         self.runtime.num_handled += 1
         self.receiver.close(plan.closed_transfers)  # before this step may reuse their blocks
+        turns = self.runner.turns
+        ticket = turns.ticket() if turns is not None else None  # in arrival order
         with self.traces.step_span(plan) as span:
             outcome = await asyncio.get_running_loop().run_in_executor(  # the span current
-                self.compute, contextvars.copy_context().run, self.runner.execute, plan)
+                self.overlap or self.compute, contextvars.copy_context().run,
+                self.runner.execute, plan, ticket)
             span.set_attribute("llmbus.num_sampled", len(outcome.sampled.token_ids))
             if outcome.error:
                 span.set_status(Status(StatusCode.ERROR, outcome.error))
@@ -347,3 +270,5 @@ class ExecutorService:
     def close(self) -> None:
         self.compute.shutdown(wait=False)
         self.compiler.shutdown(wait=False)
+        if self.overlap is not None:
+            self.overlap.shutdown(wait=False)

@@ -1,12 +1,16 @@
+# Over 300 lines: one plan's phases share its budgets, queues and blocks (time: step_time.py,
+# drafts: speculation.py, decode steps: multi_step.py, remote prefills: disaggregation/).
 """One step's plan: which requests compute how many tokens, under the token budget, the step's
 time target and the free blocks (the model is scheduler.py's docstring).
 
 Running requests go first, oldest first, each through the same phases: its tokens within the
 step's time (a prompt chunk beside decodes, step_time.py), its drafts (speculation.py), its
 decode steps (multi_step.py), then its blocks, for which the newest running requests give way
-(preemption). Then waiting requests, in order, while the budget, the sequence slots and the
-blocks allow; a long uncached prompt may go to a prefill engine instead
-(disaggregation/transitions.py).
+(preemption). On a split model, while other work is there to overlap with the plan in flight,
+only the requests whose next input is known (disjoint plans, which its shards compute at once;
+with none, the decodes are planned ahead as on a whole model, which saves a round trip). Then
+waiting requests, in order, while the budget, the sequence slots and the blocks allow; a long
+uncached prompt may go to a prefill engine instead (disaggregation/transitions.py).
 
 The planner also keeps what the next plan tells the executor besides its work: sequences to
 forget and preempted ones. It works on the scheduler's queues, table and blocks (shared, not
@@ -48,7 +52,8 @@ class StepPlanner:
             self._fork(parent)
         scheduled: Scheduled = []
         step = StepBudget(self.step_time, self._decode_shape(), self.config.max_step_seconds)
-        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, step)
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, step,
+                                        self.config.disjoint_plans and self._independent_work())
         self._schedule_waiting(budget, scheduled, step, now)
         plan = StepPlan(step_id=step_id, finished_sequence_ids=self.forget_ids,
                         preempted_sequence_ids=self.preempted_ids,
@@ -95,14 +100,25 @@ class StepPlanner:
 
     # ------------------------------------------------------------------ running requests
 
-    def _schedule_running(self, budget: int, scheduled: Scheduled, step: StepBudget) -> int:
+    def _independent_work(self) -> bool:
+        """Work that needs no token a plan in flight samples: a prompt that waits, or a
+        running request with tokens to compute and none on the way."""
+        return bool(self.waiting) or any(
+            not r.num_pending_tokens and r.num_computed_tokens < r.target_tokens
+            for r in self.running)
+
+    def _schedule_running(self, budget: int, scheduled: Scheduled, step: StepBudget,
+                          skip_pending: bool = False) -> int:
         """Running requests first, oldest first; the newest give way when blocks run out.
-        Appends to `scheduled`; returns the token budget left."""
+        `skip_pending`: not those whose next input a plan in flight samples. Appends to
+        `scheduled`; returns the token budget left."""
         most_steps = self._most_decode_steps(step)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             index += 1
+            if request.num_pending_tokens and skip_pending:
+                continue  # its input is sampled in a plan in flight: the next plan's
             prompt = _in_prompt(request)
             num_new = self._tokens_in_time(request, budget, step, prompt)
             drafts = self._drafts(request, budget) if num_new else None

@@ -13,7 +13,8 @@ import pytest
 from llmbus.services import cpu_features
 from llmbus.services.executor.backend_choice import choose_backend
 from llmbus.services.executor.kernels.cpu import library
-from llmbus.services.executor.service import add_arguments, backend_choice_for
+from llmbus.services.executor.options import add_arguments
+from llmbus.services.executor.service import backend_choice_for
 from llmbus.services.executor.weights.gguf_loader import load_gguf
 from llmbus.services.executor.weights.gguf_quants import native_parsers
 from llmbus.services.executor.weights.matrices import NATIVE_GGML_TYPES, kernel_takes_file

@@ -191,8 +191,9 @@ def arrive_or_abort(s: Scheduler, op: tuple, ids: list[str]) -> bool:
 
 def replay_trace(s: Scheduler, executor: FakeExecutor, ops) -> None:
     """Apply `operations` (arrivals, aborts, plans up to 2 ahead, results) with the invariants
-    checked after each, then finish everything: nothing may be left, and what stays cached
-    must hold the tokens it is keyed by."""
+    checked after each (disjoint plans, a split engine's: a plan planned ahead reads tokens
+    the plan in flight samples for all its requests or for none), then finish everything:
+    nothing may be left, and what stays cached must hold the tokens it is keyed by."""
     in_flight: deque = deque()
     ids = []
     for op in ops:
@@ -200,6 +201,10 @@ def replay_trace(s: Scheduler, executor: FakeExecutor, ops) -> None:
             pass  # an arrival or an abort, applied
         elif op[0] == "step" and len(in_flight) < 2:
             plan = s.schedule()
+            if s.config.disjoint_plans and in_flight:  # a split engine's: work that overlaps
+                sampling = {i.sequence_id for i in in_flight[-1].scheduled if i.sample}
+                ahead = {i.sequence_id for i in plan.scheduled}
+                assert ahead <= sampling or not ahead & sampling, plan
             if plan.scheduled or not in_flight:
                 in_flight.append(plan)
             else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from llmbus.bus.messages import ExecutorInfo
@@ -42,7 +43,7 @@ def test_every_option_sets_its_field():
                                           max_queued_tokens=77),
         remote_prefill_timeout_seconds=12.0)
     executor_fields = {"num_blocks", "block_size", "max_model_len", "eos_token_ids",
-                       "whole_prompts", "embed_only", "max_adapters"}
+                       "whole_prompts", "embed_only", "max_adapters", "disjoint_plans"}
     unset = [f.name for f in dataclasses.fields(SchedulerConfig)
              if getattr(config, f.name) == f.default and f.name not in executor_fields]
     assert unset == []  # no field without its option
@@ -55,7 +56,9 @@ def test_the_executor_gives_the_cache_shape():
     config = _parse("--max-num-seqs", "3").with_executor(info)
     assert (config.num_blocks, config.block_size, config.max_model_len, config.eos_token_ids,
             config.max_num_seqs) == (33, 16, 512, (2, 3), 3)
-    assert config.whole_prompts and config.embed_only
+    assert config.whole_prompts and config.embed_only and not config.disjoint_plans
+    split = msgspec.structs.replace(info, num_shards=2)
+    assert _parse().with_executor(split).disjoint_plans  # its lead overlaps plans
 
 
 @pytest.mark.parametrize(("options", "named"), [

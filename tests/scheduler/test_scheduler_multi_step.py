@@ -99,14 +99,15 @@ def test_further_steps_never_preempt_another_request():
 
 
 @settings(max_examples=150, deadline=None)
-@given(operations, st.booleans(), st.integers(10, 24), st.integers(2, 5))
+@given(operations, st.booleans(), st.integers(10, 24), st.integers(2, 5), st.booleans())
 def test_random_traces_with_several_steps_read_only_true_kv(ops, prefix_caching, num_blocks,
-                                                          decode_steps):
-    """Arrivals, aborts, preemption, forks and steps planned ahead, with multi-step decoding:
-    every step attends to true tokens only, counts match owners, and everything finishes."""
+                                                          decode_steps, disjoint_plans):
+    """Arrivals, aborts, preemption, forks and steps planned ahead, with multi-step decoding
+    (and a split engine's disjoint plans): every step attends to true tokens only, counts
+    match owners, and everything finishes."""
     s = make(k=0, num_blocks=num_blocks, prefix_caching=prefix_caching,
              max_num_batched_tokens=16, max_num_seqs=6, max_model_len=48,
-             decode_steps=decode_steps)
+             decode_steps=decode_steps, disjoint_plans=disjoint_plans)
 
     def model(sequence_id, tokens):
         return EOS if (len(tokens) + len(sequence_id)) % 13 == 0 else len(tokens) % 9 + 3
@@ -257,3 +258,34 @@ def test_updates_waiting_to_go_go_before_the_streamed_tokens():
     updates = s.stream(plan, progress)
     assert [(u.request_id, u.finish_reason) for u in updates] == [
         ("r1", FinishReason.ABORT), ("r0", FinishReason.NONE)]
+
+
+@pytest.mark.parametrize("disjoint_plans", [False, True])
+def test_a_split_engine_plans_ahead_only_what_the_plan_in_flight_does_not_sample(
+        disjoint_plans):
+    """A whole engine plans a's decode behind the step that samples its token (the executor
+    takes them in turn); a split engine's lead computes the next plan while the first is in
+    its other shards, so that plan has only b's next chunk, and a's decode follows the
+    result."""
+    s = make(k=0, num_blocks=32, max_num_batched_tokens=8, disjoint_plans=disjoint_plans)
+    s.add_request("a", "api", [3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    s.add_request("b", "api", list(range(10, 30)), SamplingParams(max_tokens=4))
+    first, second = s.schedule(), s.schedule()
+    assert [(i.sequence_id, i.start, i.sample) for i in first.scheduled] == [
+        ("a", 0, True), ("b", 0, False)]
+    ahead = [(i.sequence_id, i.start) for i in second.scheduled]
+    assert ahead == ([("b", 5)] if disjoint_plans else [("a", 3), ("b", 5)])
+    s.update(first, StepResult(step_id=first.step_id, sampled_token_ids=[7]))
+    third = [(i.sequence_id, i.start) for i in s.schedule().scheduled]
+    assert ("a", 3 if disjoint_plans else 4) in third
+
+
+def test_a_split_engine_with_nothing_to_overlap_plans_the_decodes_ahead():
+    """Decodes alone: the plan behind them is theirs, which the lead takes as soon as the
+    one in flight ends, with no round trip to the scheduler between."""
+    s = make(k=0, num_blocks=32, disjoint_plans=True)
+    s.add_request("a", "api", [3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    first = s.schedule()
+    second = s.schedule()
+    assert [(i.sequence_id, i.start) for i in first.scheduled] == [("a", 0)]
+    assert [(i.sequence_id, i.start) for i in second.scheduled] == [("a", 3)]

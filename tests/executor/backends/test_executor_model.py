@@ -191,7 +191,7 @@ def test_sampler_filters():
 def test_small_steps_run_on_fewer_threads(tiny, monkeypatch):
     """Steps of at most SMALL_STEP_TOKENS tokens take small_step_threads, bigger ones all."""
     from llmbus.services.executor import runner as runner_module
-    from llmbus.services.executor.service import default_small_step_threads
+    from llmbus.services.executor.options import default_small_step_threads
 
     before = torch.get_num_threads()
     try:

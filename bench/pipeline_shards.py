@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=1024,
                         help="KV blocks of every engine, so that each holds as many tokens "
                              "(default: 1024)")
+    parser.add_argument("--only", choices=list(CONFIGS), default=None,
+                        help="run this stack alone (to repeat one row; no ratios)")
     args = parser.parse_args(argv)
     from llmbus.services.executor.weights.model_config import read_config
     from llmbus.services.gguf_metadata import read_metadata, read_tensor_infos
@@ -127,10 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     config = read_config(read_metadata(args.model), {n: i.shape for n, i in infos.items()})
     results = {}
     with tempfile.TemporaryDirectory() as work_dir:
-        for name in CONFIGS:
+        for name in [args.only] if args.only else CONFIGS:
             print(f"# {name} ...", file=sys.stderr, flush=True)
             results[name] = run_config(name, args, Path(work_dir))
-    one_core, shards, two_cores = (results[n] for n in CONFIGS)
     print(f"model {args.model.name}: {config.num_layers} layers, hidden {config.hidden_size}; "
           f"a decode token sends {config.hidden_size * 4} bytes to the layer shard and as many "
           "back (float32 hidden states)")
@@ -142,13 +143,16 @@ def main(argv: list[str] | None = None) -> int:
         pss = " + ".join(f"{p:.0f}" for p in result["pss_mib"])
         print(f"| {name} | {result['tpot_ms']:.1f} | {result['tok_s']:.1f} | {pss} | "
               f"{plans} |")
+    failed = sum(r["failed"] for r in results.values())
+    if failed:
+        print(f"{failed} requests failed", file=sys.stderr)
+    if args.only:
+        return 1 if failed else 0
+    one_core, shards, two_cores = (results[n] for n in CONFIGS)
     print(f"\nshards / whole on 1 core, 1 stream TPOT: "
           f"{shards['tpot_ms'] / one_core['tpot_ms']:.2f}x (target <= 1.15)\n"
           f"shards / whole on 2 cores, 8 streams tok/s: "
           f"{shards['tok_s'] / two_cores['tok_s']:.2f}x (target >= 0.85)")
-    failed = sum(r["failed"] for r in results.values())
-    if failed:
-        print(f"{failed} requests failed", file=sys.stderr)
     return 1 if failed else 0
 
 

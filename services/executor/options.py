@@ -87,8 +87,8 @@ def _add_shard_arguments(parser: argparse.ArgumentParser) -> None:
                              "model)")
     parser.add_argument("--layers", default=None, metavar="A:B",
                         help="with --shard: this shard's layers [A, B) (default: a split "
-                             "that gives every shard about the same bytes of the file, the "
-                             "lead's counting the embedding and the head)")
+                             "in which every shard reads about the same bytes of the file a "
+                             "step, the lead's counting the head)")
     parser.add_argument("--shard-timeout", type=float, default=120.0,
                         help="lead shard: seconds to wait for a shard's answer to a step "
                              "before the engine is given up as dead (default: 120)")

@@ -56,15 +56,19 @@ def test_the_split_evens_out_bytes_the_lead_counting_the_vocabulary():
             split_layers(0, [1] * 3, count)
 
 
-def test_a_file_splits_by_its_own_tensor_bytes(tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_file_splits_by_the_bytes_a_step_reads(tmp_path, tied):
+    """The head's matrix counts (the embedding's, where tied: the head reads it); an untied
+    embedding does not (a step looks up a few rows). A head of ~1.8 layers: the lead takes 2
+    of 6 layers either way; counting the untied embedding as well would give it 1."""
     path = tmp_path / "tiny.gguf"
-    write_tiny_llama(path, TinySpec(num_layers=4, vocab_size=4096))  # a vocabulary of 14 layers
+    write_tiny_llama(path, TinySpec(num_layers=6, vocab_size=1024, tied=tied))
     sizes = tensor_bytes(path)
     per_layer = sum(v for n, v in sizes.items() if n.startswith("blk.0."))
-    vocabulary = sum(v for n, v in sizes.items() if not n.startswith("blk."))
-    assert vocabulary > per_layer  # so the lead takes fewer layers than the other shard
-    assert file_split(path, 2) == split_layers(vocabulary, [per_layer] * 4, 2)
-    assert file_split(path, 2)[0] == range(0, 1)
+    head = sizes["token_embd.weight" if tied else "output.weight"] + sizes["output_norm.weight"]
+    assert per_layer < head < 2 * per_layer
+    assert file_split(path, 2) == split_layers(head, [per_layer] * 6, 2) == [range(0, 2),
+                                                                            range(2, 6)]
 
 
 def test_a_shard_loads_its_own_tensors_renumbered():

@@ -201,6 +201,7 @@ class ExecutorService:
         self.sender = KvSender(self._send_chunk, subjects.executor_kv)
         self.chunk_timeout = CHUNK_TIMEOUT_SECONDS
         self.last_reply = time.perf_counter()
+        self.running = 0  # plans being computed (two at once on a split model's lead)
 
     async def subscribe(self) -> None:
         runtime, engine_id = self.runtime, self.engine_id
@@ -219,7 +220,15 @@ class ExecutorService:
                                  self.on_grammar)
 
     async def on_step(self, plan: StepPlan, _: Msg) -> StepResult:
-        idle = time.perf_counter() - self.last_reply
+        # (a split model's lead: no wait for this plan while another one runs)
+        idle = 0.0 if self.running else time.perf_counter() - self.last_reply
+        self.running += 1
+        try:
+            return await self._step(plan, idle)
+        finally:
+            self.running -= 1
+
+    async def _step(self, plan: StepPlan, idle: float) -> StepResult:
         self.runtime.num_handled += 1
         self.receiver.close(plan.closed_transfers)  # before this step may reuse their blocks
         turns = self.runner.turns

@@ -61,9 +61,9 @@ class SchedulerConfig:
     whole_prompts: bool = False
     embed_only: bool = False
     max_adapters: int = 0  # LoRA adapters one step may mix (the executor's slots)
-    # A split model (ExecutorInfo.num_shards > 1): a plan leaves out the requests whose next
-    # token a plan in flight samples, so that the lead computes it while that plan is in the
-    # other shards (executor/plan_overlap.py).
+    # A split model (ExecutorInfo.num_shards > 1) without LoRA slots: a plan leaves out the
+    # requests whose next token a plan in flight samples, so that the lead computes it while
+    # that plan is in the other shards (executor/plan_overlap.py).
     disjoint_plans: bool = False
 
     def __post_init__(self) -> None:
@@ -94,7 +94,8 @@ class SchedulerConfig:
             self, num_blocks=info.num_blocks, block_size=info.block_size,
             max_model_len=info.max_model_len, eos_token_ids=tuple(info.eos_token_ids),
             disaggregation=rule, whole_prompts=info.whole_prompts, embed_only=info.embed_only,
-            max_adapters=info.max_adapters, disjoint_plans=info.num_shards > 1)
+            max_adapters=info.max_adapters,
+            disjoint_plans=info.num_shards > 1 and not info.max_adapters)
 
 
 def check_speculation(num_tokens: int, ngram_min: int, ngram_max: int) -> None:

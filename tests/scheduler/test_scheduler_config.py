@@ -59,6 +59,8 @@ def test_the_executor_gives_the_cache_shape():
     assert config.whole_prompts and config.embed_only and not config.disjoint_plans
     split = msgspec.structs.replace(info, num_shards=2)
     assert _parse().with_executor(split).disjoint_plans  # its lead overlaps plans
+    with_slots = msgspec.structs.replace(split, max_adapters=2)  # its lead does not
+    assert not _parse().with_executor(with_slots).disjoint_plans
 
 
 @pytest.mark.parametrize(("options", "named"), [

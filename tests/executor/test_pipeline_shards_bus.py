@@ -104,7 +104,29 @@ async def _run_plans(client, engine_id: str) -> list[StepResult]:
             for plan in plans]
 
 
+OVERLAPPING = [  # a's second chunk behind its first (independent), then b's decode (not)
+    StepPlan(step_id=0, new_requests=[NewRequestData(r, p, GREEDY) for r, p in PROMPTS.items()],
+             scheduled=[ScheduledRequest("a", 0, 40, list(range(1, 11)), sample=False),
+                        ScheduledRequest("b", 0, 4, [19])]),
+    StepPlan(step_id=1, scheduled=[ScheduledRequest("a", 40, 30, list(range(11, 19)))]),
+    StepPlan(step_id=2, scheduled=[ScheduledRequest("b", 4, 1, [20])]),
+]
+
+
+async def _run_overlapping(client, engine_id: str) -> list[StepResult]:
+    """OVERLAPPING as the engine loop sends plans: each before the one before has answered
+    (a split lead computes plan 1 while plan 0 is in its layer shard)."""
+    asked = []
+    for plan in OVERLAPPING:
+        asked.append(asyncio.create_task(client.request(
+            subjects.executor_step(engine_id), encode(plan), timeout=60)))
+        await asyncio.sleep(0)  # its request out before the next one's
+    return [decode((await reply).data, StepResult) for reply in asked]
+
+
 async def test_a_split_executor_samples_what_a_whole_one_does(small_bus, tmp_path):
+    """Plans one at a time, then plans in flight together, as the engine loop sends them: the
+    split lead takes them in its turns (plan_overlap.py), with the whole model's bits."""
     model = tmp_path / "tiny.gguf"
     write_tiny_llama(model, SPEC, quantized="Q8_0")
     client = await nats.connect(small_bus)
@@ -116,8 +138,8 @@ async def test_a_split_executor_samples_what_a_whole_one_does(small_bus, tmp_pat
         info = await _ask(client, subjects.executor_info("split"), ExecutorInfoRequest(),
                           ExecutorInfo)
         assert (info.num_shards, info.layout, info.num_blocks) == (2, None, 40)
-        whole = await _run_plans(client, "whole")
-        split = await _run_plans(client, "split")
+        whole = await _run_plans(client, "whole") + await _run_overlapping(client, "whole")
+        split = await _run_plans(client, "split") + await _run_overlapping(client, "split")
         assert all(r.error == "" for r in whole + split), [r.error for r in whole + split]
         assert [(r.sampled_token_ids, r.logprobs) for r in split] == [
             (r.sampled_token_ids, r.logprobs) for r in whole]

@@ -147,6 +147,10 @@ class StepPlan(Message):
     # blocks for them, before this step may reuse their blocks.
     closed_transfers: list[str] = []
 
+    def multi_step(self) -> bool:
+        """Whether a request of the plan takes several forwards in it (multi-step decoding)."""
+        return any(item.num_steps > 1 for item in self.scheduled)
+
 
 class StepResult(Message):
     step_id: int

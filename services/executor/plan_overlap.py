@@ -32,7 +32,7 @@ def independent(plan: StepPlan, earlier: StepPlan) -> bool:
     """Whether `plan` may compute before `earlier` has ended: it reads no token `earlier`
     samples, forgets, preempts or registers none of its sequences, and neither takes several
     forwards (each of which waits for the one before)."""
-    if _multi_step(plan) or _multi_step(earlier):
+    if plan.multi_step() or earlier.multi_step():
         return False
     sampling = {item.sequence_id for item in earlier.scheduled if item.sample}
     touched = {item.sequence_id for item in earlier.scheduled}
@@ -40,10 +40,6 @@ def independent(plan: StepPlan, earlier: StepPlan) -> bool:
                 or touched.intersection(plan.finished_sequence_ids)
                 or touched.intersection(plan.preempted_sequence_ids)
                 or any(new.sequence_id in touched for new in plan.new_requests))
-
-
-def _multi_step(plan: StepPlan) -> bool:
-    return any(item.num_steps > 1 for item in plan.scheduled)
 
 
 class LeadTurns:

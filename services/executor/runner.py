@@ -257,7 +257,7 @@ class ModelRunner:
         sampled = self._forward(plan.scheduled, embeddings)
         self.kv_gathering.gather_filled(plan.scheduled,
                                         lambda sequence_id: self.requests[sequence_id].block_table)
-        if any(s.num_steps > 1 for s in plan.scheduled):
+        if plan.multi_step():
             if sampled.num_sampled:  # drafts verified: a step either speculates or takes several
                 raise ValueError("a plan with drafts cannot also take several steps")
             return more_steps(plan.scheduled, sampled,

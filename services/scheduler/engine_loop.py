@@ -109,7 +109,7 @@ class EngineLoop:
         """A forward's tokens of a plan of several (the executor's StepProgress): sent on now
         if that plan is the one awaited; else its result brings them."""
         plan = self._awaited
-        if plan is not None and plan.step_id == progress.step_id and _multi_step(plan):
+        if plan is not None and plan.step_id == progress.step_id and plan.multi_step():
             await self.publish(self.scheduler.stream(plan, progress, self.clock()), False)
 
     async def _fail(self, in_flight: deque[tuple[StepPlan, asyncio.Task, bool]],
@@ -146,7 +146,7 @@ class EngineLoop:
         scheduler = self.scheduler
         while ((scheduler.has_work or (scheduler.has_bookkeeping and not in_flight))
                and len(in_flight) < self.depth
-               and not any(_multi_step(p) for p, _, _ in in_flight)):
+               and not any(p.multi_step() for p, _, _ in in_flight)):
             plan = scheduler.schedule(self.clock())
             if not plan.scheduled and in_flight:
                 scheduler.unschedule_empty(plan)
@@ -179,8 +179,3 @@ class EngineLoop:
             if self._interrupted:
                 task.cancel()
                 raise RuntimeError(self._interrupted)
-
-
-def _multi_step(plan: StepPlan) -> bool:
-    """A plan of several forwards: nothing is planned behind it until it answers."""
-    return any(item.num_steps > 1 for item in plan.scheduled)

@@ -21,10 +21,10 @@
 // of the step. Here nothing is copied, and the cache can be float16 (half the bytes) with
 // float32 arithmetic.
 //
-// Eight-float vectors (GCC's vector extension) plus a few AVX intrinsics (a lane-sum tree, an
-// 8 x 8 transpose, F16C widening), with plain fallbacks; library.py builds this file for the
-// CPU it runs on (-march=native) or for a named ISA level (LLMBUS_CPU_ISA), so the same source
-// serves AVX2 and AVX-512 machines.
+// Eight-float vectors (GCC's vector extension; sixteen in decodes on AVX-512 builds, with the
+// same bits) plus a few AVX intrinsics (a lane-sum tree, an 8 x 8 transpose, F16C widening),
+// with plain fallbacks; library.py builds this file for the CPU it runs on (-march=native) or
+// for a named ISA level (LLMBUS_CPU_ISA), so the same source serves AVX2 and AVX-512 machines.
 //
 // Layouts (row-major):
 //   qkv     [T, (H + 2 Hkv) * Dh] float32   Q heads, then K heads, then V heads
@@ -58,7 +58,6 @@ constexpr int MAX_HEAD_DIM = 256;
 constexpr int MAX_GROUP = 16;
 constexpr int MAX_ITEM_HEADS = 64;  // query heads one work item attends for
 constexpr int MAX_BLOCK = 64;  // tokens per cache block
-constexpr int64_t PREFETCH_BLOCKS = 2;  // how far ahead the next blocks are fetched
 constexpr int64_t SPAN = 32;  // keys per online-softmax step (whole cache blocks)
 constexpr int64_t MAX_SPAN = SPAN > MAX_BLOCK ? SPAN : MAX_BLOCK;  // a block bigger than SPAN
 constexpr int64_t CHUNK_SPAN = 64;  // keys per online-softmax step of a prefill chunk
@@ -287,141 +286,239 @@ inline void pv2(const float* p, const float* q, int64_t n, const float* const* v
     }
 }
 
-// Prefetch the block that holds position `pos` of `seq`: `span` bytes of every row from head h0.
+// Loads one byte of every 64-byte line of rows `now[0:n]` (`bytes` each) of K and V, in memory
+// order, and prefetches rows `next[0:n_next]` into L2 (a row of the next span beside each row
+// of this one). A loop of independent loads and nothing else keeps many misses in flight, so
+// the arithmetic after it finds the span's rows in L1 or L2. The arithmetic reads a row head
+// by head (two of a row's six lines, then the next two), and on that pattern alone it stalled
+// on memory for half its time: 16 decodes of 1,060 tokens, float16 cache, 2 Zen 4 cores, 1,020
+// against 460 us with the same caches hot; with the loads, 830-910; and the prefetches of the
+// next span, 740-760 (interleaved runs). Prefetches alone, spread over the arithmetic of the
+// span before, did not help (995).
 template <typename KV>
-inline void prefetch_rows(const Cache<KV>& c, int64_t seq, int64_t pos, int64_t h0,
-                          int64_t span) {
-    const int64_t at = c.row(seq, pos, h0), stride = c.num_kv_heads * c.head_dim;
-    for (int64_t j = 0; j < c.block_size; ++j)
-        for (int64_t byte = 0; byte < span; byte += 64) {
-            __builtin_prefetch((const char*)(c.k + at + j * stride) + byte);
-            __builtin_prefetch((const char*)(c.v + at + j * stride) + byte);
+inline void fetch_rows(const Cache<KV>& c, const int64_t* now, int64_t n, const int64_t* next,
+                       int64_t n_next, int64_t bytes) {
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t byte = 0; byte < bytes; byte += 64) {
+            (void)*((const volatile char*)(c.k + now[j]) + byte);
+            (void)*((const volatile char*)(c.v + now[j]) + byte);
+            if (j < n_next) {
+                __builtin_prefetch((const char*)(c.k + next[j]) + byte, 0, 2);
+                __builtin_prefetch((const char*)(c.v + next[j]) + byte, 0, 2);
+            }
         }
 }
 
+// Sixteen floats, one AVX-512 register. The decode kernel's vectors are these where the build
+// has AVX-512 (half the instructions for the same arithmetic), eight floats elsewhere.
+typedef float v16 __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+constexpr bool WIDE = true;
+constexpr int ACC_REGISTERS = 24;  // P @ V's sums: 32 registers less the operands'
+#else
+constexpr bool WIDE = false;
+constexpr int ACC_REGISTERS = 12;  // of 16
+#endif
+constexpr int TILE_HEADS = 4;  // query heads that share each K and V row load
+
+// `V`'s lanes from `p`, widened where the cache is float16.
+template <typename V, typename KV>
+inline V load_as(const KV* p) {
+    if constexpr (sizeof(V) == sizeof(v8)) {
+        return load8(p);
+    } else if constexpr (std::is_same<KV, float>::value) {
+        V v;
+        __builtin_memcpy(&v, p, sizeof v);
+        return v;
+    } else {
+#if defined(__AVX512F__)
+        return (V)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#else
+        V v;
+        for (int i = 0; i < 16; ++i) v[i] = float(p[i]);
+        return v;
+#endif
+    }
+}
+
+// The sum of a 16-float vector's halves.
+inline v8 halves_sum(v16 x) {
+    v8 lo, hi;
+    __builtin_memcpy(&lo, &x, sizeof lo);
+    __builtin_memcpy(&hi, (const char*)&x + sizeof lo, sizeof hi);
+    return lo + hi;
+}
+
+// s[g][0:n] <- the scores of GT query heads (rows of q, scaled) against the keys at krow[0:n]
+// (krow padded to a multiple of 8). Each key's row is
+// loaded (and widened) once for the GT heads. A score adds its products in one order whatever
+// the vector width: lane i of the even 8-float chunks (0, 2, 4, ..) in one chain and of the odd
+// ones in another, the two chains added, then the eight lanes in a tree (lane_sums). A 16-float
+// vector holds an even chunk and the odd one after it, so its halves are the two chains: an
+// AVX-512 build computes the AVX2 build's bits.
+template <int CH, int GT, typename KV>
+inline void score_tile(const float* q, int64_t dh, const KV* const* krow, int64_t n,
+                       float (*s)[MAX_SPAN + 8]) {
+    const int64_t chunks = CH ? CH : dh / 8;
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        v8 part[GT][8];
+        for (int jj = 0; jj < 8; ++jj) {
+            const KV* k = krow[j0 + jj];
+            if constexpr (WIDE && CH && CH % 2 == 0) {
+                v16 a[GT];
+                const v16 k0 = load_as<v16>(k);
+                for (int g = 0; g < GT; ++g) a[g] = load_as<v16>(q + g * dh) * k0;
+                for (int c = 1; c < CH / 2; ++c) {
+                    const v16 kc = load_as<v16>(k + c * 16);
+                    for (int g = 0; g < GT; ++g) a[g] += load_as<v16>(q + g * dh + c * 16) * kc;
+                }
+                for (int g = 0; g < GT; ++g) part[g][jj] = halves_sum(a[g]);
+            } else {
+                v8 even[GT], odd[GT];
+                const v8 k0 = load8(k);
+                for (int g = 0; g < GT; ++g) even[g] = load8(q + g * dh) * k0, odd[g] = v8{};
+                for (int64_t ch = 1; ch < chunks; ++ch) {
+                    const v8 kc = load8(k + ch * 8);
+                    for (int g = 0; g < GT; ++g) {
+                        const v8 x = load8(q + g * dh + ch * 8);
+                        if (ch == 1) odd[g] = x * kc;
+                        else if (ch % 2) odd[g] += x * kc;
+                        else even[g] += x * kc;
+                    }
+                }
+                for (int g = 0; g < GT; ++g) part[g][jj] = even[g] + odd[g];
+            }
+        }
+        for (int g = 0; g < GT; ++g) {
+            const v8 sums = lane_sums(part[g]);
+            __builtin_memcpy(&s[g][j0], &sums, sizeof sums);
+        }
+    }
+}
+
+// acc[g] <- acc[g] * shrink[g] + p[g][0:n] @ V for GT heads (acc rows dh apart), V's rows at
+// vrow[0:n], in vectors of type V (`VC` to a head, 0: dh / lanes at run time). Each row's
+// vectors are loaded (and widened) once for the GT heads, whose sums stay in registers: a
+// head size wider than ACC_REGISTERS allows goes in slices. Keys add in order in every lane,
+// so neither the vector width nor the slicing changes a bit.
+template <typename V, int VC, int GT, typename KV>
+inline void pv_tile(const float (*p)[MAX_SPAN + 8], int64_t n, const KV* const* vrow,
+                    const float* shrink, float* acc, int64_t dh) {
+    constexpr int L = sizeof(V) / sizeof(float);
+    constexpr int MOST = ACC_REGISTERS / GT > 0 ? ACC_REGISTERS / GT : 1;
+    constexpr int SLICES = VC ? (VC + MOST - 1) / MOST : 1;
+    constexpr int CT = VC ? (VC + SLICES - 1) / SLICES : MAX_HEAD_DIM / 8;  // vectors a slice
+    const int64_t vc = VC ? VC : dh / L;
+    for (int64_t c0 = 0; c0 < vc; c0 += CT) {
+        const int64_t ct = vc - c0 < CT ? vc - c0 : CT;
+        V a[GT][CT];
+        for (int g = 0; g < GT; ++g)
+            for (int64_t c = 0; c < ct; ++c)
+                a[g][c] = load_as<V>(acc + g * dh + (c0 + c) * L) * shrink[g];
+        for (int64_t j = 0; j < n; ++j) {
+            const KV* v = vrow[j] + c0 * L;
+            for (int64_t c = 0; c < ct; ++c) {
+                const V x = load_as<V>(v + c * L);
+                for (int g = 0; g < GT; ++g) a[g][c] += p[g][j] * x;
+            }
+        }
+        for (int g = 0; g < GT; ++g)
+            for (int64_t c = 0; c < ct; ++c)
+                __builtin_memcpy(acc + g * dh + (c0 + c) * L, &a[g][c], sizeof(V));
+    }
+}
+
+// One span of keys for GT query heads of one KV head: scores, the first `masked` of them -inf
+// (before a window), each head's online-softmax step (m, l), P @ V into acc.
+template <int CH, int GT, typename KV>
+void span_tile(const float* q, int64_t dh, const KV* const* krow, const KV* const* vrow,
+               int64_t n, int64_t masked, float* m, float* l, float* acc) {
+    alignas(32) float s[GT][MAX_SPAN + 8];
+    score_tile<CH, GT>(q, dh, krow, n, s);
+    float shrink[GT];
+    for (int g = 0; g < GT; ++g) {
+        for (int64_t j = 0; j < masked; ++j) s[g][j] = -INFINITY;
+        shrink[g] = softmax_step(s[g], n, m[g], l[g]);
+    }
+    if constexpr (WIDE && CH && CH % 2 == 0)
+        pv_tile<v16, CH / 2, GT>(s, n, vrow, shrink, acc, dh);
+    else
+        pv_tile<v8, CH, GT>(s, n, vrow, shrink, acc, dh);
+}
+
 // Attention of the query heads of KV heads [h0, h1) over positions [key_start, num_keys) of
-// sequence `seq` (key_start: 0, or the end of a shared prefix, block-aligned): q and out are
+// sequence `seq` (key_start: 0, or the end of a shared prefix, or the block of a window's
+// first key, block-aligned; keys before `mask_before` score -inf): q and out are
 // [(h1 - h0) * group, Dh] (query heads h0 * group onwards; q scaled already). With `state`,
-// out is left unnormalized and state gets each head's (max, sum), for a merge; else out is
-// the attention output. Keys go SPAN at a time (several cache blocks): each block's rows of these heads are
-// read from memory once (blocks ahead are prefetched, blocks scatter), float16 rows are
-// widened into a scratch in one sweep over the heads side by side in each row (a sweep per
-// head, striding over the others' bytes, stalled on every load: 2.2 against 1.25 ms for 16
-// decodes of 1,060 tokens on 2 Zen 4 cores), and each query head, with its query and running
-// output in registers, takes the span's scores eight keys at a time, one online-softmax rescale
-// and P @ V. `CH` = Dh / 8 where known at compile time (the common head sizes), so the inner
-// loops keep to registers; 0 = runtime-sized.
+// out is left unnormalized and state gets each head's (max, sum), for a merge; else out is the
+// attention output.
+//
+// Bound by reading the cache, so each row is read from memory once: keys go SPAN at a time
+// (whole cache blocks, fetched in one sweep first: fetch_rows), and the query heads that share a KV head (GQA) take each K and V row from one load, TILE_HEADS at a
+// time, widened from float16 in registers (a widened copy in a scratch cost a store and a load
+// per value, and the scratch did not fit L1). `CH` = Dh / 8 where known at compile time (the
+// common head sizes), so the inner loops keep to registers; 0 = runtime-sized.
 template <int CH, typename KV>
 void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int64_t h0,
             int64_t h1, int64_t key_start, int64_t num_keys, float* out, float* state,
             int64_t mask_before) {
-    constexpr int NCH = CH ? CH : MAX_HEAD_DIM / 8;
-    constexpr bool WIDEN = !std::is_same<KV, float>::value;
-    const int64_t dh = c.head_dim, chunks = CH ? CH : dh / 8, bs = c.block_size;
-    const int64_t stride = c.num_kv_heads * dh, heads = (h1 - h0) * group;
+    const int64_t dh = c.head_dim, bs = c.block_size, stride = c.num_kv_heads * dh;
+    const int64_t heads = (h1 - h0) * group;
     // whole blocks per span: as many as fit SPAN keys, or one bigger block
     const int64_t span_keys = bs > SPAN ? bs : SPAN - SPAN % bs;
-    alignas(64) float acc[MAX_ITEM_HEADS][MAX_HEAD_DIM];
-    alignas(64) float kw[WIDEN ? MAX_SPAN * MAX_HEAD_DIM : 1];
-    alignas(64) float vw[WIDEN ? MAX_SPAN * MAX_HEAD_DIM : 1];
-    const float* krow[MAX_SPAN];
-    const float* vrow[MAX_SPAN];
+    // a KV head's query heads in tiles as even as can be (group 5: 3 + 2)
+    const int64_t tiles = (group + TILE_HEADS - 1) / TILE_HEADS;
+    const int64_t tile_heads = (group + tiles - 1) / tiles;
+    alignas(64) float acc[MAX_ITEM_HEADS * MAX_HEAD_DIM];
     float m[MAX_ITEM_HEADS], l[MAX_ITEM_HEADS];
     for (int64_t g = 0; g < heads; ++g) {
         m[g] = -INFINITY;
         l[g] = 0.f;
-        for (int64_t i = 0; i < dh; ++i) acc[g][i] = 0.f;
+        for (int64_t i = 0; i < dh; ++i) acc[g * dh + i] = 0.f;
     }
-    const int64_t head_bytes = (h1 - h0) * dh * int64_t(sizeof(KV));  // of one row
-    // float16 heads widened per sweep: as many as the scratch holds at this span and size
-    const int64_t pass = std::max<int64_t>(1, MAX_SPAN * MAX_HEAD_DIM / (span_keys * dh));
-    for (int64_t ahead = 0; ahead < PREFETCH_BLOCKS && key_start + ahead * bs < num_keys;
-         ++ahead)
-        prefetch_rows(c, seq, key_start + ahead * bs, h0, head_bytes);
+    const auto span = [&](int64_t gt, auto... args) {
+        switch (gt) {
+            case 1: return span_tile<CH, 1>(args...);
+            case 2: return span_tile<CH, 2>(args...);
+            case 3: return span_tile<CH, 3>(args...);
+            default: return span_tile<CH, 4>(args...);
+        }
+    };
+    // offsets of the rows of head h0: this span's, and the next's
+    int64_t rows_now[MAX_SPAN], rows_next[MAX_SPAN];
+    const auto span_rows = [&](int64_t first, int64_t* offset) {
+        const int64_t n = std::max<int64_t>(0, std::min(span_keys, num_keys - first));
+        for (int64_t b0 = 0; b0 < n; b0 += bs) {
+            const int64_t r = c.row(seq, first + b0, h0), rows = std::min(bs, n - b0);
+            for (int64_t j = 0; j < rows; ++j) offset[b0 + j] = r + j * stride;
+        }
+        return n;
+    };
+    const KV* krow[MAX_SPAN + 8];
+    const KV* vrow[MAX_SPAN + 8];
+    const int64_t row_bytes = (h1 - h0) * dh * int64_t(sizeof(KV));  // of heads [h0, h1)
+    span_rows(key_start, rows_now);
     for (int64_t first = key_start; first < num_keys; first += span_keys) {
-        const int64_t n = num_keys - first < span_keys ? num_keys - first : span_keys;
-        for (int64_t pos = first + PREFETCH_BLOCKS * bs;
-             !WIDEN && pos < first + n + PREFETCH_BLOCKS * bs && pos < num_keys; pos += bs)
-            prefetch_rows(c, seq, pos, h0, head_bytes);
-        // float16: the next span's lines, spread evenly over this span's scores: issued in a
-        // burst at the span's start, half the kernel's samples were the widening loads'
-        // stalls; spread, a fifth (16 decodes of 1,060 tokens on a noisy Zen 4: medians of
-        // interleaved runs 1.16 against 1.09 ms, single runs from 0.86 to 1.6)
-        const int64_t next = first + n;
-        const int64_t next_rows = next < num_keys ? std::min(span_keys, num_keys - next) : 0;
-        const int64_t slots = heads * ((n + 7) / 8);  // rounds of 8 keys scored, every head
-        const int64_t per_slot = (next_rows * ((head_bytes + 63) / 64) + slots - 1) / slots;
-        int64_t pf_row = 0, pf_byte = 0;
-        const auto prefetch_some = [&](int64_t count) {
-            for (; count > 0 && pf_row < next_rows; --count) {
-                const int64_t at = c.row(seq, next + pf_row, h0);
-                __builtin_prefetch((const char*)(c.k + at) + pf_byte);
-                __builtin_prefetch((const char*)(c.v + at) + pf_byte);
-                pf_byte += 64;
-                if (pf_byte >= head_bytes) pf_byte = 0, ++pf_row;
-            }
-        };
+        const int64_t n = std::min(span_keys, num_keys - first);
+        const int64_t n_next = span_rows(first + n, rows_next);
+        fetch_rows(c, rows_now, n, rows_next, n_next, row_bytes);
+        const int64_t masked = std::clamp<int64_t>(mask_before - first, 0, n);
         for (int64_t h = h0; h < h1; ++h) {
-            if constexpr (WIDEN) {
-                // Heads [h, h + pass) of every row of the span, widened in one sweep in memory
-                // order (a row holds them side by side): one stream the prefetchers follow,
-                // where a sweep per head would stride over the others' bytes and stall.
-                const int64_t at = (h - h0) % pass;
-                if (at == 0) {
-                    const int64_t width = std::min(pass, h1 - h) * dh;
-                    for (int64_t b0 = 0; b0 < n; b0 += bs) {
-                        const int64_t r = c.row(seq, first + b0, h);
-                        const int64_t rows = n - b0 < bs ? n - b0 : bs;
-                        for (int64_t j = 0; j < rows; ++j) {
-                            widen_row(c.k + r + j * stride, width, kw + (b0 + j) * width);
-                            widen_row(c.v + r + j * stride, width, vw + (b0 + j) * width);
-                        }
-                    }
-                }
-                const int64_t width = std::min(pass, h1 - h + at) * dh;
-                for (int64_t j = 0; j < n; ++j) {
-                    krow[j] = kw + j * width + at * dh;
-                    vrow[j] = vw + j * width + at * dh;
-                }
-            } else {
-                for (int64_t b0 = 0; b0 < n; b0 += bs) {  // the span's rows of head h
-                    const int64_t r = c.row(seq, first + b0, h), rows = n - b0 < bs ? n - b0 : bs;
-                    for (int64_t j = 0; j < rows; ++j) {
-                        krow[b0 + j] = c.k + r + j * stride;
-                        vrow[b0 + j] = c.v + r + j * stride;
-                    }
-                }
+            for (int64_t j = 0; j < n; ++j) {
+                krow[j] = c.k + rows_now[j] + (h - h0) * dh;
+                vrow[j] = c.v + rows_now[j] + (h - h0) * dh;
             }
             for (int64_t j = n; j < ((n + 7) & ~7); ++j) krow[j] = krow[0];  // padding lanes
-            for (int64_t g = (h - h0) * group; g < (h - h0 + 1) * group; ++g) {
-                v8 qv[NCH];
-                for (int64_t ch = 0; ch < chunks; ++ch) qv[ch] = load8(q + g * dh + ch * 8);
-                alignas(32) float s[MAX_SPAN + 8];
-                for (int64_t j0 = 0; j0 < n; j0 += 8) {
-                    if constexpr (WIDEN) prefetch_some(per_slot);
-                    v8 part[8];
-                    for (int64_t jj = 0; jj < 8; ++jj) {
-                        const float* k = krow[j0 + jj];
-                        v8 even = qv[0] * load8(k), odd{};  // two chains: half the latency
-                        for (int64_t ch = 1; ch + 1 < chunks; ch += 2) {
-                            odd += qv[ch] * load8(k + ch * 8);
-                            even += qv[ch + 1] * load8(k + ch * 8 + 8);
-                        }
-                        if (chunks % 2 == 0) odd += qv[chunks - 1] * load8(k + chunks * 8 - 8);
-                        part[jj] = even + odd;
-                    }
-                    const v8 scores = lane_sums(part);
-                    __builtin_memcpy(&s[j0], &scores, sizeof scores);
-                }
-                for (int64_t j = 0; j < n && first + j < mask_before; ++j) s[j] = -INFINITY;
-                const float shrink = softmax_step(s, n, m[g], l[g]);
-                pv<CH>(s, n, vrow, chunks, shrink, acc[g]);
-            }
+            const int64_t end = (h - h0 + 1) * group;
+            for (int64_t g = (h - h0) * group; g < end; g += tile_heads)
+                span(std::min(tile_heads, end - g), q + g * dh, dh, krow, vrow, n, masked, m + g,
+                     l + g, acc + g * dh);
         }
+        std::copy(rows_next, rows_next + n_next, rows_now);
     }
     for (int64_t g = 0; g < heads; ++g) {
         const float inv = state ? 1.f : 1.f / l[g];  // a partial state stays unnormalized
-        for (int64_t i = 0; i < dh; ++i) out[g * dh + i] = acc[g][i] * inv;
+        for (int64_t i = 0; i < dh; ++i) out[g * dh + i] = acc[g * dh + i] * inv;
         if (state) state[2 * g] = m[g], state[2 * g + 1] = l[g];
     }
 }

@@ -11,7 +11,12 @@ the table gives the shards' ratios against the whole engine on as many cores as 
 (one stream) and on as many as both (8 streams), each executor's weight and KV bytes from its
 plan line, its PSS after serving, and the bytes a decode token sends between shards.
 
-    python -m llmbus.bench.pipeline_shards --model FILE.gguf
+On a shared host the three stacks' speeds move from minute to minute (the whole engine's 8
+streams from 15.1 to 19.8 tok/s between runs of 2026-12-04), so `--rounds N` starts the three
+in turn N times: each ratio is taken within a round (stacks minutes apart), and the verdict is
+the median of the rounds'.
+
+    python -m llmbus.bench.pipeline_shards --model FILE.gguf [--rounds 3]
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -121,39 +127,59 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: 1024)")
     parser.add_argument("--only", choices=list(CONFIGS), default=None,
                         help="run this stack alone (to repeat one row; no ratios)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="start the stacks in turn this many times; ratios are the median "
+                             "of the rounds' (default: 1)")
     args = parser.parse_args(argv)
     from llmbus.services.executor.weights.model_config import read_config
     from llmbus.services.gguf_metadata import read_metadata, read_tensor_infos
 
     infos = read_tensor_infos(args.model)
     config = read_config(read_metadata(args.model), {n: i.shape for n, i in infos.items()})
-    results = {}
+    names = [args.only] if args.only else list(CONFIGS)
+    rounds: dict[str, list[dict]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as work_dir:
-        for name in [args.only] if args.only else CONFIGS:
-            print(f"# {name} ...", file=sys.stderr, flush=True)
-            results[name] = run_config(name, args, Path(work_dir))
+        for number in range(args.rounds):
+            for name in names:
+                print(f"# round {number + 1}/{args.rounds}: {name} ...", file=sys.stderr,
+                      flush=True)
+                rounds[name].append(run_config(name, args, Path(work_dir)))
     print(f"model {args.model.name}: {config.num_layers} layers, hidden {config.hidden_size}; "
           f"a decode token sends {config.hidden_size * 4} bytes to the layer shard and as many "
           "back (float32 hidden states)")
     print("| executor | 1 stream TPOT p50 ms | 8 streams output tok/s | PSS MiB | "
           "weights / KV MiB (plan line) |")
     print("|---|---:|---:|---:|---:|")
-    for name, result in results.items():
-        plans = "; ".join(f"{w} / {k}" for _, (w, k) in sorted(result["plans"].items())) or "-"
-        pss = " + ".join(f"{p:.0f}" for p in result["pss_mib"])
-        print(f"| {name} | {result['tpot_ms']:.1f} | {result['tok_s']:.1f} | {pss} | "
-              f"{plans} |")
-    failed = sum(r["failed"] for r in results.values())
+    for name, results in rounds.items():
+        last = results[-1]
+        plans = "; ".join(f"{w} / {k}" for _, (w, k) in sorted(last["plans"].items())) or "-"
+        pss = " + ".join(f"{p:.0f}" for p in last["pss_mib"])
+        print(f"| {name} | {_median_of(results, 'tpot_ms')} | {_median_of(results, 'tok_s')} "
+              f"| {pss} | {plans} |")
+    failed = sum(r["failed"] for results in rounds.values() for r in results)
     if failed:
         print(f"{failed} requests failed", file=sys.stderr)
     if args.only:
         return 1 if failed else 0
-    one_core, shards, two_cores = (results[n] for n in CONFIGS)
-    print(f"\nshards / whole on 1 core, 1 stream TPOT: "
-          f"{shards['tpot_ms'] / one_core['tpot_ms']:.2f}x (target <= 1.15)\n"
-          f"shards / whole on 2 cores, 8 streams tok/s: "
-          f"{shards['tok_s'] / two_cores['tok_s']:.2f}x (target >= 0.85)")
+    one_core, shards, two_cores = (rounds[n] for n in CONFIGS)
+    single = [s["tpot_ms"] / o["tpot_ms"] for s, o in zip(shards, one_core, strict=True)]
+    batch = [s["tok_s"] / t["tok_s"] for s, t in zip(shards, two_cores, strict=True)]
+    print(f"\nshards / whole on 1 core, 1 stream TPOT: {_verdict(single)} (target <= 1.15)\n"
+          f"shards / whole on 2 cores, 8 streams tok/s: {_verdict(batch)} (target >= 0.85)")
     return 1 if failed else 0
+
+
+def _median_of(results: list[dict], key: str) -> str:
+    """The rounds' median of `key`, and each round's value where there are several."""
+    values = [r[key] for r in results]
+    each = f" ({', '.join(f'{v:.1f}' for v in values)})" if len(values) > 1 else ""
+    return f"{statistics.median(values):.1f}{each}"
+
+
+def _verdict(ratios: list[float]) -> str:
+    """The median ratio, and each round's where there are several."""
+    each = f" (rounds: {', '.join(f'{r:.2f}' for r in ratios)})" if len(ratios) > 1 else ""
+    return f"{statistics.median(ratios):.2f}x{each}"
 
 
 if __name__ == "__main__":

@@ -286,28 +286,46 @@ inline void pv2(const float* p, const float* q, int64_t n, const float* const* v
     }
 }
 
-// Loads one byte of every 64-byte line of rows `now[0:n]` (`bytes` each) of K and V, in memory
-// order, and prefetches rows `next[0:n_next]` into L2 (a row of the next span beside each row
-// of this one). A loop of independent loads and nothing else keeps many misses in flight, so
-// the arithmetic after it finds the span's rows in L1 or L2. The arithmetic reads a row head
-// by head (two of a row's six lines, then the next two), and on that pattern alone it stalled
-// on memory for half its time: 16 decodes of 1,060 tokens, float16 cache, 2 Zen 4 cores, 1,020
-// against 460 us with the same caches hot; with the loads, 830-910; and the prefetches of the
-// next span, 740-760 (interleaved runs). Prefetches alone, spread over the arithmetic of the
-// span before, did not help (995).
+// Loads one byte of every 64-byte line of rows `offset[0:n]` (`bytes` each) of K and V, in
+// memory order: a loop of independent loads and nothing else keeps many misses in flight, so
+// the arithmetic after it finds the span's rows in L1 or L2. The arithmetic reads a row head by
+// head (two of a row's six lines, then the next two), and on that pattern alone it stalled on
+// memory for half its time (16 decodes of 1,060 tokens, float16 cache, 2 Zen 4 cores: 1,020
+// against 460 us with the same caches hot).
 template <typename KV>
-inline void fetch_rows(const Cache<KV>& c, const int64_t* now, int64_t n, const int64_t* next,
-                       int64_t n_next, int64_t bytes) {
+inline void load_rows(const Cache<KV>& c, const int64_t* offset, int64_t n, int64_t bytes) {
     for (int64_t j = 0; j < n; ++j)
         for (int64_t byte = 0; byte < bytes; byte += 64) {
-            (void)*((const volatile char*)(c.k + now[j]) + byte);
-            (void)*((const volatile char*)(c.v + now[j]) + byte);
-            if (j < n_next) {
-                __builtin_prefetch((const char*)(c.k + next[j]) + byte, 0, 2);
-                __builtin_prefetch((const char*)(c.v + next[j]) + byte, 0, 2);
-            }
+            (void)*((const volatile char*)(c.k + offset[j]) + byte);
+            (void)*((const volatile char*)(c.v + offset[j]) + byte);
         }
 }
+
+// The next span's rows `offset[0:n]` (`bytes` each, K and V), prefetched into L2 a few lines a
+// call, the calls spread over this span's arithmetic. With load_rows first, medians of
+// interleaved runs of the case above: 879 us without prefetches, 790 with the next span's in
+// load_rows' loop (a burst: more misses than the core tracks), 608 spread. Prefetches without
+// load_rows did not help (995).
+template <typename KV>
+struct NextRows {
+    const Cache<KV>& c;
+    const int64_t* offset;
+    int64_t n, bytes, per_call, row = 0, byte = 0;
+
+    // over `calls` calls
+    NextRows(const Cache<KV>& c, const int64_t* offset, int64_t n, int64_t bytes, int64_t calls)
+        : c(c), offset(offset), n(n), bytes(bytes),
+          per_call((n * ((bytes + 63) / 64) + calls - 1) / std::max<int64_t>(calls, 1)) {}
+
+    void some() {
+        for (int64_t count = per_call; count > 0 && row < n; --count) {
+            __builtin_prefetch((const char*)(c.k + offset[row]) + byte, 0, 2);
+            __builtin_prefetch((const char*)(c.v + offset[row]) + byte, 0, 2);
+            byte += 64;
+            if (byte >= bytes) byte = 0, ++row;
+        }
+    }
+};
 
 // Sixteen floats, one AVX-512 register. The decode kernel's vectors are these where the build
 // has AVX-512 (half the instructions for the same arithmetic), eight floats elsewhere.
@@ -350,19 +368,20 @@ inline v8 halves_sum(v16 x) {
 }
 
 // s[g][0:n] <- the scores of GT query heads (rows of q, scaled) against the keys at krow[0:n]
-// (krow padded to a multiple of 8). Each key's row is
-// loaded (and widened) once for the GT heads. A score adds its products in one order whatever
-// the vector width: lane i of the even 8-float chunks (0, 2, 4, ..) in one chain and of the odd
-// ones in another, the two chains added, then the eight lanes in a tree (lane_sums). A 16-float
-// vector holds an even chunk and the odd one after it, so its halves are the two chains: an
-// AVX-512 build computes the AVX2 build's bits.
+// (krow padded to a multiple of 8), calling `ahead.some()` once a key. Each key's row is
+// loaded (and widened) once for the GT heads. A score adds its products in one order whatever the vector width: lane i of the even
+// 8-float chunks (0, 2, 4, ..) in one chain and of the odd ones in another, the two chains
+// added, then the eight lanes in a tree (lane_sums). A 16-float vector holds an even chunk and
+// the odd one after it, so its halves are the two chains: an AVX-512 build computes the AVX2
+// build's bits.
 template <int CH, int GT, typename KV>
 inline void score_tile(const float* q, int64_t dh, const KV* const* krow, int64_t n,
-                       float (*s)[MAX_SPAN + 8]) {
+                       float (*s)[MAX_SPAN + 8], NextRows<KV>& ahead) {
     const int64_t chunks = CH ? CH : dh / 8;
     for (int64_t j0 = 0; j0 < n; j0 += 8) {
         v8 part[GT][8];
         for (int jj = 0; jj < 8; ++jj) {
+            ahead.some();
             const KV* k = krow[j0 + jj];
             if constexpr (WIDE && CH && CH % 2 == 0) {
                 v16 a[GT];
@@ -432,9 +451,10 @@ inline void pv_tile(const float (*p)[MAX_SPAN + 8], int64_t n, const KV* const* 
 // (before a window), each head's online-softmax step (m, l), P @ V into acc.
 template <int CH, int GT, typename KV>
 void span_tile(const float* q, int64_t dh, const KV* const* krow, const KV* const* vrow,
-               int64_t n, int64_t masked, float* m, float* l, float* acc) {
+               int64_t n, int64_t masked, float* m, float* l, float* acc,
+               NextRows<KV>& ahead) {
     alignas(32) float s[GT][MAX_SPAN + 8];
-    score_tile<CH, GT>(q, dh, krow, n, s);
+    score_tile<CH, GT>(q, dh, krow, n, s, ahead);
     float shrink[GT];
     for (int g = 0; g < GT; ++g) {
         for (int64_t j = 0; j < masked; ++j) s[g][j] = -INFINITY;
@@ -454,7 +474,8 @@ void span_tile(const float* q, int64_t dh, const KV* const* krow, const KV* cons
 // attention output.
 //
 // Bound by reading the cache, so each row is read from memory once: keys go SPAN at a time
-// (whole cache blocks, fetched in one sweep first: fetch_rows), and the query heads that share a KV head (GQA) take each K and V row from one load, TILE_HEADS at a
+// (whole cache blocks, read in one sweep first: load_rows, the next span's prefetched over
+// this one's arithmetic: NextRows), and the query heads that share a KV head (GQA) take each K and V row from one load, TILE_HEADS at a
 // time, widened from float16 in registers (a widened copy in a scratch cost a store and a load
 // per value, and the scratch did not fit L1). `CH` = Dh / 8 where known at compile time (the
 // common head sizes), so the inner loops keep to registers; 0 = runtime-sized.
@@ -476,7 +497,7 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
         l[g] = 0.f;
         for (int64_t i = 0; i < dh; ++i) acc[g * dh + i] = 0.f;
     }
-    const auto span = [&](int64_t gt, auto... args) {
+    const auto span = [&](int64_t gt, auto&&... args) {  // (by reference: `ahead` moves on)
         switch (gt) {
             case 1: return span_tile<CH, 1>(args...);
             case 2: return span_tile<CH, 2>(args...);
@@ -501,7 +522,8 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
     for (int64_t first = key_start; first < num_keys; first += span_keys) {
         const int64_t n = std::min(span_keys, num_keys - first);
         const int64_t n_next = span_rows(first + n, rows_next);
-        fetch_rows(c, rows_now, n, rows_next, n_next, row_bytes);
+        load_rows(c, rows_now, n, row_bytes);
+        NextRows<KV> ahead(c, rows_next, n_next, row_bytes, (h1 - h0) * tiles * ((n + 7) & ~7));
         const int64_t masked = std::clamp<int64_t>(mask_before - first, 0, n);
         for (int64_t h = h0; h < h1; ++h) {
             for (int64_t j = 0; j < n; ++j) {
@@ -512,7 +534,7 @@ void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int6
             const int64_t end = (h - h0 + 1) * group;
             for (int64_t g = (h - h0) * group; g < end; g += tile_heads)
                 span(std::min(tile_heads, end - g), q + g * dh, dh, krow, vrow, n, masked, m + g,
-                     l + g, acc + g * dh);
+                     l + g, acc + g * dh, ahead);
         }
         std::copy(rows_next, rows_next + n_next, rows_now);
     }

@@ -36,13 +36,30 @@ from llmbus.services.executor.plan_overlap import LeadTurns
 MICRO_BATCH_MIN_TOKENS = 16
 
 
-def token_ranges(num_tokens: int, num_shards: int,
+def token_ranges(query_lens: list[int], num_shards: int,
                  min_tokens: int = MICRO_BATCH_MIN_TOKENS) -> list[tuple[int, int]]:
-    """The step's tokens in as many even, contiguous ranges as there are shards, each of at
-    least `min_tokens` (one range for a smaller step)."""
+    """The step's tokens (each sequence's `query_lens`, in order) in as many even, contiguous
+    ranges as there are shards, each of at least `min_tokens` (one range for a smaller step).
+    No cut leaves one token of a longer query alone on either side: that token would attend
+    as a decode, the attention kernel's other path, whose last bits differ from a chunk row's,
+    and the split engine's output would drift from the whole engine's."""
+    num_tokens = sum(query_lens)
     count = max(1, min(num_shards, num_tokens // min_tokens))
-    cuts = [num_tokens * k // count for k in range(count + 1)]
-    return list(zip(cuts, cuts[1:], strict=False))
+    starts = [0]
+    for length in query_lens:
+        starts.append(starts[-1] + length)
+    cuts = []
+    for k in range(1, count):
+        cut = num_tokens * k // count
+        start = max(s for s in starts if s <= cut)  # the sequence the cut falls in
+        end = min(s for s in starts if s > cut) if cut < num_tokens else cut
+        if cut - start == 1 and end - start > 1:
+            cut = start
+        elif end - cut == 1 and end - start > 1:
+            cut = end
+        cuts.append(cut)
+    bounds = sorted({0, num_tokens, *cuts})
+    return list(zip(bounds, bounds[1:], strict=False))
 
 
 def sub_geometry(geometry: Geometry, first: int, end: int) -> Geometry:
@@ -78,7 +95,7 @@ class PipelinedForward:
                  meta: AttentionMetadata, kv_cache: KVCache,
                  logits_indices: torch.Tensor) -> torch.Tensor:
         model, geometry = self.model, step_geometry(meta)
-        ranges = token_ranges(input_ids.shape[0], self.num_shards, self.min_tokens)
+        ranges = token_ranges(geometry[0], self.num_shards, self.min_tokens)
         outputs = []
         for first, end in ranges:
             part = geometry if len(ranges) == 1 else sub_geometry(geometry, first, end)

@@ -117,11 +117,17 @@ def test_the_handoff_is_bit_exact_in_any_number_of_parts():
 
 
 def test_micro_batches_cut_the_tokens_evenly_and_each_sequence_where_they_fall():
-    assert token_ranges(31, 2) == [(0, 31)]  # 16 tokens each at least
-    assert token_ranges(32, 2) == [(0, 16), (16, 32)]
-    assert token_ranges(8, 2) == [(0, 8)]  # 8 decodes: whole
-    assert token_ranges(1000, 3) == [(0, 333), (333, 666), (666, 1000)]
-    assert token_ranges(5, 2, min_tokens=2) == [(0, 2), (2, 5)]
+    assert token_ranges([1] * 31, 2) == [(0, 31)]  # 16 tokens each at least
+    assert token_ranges([1] * 32, 2) == [(0, 16), (16, 32)]
+    assert token_ranges([1] * 8, 2) == [(0, 8)]  # 8 decodes: whole
+    assert token_ranges([1000], 3) == [(0, 333), (333, 666), (666, 1000)]
+    assert token_ranges([1] * 5, 2, min_tokens=2) == [(0, 2), (2, 5)]
+    assert token_ranges([6, 1, 1], 2, min_tokens=2) == [(0, 4), (4, 8)]
+    # no token of a longer query alone on one side (it would attend as a decode)
+    assert token_ranges([5, 3], 2, min_tokens=2) == [(0, 5), (5, 8)]
+    assert token_ranges([1, 2, 1], 2, min_tokens=2) == [(0, 1), (1, 4)]
+    assert token_ranges([3, 7, 1, 1], 2, min_tokens=2) == [(0, 6), (6, 12)]
+    assert token_ranges([3, 5], 2, min_tokens=2) == [(0, 3), (3, 8)]
     # a 6-token chunk of a prompt whose 6 tokens are new, then two decodes
     geometry = ([6, 1, 1], [6, 9, 4], [[1, 2], [3, 4, 5], [6]])
     assert sub_geometry(geometry, 0, 4) == ([4], [4], [[1, 2]])
@@ -215,7 +221,8 @@ def test_a_split_engine_samples_the_bits_of_the_whole_model(tmp_path, family):
     for count in counts:
         assert _run(split_runner(path, count, choice=choice, **options)) == whole
         # Micro-batches of 2+ tokens: prompt chunks cut in two, decodes in halves. The integer
-        # kernel's rows are independent of each other: the same bits. ONNX Runtime's float32
+        # kernel's rows are independent of each other, and no cut leaves one token of a chunk
+        # to attend as a decode (token_ranges): the same bits. ONNX Runtime's float32
         # GEMMs block their sums by the rows they get, so its bits move with a step's shape
         # (as they do with a batch's): the same tokens, logprobs within the exact mode's 1e-4.
         cut = _run(split_runner(path, count, min_tokens=2, choice=choice, **options))

@@ -304,8 +304,8 @@ inline void load_rows(const Cache<KV>& c, const int64_t* offset, int64_t n, int6
 // The next span's rows `offset[0:n]` (`bytes` each, K and V), prefetched into L2 a few lines a
 // call, the calls spread over this span's arithmetic. With load_rows first, medians of
 // interleaved runs of the case above: 879 us without prefetches, 790 with the next span's in
-// load_rows' loop (a burst: more misses than the core tracks), 608 spread. Prefetches without
-// load_rows did not help (995).
+// load_rows' loop (a burst, likely more misses than the core tracks), 608 spread. Prefetches
+// without load_rows did not help (995).
 template <typename KV>
 struct NextRows {
     const Cache<KV>& c;

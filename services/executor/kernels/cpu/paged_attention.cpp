@@ -369,11 +369,11 @@ inline v8 halves_sum(v16 x) {
 
 // s[g][0:n] <- the scores of GT query heads (rows of q, scaled) against the keys at krow[0:n]
 // (krow padded to a multiple of 8), calling `ahead.some()` once a key. Each key's row is
-// loaded (and widened) once for the GT heads. A score adds its products in one order whatever the vector width: lane i of the even
-// 8-float chunks (0, 2, 4, ..) in one chain and of the odd ones in another, the two chains
-// added, then the eight lanes in a tree (lane_sums). A 16-float vector holds an even chunk and
-// the odd one after it, so its halves are the two chains: an AVX-512 build computes the AVX2
-// build's bits.
+// loaded (and widened) once for the GT heads. A score adds its products in one order whatever
+// the vector width: lane i of the even 8-float chunks (0, 2, 4, ..) in one chain and of the
+// odd ones in another, the two chains added, then the eight lanes in a tree (lane_sums). A
+// 16-float vector holds an even chunk and the odd one after it, so its halves are the two
+// chains: an AVX-512 build computes the AVX2 build's bits.
 template <int CH, int GT, typename KV>
 inline void score_tile(const float* q, int64_t dh, const KV* const* krow, int64_t n,
                        float (*s)[MAX_SPAN + 8], NextRows<KV>& ahead) {
@@ -475,9 +475,9 @@ void span_tile(const float* q, int64_t dh, const KV* const* krow, const KV* cons
 //
 // Bound by reading the cache, so each row is read from memory once: keys go SPAN at a time
 // (whole cache blocks, read in one sweep first: load_rows, the next span's prefetched over
-// this one's arithmetic: NextRows), and the query heads that share a KV head (GQA) take each K and V row from one load, TILE_HEADS at a
-// time, widened from float16 in registers (a widened copy in a scratch cost a store and a load
-// per value, and the scratch did not fit L1). `CH` = Dh / 8 where known at compile time (the
+// this one's arithmetic: NextRows), and the query heads that share a KV head (GQA) take each
+// K and V row from one load, TILE_HEADS at a time, widened from float16 in registers (a
+// widened copy in a scratch cost a store and a load per value, and did not fit L1). `CH` = Dh / 8 where known at compile time (the
 // common head sizes), so the inner loops keep to registers; 0 = runtime-sized.
 template <int CH, typename KV>
 void attend(const float* q, int64_t group, const Cache<KV>& c, int64_t seq, int64_t h0,

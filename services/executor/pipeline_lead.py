@@ -15,6 +15,7 @@ twice.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -51,8 +52,8 @@ def token_ranges(query_lens: list[int], num_shards: int,
     cuts = []
     for k in range(1, count):
         cut = num_tokens * k // count
-        start = max(s for s in starts if s <= cut)  # the sequence the cut falls in
-        end = min(s for s in starts if s > cut) if cut < num_tokens else cut
+        at = bisect.bisect_right(starts, cut)  # the cut falls in sequence at - 1
+        start, end = starts[at - 1], starts[at]
         if cut - start == 1 and end - start > 1:
             cut = start
         elif end - cut == 1 and end - start > 1:

@@ -78,15 +78,17 @@ def profile(runner, batch: int, context: int, num_steps: int) -> dict[str, float
             int_boundary=_Timed(kernel.int_boundary), int_head=_Timed(kernel.int_head))
         timers += [model.int_step.lib.int_boundary, model.int_step.lib.int_head]
     model.attend = attend = _Timed(model.attend)
-    model.forward = forward = _Timed(model.forward)
+    served_forward = runner.model_forward
+    runner.model_forward = forward = _Timed(served_forward)
     model.fused_layers = False
     total = run_steps(num_steps)
     model.fused_layers = fused
+    runner.model_forward = served_forward
     for graph in graphs:
         graph.run = graph.run.fn
     if kernel is not None:
         model.int_step.lib = kernel
-    del model.attend, model.forward  # back to the class's methods
+    del model.attend  # back to the class's method
     runner.step(StepPlan(step_id=2 * num_steps + 1, finished_sequence_ids=ids))
     per_step = 1000 / num_steps
     return {"served": served * per_step, "step": total * per_step,
@@ -101,6 +103,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--exact", action="store_true")
+    parser.add_argument("--model", help="a GGUF file (default: the pulled default model)")
     args = parser.parse_args()
 
     from llmbus.services.cpu_features import cpu_label
@@ -110,7 +113,8 @@ def main() -> int:
     batches = [int(b) for b in args.batch.split(",")]
     contexts = [int(c) for c in args.context.split(",")]
     blocks = max(batches) * (-(-(max(contexts) + 2 * args.steps) // 16)) + 2
-    runner = ModelRunner(default_model_path(), model_name="profile", num_threads=args.threads,
+    runner = ModelRunner(args.model or default_model_path(), model_name="profile",
+                         num_threads=args.threads,
                          num_blocks=blocks, backend="auto", exact=args.exact)
     print(f"# {cpu_label()}; {args.threads} threads; "
           f"{'exact' if args.exact else 'fast'} mode; ms per decode step")

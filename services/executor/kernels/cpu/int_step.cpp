@@ -215,6 +215,29 @@ inline void scale_block(const Group& w, int64_t g, int64_t G, const float* d, co
     }
 }
 
+// Blocks ahead that a tile prefetches. A decode step streams each weight once: without
+// prefetches the loads of each tile's codes stalled on memory, and each new tile began
+// its own streams cold (2 Zen 4 cores, the default model's matmuls at one token: 6.4 ms, 17 GB/s
+// of a 31 GB/s read bandwidth; with them, 4.8 ms; a 1B Q4_K_M file's 34 -> 26 ms). 16, 32 and
+// 64 blocks measured alike; into L2 (T1) beat into L1 (T0) by 10-15%.
+constexpr int64_t PREFETCH_BLOCKS = 32;
+
+// Prefetch into L2 block g + PREFETCH_BLOCKS of each of a tile's column groups' streams
+// (`per_block` bytes a block, `stride` bytes from one group's to the next's); past the last
+// block, of the groups GROUPS further on, which a static schedule gives this thread next. A
+// stream of fewer than 64 bytes a block takes one prefetch a line.
+template <int GROUPS>
+inline void prefetch_ahead(const void* base, int64_t stride, int64_t per_block, int64_t g,
+                           int64_t G) {
+    int64_t b = g + PREFETCH_BLOCKS, first = 0;
+    for (; b >= G; b -= G) first += GROUPS;
+    if (per_block < 64 && (b * per_block) % 64 >= per_block) return;  // not a line's first
+    for (int s = 0; s < GROUPS; ++s) {
+        const char* p = static_cast<const char*>(base) + (first + s) * stride + b * per_block;
+        for (int64_t at = 0; at < per_block; at += 64) _mm_prefetch(p + at, _MM_HINT_T1);
+    }
+}
+
 // y[row + r, the vector's columns] for R rows, from the blocks of the column groups at w.
 template <class V, int R, Kind KIND, bool WIDE>
 void tile(const Group& w, int64_t G, const Inputs& in, int64_t row, float* y, int64_t ldy,
@@ -228,6 +251,17 @@ void tile(const Group& w, int64_t G, const Inputs& in, int64_t row, float* y, in
     for (int r = 0; r < R; ++r) acc[r] = V::zero_f();
     const I low4 = V::splat8(0x0F), low8 = V::splat32(0x00FF00FF);
     for (int64_t g = 0; g < G; ++g) {
+        if (row == in.first) {  // later tiles of these columns find the weights in cache
+            prefetch_ahead<V::GROUPS>(w.codes, w.code_stride, KIND == Q8 ? 256 : 128, g, G);
+            const int64_t factor_bytes = w.ss == nullptr ? 32 : 4;  // 8 floats a block or super
+            prefetch_ahead<V::GROUPS>(w.s, w.factor_stride * 4, factor_bytes, g, G);
+            if (KIND == Q4)
+                prefetch_ahead<V::GROUPS>(w.m, w.factor_stride * 4, factor_bytes, g, G);
+            if (w.ss != nullptr) {
+                prefetch_ahead<V::GROUPS>(w.ss, w.sub_stride, 8, g, G);
+                prefetch_ahead<V::GROUPS>(w.sm, w.sub_stride, 8, g, G);
+            }
+        }
         I isum[R];
         for (int r = 0; r < R; ++r) isum[r] = V::zero();
 #if !HAVE_VNNI

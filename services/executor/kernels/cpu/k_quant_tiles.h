@@ -99,6 +99,19 @@ void kq_tile(const KqGroup<F>& w, int64_t G, const Inputs& in, int64_t row, floa
     for (int r = 0; r < R; ++r) acc[r] = V::zero_f();
     const I table = V::table(IQ4_VALUES);
     for (int64_t g = 0; g < G; ++g) {
+        if (row == in.first) {  // as int_step.cpp's tiles
+            prefetch_ahead<V::GROUPS>(w.lo, w.lo_stride, F::LOW * 32, g, G);
+            if constexpr (F::HIGH > 0)
+                prefetch_ahead<V::GROUPS>(w.hi, w.hi_stride, F::HIGH * 32, g, G);
+            if constexpr (F::HAS_SUB)
+                prefetch_ahead<V::GROUPS>(w.ss, w.sub_stride, F::HALVES * 8, g, G);
+            if constexpr (F::MINS && !F::NIBBLES)
+                prefetch_ahead<V::GROUPS>(w.sm, w.sub_stride, 8, g, G);
+            constexpr int64_t factor_bytes = 32 * 32 / F::SUPER;  // 8 floats a SUPER weights
+            prefetch_ahead<V::GROUPS>(w.d, w.super_stride * 4, factor_bytes, g, G);
+            if constexpr (F::MINS)
+                prefetch_ahead<V::GROUPS>(w.neg_dmin, w.super_stride * 4, factor_bytes, g, G);
+        }
         I isum[F::HALVES][R];
         for (int h = 0; h < F::HALVES; ++h)
             for (int r = 0; r < R; ++r) isum[h][r] = V::zero();

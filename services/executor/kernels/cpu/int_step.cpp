@@ -216,10 +216,11 @@ inline void scale_block(const Group& w, int64_t g, int64_t G, const float* d, co
 }
 
 // Blocks ahead that a tile prefetches. A decode step streams each weight once: without
-// prefetches the loads of each tile's codes stalled on memory, and each new tile began
-// its own streams cold (2 Zen 4 cores, the default model's matmuls at one token: 6.4 ms, 17 GB/s
-// of a 31 GB/s read bandwidth; with them, 4.8 ms; a 1B Q4_K_M file's 34 -> 26 ms). 16, 32 and
-// 64 blocks measured alike; into L2 (T1) beat into L1 (T0) by 10-15%.
+// prefetches the loads of each tile's codes stalled on memory, and each new tile began its
+// streams cold (2 Zen 4 cores, one token: the default model's matmuls 6.3 -> 5.0 ms, a 1B
+// Q4_K_M file's 31.4 -> 25.5 ms, 27 GB/s of a 30 GB/s read bandwidth; docs/measurements/
+// 2026-12-04-zen4-matmul-prefetch.md). 16, 32 and 64 blocks measured alike, 8 too few; into
+// L1 instead of L2, 7-20% slower.
 constexpr int64_t PREFETCH_BLOCKS = 32;
 
 // Prefetch into L2 block g + PREFETCH_BLOCKS of each of a tile's column groups' streams

@@ -43,12 +43,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Runni
 
     It runs the executor's exact mode, whose greedy output the e2e tests compare with HF
     transformers (design invariant 3); the stacks of the fault, replica and launcher tests run
-    the fast default."""
+    the fast default. Its lone streams take 8 steps a plan (--decode-plan-ms 200: the exact
+    forwards take 13-25 ms), far more than the forwards in a streaming interval, so that
+    test_a_lone_stream_gets_its_tokens_as_the_forwards_sample_them tells the two apart."""
     if not default_model_path().is_file():
         pytest.skip("default model not pulled (`llmbus model pull`)")
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     running = start_stack(tmp_path_factory.mktemp("stack"), "--api-key", API_KEY, "--exact",
-                          env=env)
+                          "--decode-plan-ms", "200", env=env)
     yield running
     stop_stack(running)
 

@@ -7,7 +7,11 @@ stream's text comes at about the pace of its forwards, not a plan's worth at a t
 Why an interval and not every forward: each message is a hop through the scheduler, the
 detokenizer and the api, whose CPU a small machine takes from the forwards. One stream of the
 default model on 2 cores (Intel Xeon model 167): every 6.6 ms forward streamed, TPOT 7.2 ms and
-ITL p99 15 ms; a plan's worth at a time, 6.6 and 120 ms.
+ITL p99 15 ms; a plan's worth at a time, 6.6 and 120 ms. Why 16 ms: a screen shows text at most
+60 times a second, so sooner is not seen; and the messages' CPU still cost a lone stream a
+fifth of its speed at 10 ms (2 Zen 4 cores, 5.5-6 ms forwards, two runs each, TPOT / ITL p99:
+every 10 ms 7.9 / 25.0 and 7.5 / 23.2 ms; 16 ms 7.3 / 28.6 and 7.1 / 27.4; 20 ms 6.6 / 32.4 and
+7.0 / 32.6; only at a plan's end, 6.0-7.0 / 72-85).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Callable
 from llmbus.bus.messages import ScheduledRequest, StepProgress, TokenLogprobs
 from llmbus.services.executor.sampling.sampled_tokens import SampledTokens
 
-STREAM_INTERVAL_SECONDS = 0.010  # a plan's tokens go out at most this often while it runs
+STREAM_INTERVAL_SECONDS = 0.016  # a plan's tokens go out at most this often while it runs
 
 
 class ProgressStream:

@@ -136,14 +136,17 @@ async def test_concurrent_streams_share_steps(stack):
 
 
 def test_a_lone_stream_gets_its_tokens_as_the_forwards_sample_them(client):
-    """A lone stream decodes several forwards a plan (multi-step), yet its tokens come as the
-    forwards sample them (StepProgress, at most every 10 ms; the exact mode's forwards take
-    longer), not a plan's worth at a time: most chunks carry one token (the logprobs say how
-    many each carries). Seen failing without the executor's grant to publish its progress."""
+    """A lone stream decodes 8 forwards a plan (multi-step; the shared stack's plan time fits
+    them), yet its tokens come as the forwards sample them (StepProgress, at most every 16 ms),
+    not a plan's worth at a time: an exact forward reads the model's 540 MB of float32 weights,
+    8 ms or more at any 2-core machine's bandwidth, so at most two forwards end within one
+    interval, and most chunks carry one or two tokens (the logprobs say how many each carries)
+    where a plan's worth is 8. Seen failing without the executor's grant to publish its
+    progress."""
     stream = client.completions.create(model=MODEL_NAME, prompt="Once upon a time",
                                        max_tokens=160, temperature=0, logprobs=1, stream=True,
                                        extra_body={"ignore_eos": True})
     per_chunk = [len(c.choices[0].logprobs.tokens) for c in stream
                  if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.tokens]
     assert sum(per_chunk) == 160
-    assert sorted(per_chunk)[len(per_chunk) // 2] == 1, per_chunk
+    assert sorted(per_chunk)[len(per_chunk) // 2] <= 2, per_chunk

@@ -79,8 +79,8 @@ class AdapterStore:
             bucket=subjects.ADAPTERS_BUCKET, storage=api.StorageType.FILE, replicas=replicas,
             max_bytes=max_bytes, description="llmbus: LoRA adapters")
         objects = await open_bucket(
-            runtime, lambda js: _create_or_bind(js, config), store="the adapter store",
-            holds="LoRA adapters", unavailable=AdapterStoreUnavailable,
+            runtime, lambda js: _create_or_bind(js, config), stream=f"OBJ_{config.bucket}",
+            store="the adapter store", holds="LoRA adapters", unavailable=AdapterStoreUnavailable,
             request_timeout=REQUEST_TIMEOUT, open_timeout=OPEN_TIMEOUT)
         return cls(objects)
 

@@ -62,9 +62,10 @@ class ResponseStore:
             bucket=subjects.RESPONSES_BUCKET, ttl=ttl_s, max_bytes=max_bytes, history=1,
             storage=api.StorageType.FILE, replicas=replicas, direct=True)
         kv = await open_bucket(
-            runtime, lambda js: _create_or_bind(js, config), store="the response store",
-            holds="stored responses", unavailable=ResponseStoreUnavailable,
-            request_timeout=REQUEST_TIMEOUT, open_timeout=OPEN_TIMEOUT)
+            runtime, lambda js: _create_or_bind(js, config), stream=f"KV_{config.bucket}",
+            store="the response store", holds="stored responses",
+            unavailable=ResponseStoreUnavailable, request_timeout=REQUEST_TIMEOUT,
+            open_timeout=OPEN_TIMEOUT)
         return cls(runtime, kv)
 
     async def put(self, response_id: str, value: bytes) -> None:

@@ -207,7 +207,8 @@ async def test_a_cluster_keeps_the_bucket_on_every_server(as_user):
                                              replicas=3)
             # open() returns once the bucket's stream has a leader: before, a write right
             # after it found no responder while the new cluster elected one (seen in CI)
-            info = await writer.jetstream(timeout=2.0).stream_info(f"KV_{subjects.RESPONSES_BUCKET}")
+            js = writer.jetstream(timeout=2.0)
+            info = await js.stream_info(f"KV_{subjects.RESPONSES_BUCKET}")
             assert info.cluster is not None and info.cluster.leader
             await store.put(_response_id(10), b"replicated")
             other = await ResponseStore.open(reader, ttl_s=TTL_S, max_bytes=MAX_BYTES,

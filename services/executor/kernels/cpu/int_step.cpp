@@ -226,13 +226,13 @@ constexpr int64_t PREFETCH_BLOCKS = 32;
 // Prefetch into L2 block g + PREFETCH_BLOCKS of each of a tile's column groups' streams
 // (`per_block` bytes a block, `stride` bytes from one group's to the next's); past the last
 // block, of the groups GROUPS further on, which a static schedule gives this thread next. A
-// stream of fewer than 64 bytes a block takes one prefetch a line.
+// stream of fewer than 64 bytes a block takes one prefetch every 64 bytes (a line each).
 template <int GROUPS>
 inline void prefetch_ahead(const void* base, int64_t stride, int64_t per_block, int64_t g,
                            int64_t G) {
     int64_t b = g + PREFETCH_BLOCKS, first = 0;
     for (; b >= G; b -= G) first += GROUPS;
-    if (per_block < 64 && (b * per_block) % 64 >= per_block) return;  // not a line's first
+    if (per_block < 64 && (b * per_block) % 64 >= per_block) return;  // 64 bytes not passed
     for (int s = 0; s < GROUPS; ++s) {
         const char* p = static_cast<const char*>(base) + (first + s) * stride + b * per_block;
         for (int64_t at = 0; at < per_block; at += 64) _mm_prefetch(p + at, _MM_HINT_T1);

@@ -60,6 +60,10 @@ CASES = {  # (query_lens, context_lens, heads, kv heads, head dim, block size, s
     # them than one group of rows, beside a prefill chunk over the same prefix
     "decodes sharing a long prefix": ([1] * 20 + [5], [100 + 3 * i for i in range(20)] + [90],
                                       9, 3, 64, 16, 5),
+    # a prefix of 9 1/4 key spans cut into 4 uneven key ranges (one group of members, one KV
+    # head), a member whose own part is its query alone, a chunk behind the same prefix
+    "decodes behind a prefix in key ranges": ([1] * 4 + [3], [600, 610, 620, 593, 595],
+                                              8, 1, 64, 16, 37),
     # a member whose own part is its query alone; no GQA, a runtime head size
     "shared prefix, own part one key": ([1, 1, 1], [73, 80, 100], 4, 4, 48, 8, 9),
     # blocks bigger than a softmax span (64 and 48 tokens), with a shared prefix and a chunk

@@ -111,6 +111,7 @@ class ModelRunner:
         self.turns: LeadTurns | None = None
         # A multi-step plan's tokens as each forward samples them (the service publishes them).
         self.on_progress: Callable[[StepProgress], None] = lambda _: None
+        self.tokens_out_at: float | None = None  # when the last step's result was ready
         self.config = config = self.model.config
         if max_model_len is not None and max_model_len > config.context_length:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
@@ -196,6 +197,7 @@ class ModelRunner:
         except Exception as exc:  # the adapter reports it; the executor stays up
             return StepOutcome(plan.step_id, SampledTokens(),
                                error=f"{type(exc).__name__}: {exc}")
+        self.tokens_out_at = time.perf_counter()
         return StepOutcome(plan.step_id, sampled, time.perf_counter() - started,
                            len(plan.scheduled), num_tokens, embeddings=tuple(embeddings))
 
@@ -253,7 +255,7 @@ class ModelRunner:
                 raise KeyError(f"unknown sequence {sched.sequence_id!r}")
             state.block_table.extend(sched.new_block_ids)
             check_scheduled(sched, state, self.block_size, self.max_model_len)
-        progress = ProgressStream(plan.step_id, self.on_progress)  # its interval starts now
+        progress = ProgressStream(plan.step_id, self.on_progress, since=self.tokens_out_at)
         sampled = self._forward(plan.scheduled, embeddings)
         self.kv_gathering.gather_filled(plan.scheduled,
                                         lambda sequence_id: self.requests[sequence_id].block_table)

@@ -91,3 +91,16 @@ def test_progress_goes_out_once_the_interval_has_passed_with_every_forward_since
     assert [(p.step_id, p.forward, p.num_forwards, p.sampled_token_ids, p.logprobs)
             for p in sent] == [(7, 0, 3, [100, 200, 101, 201, 102, 202], []),
                                (7, 3, 3, [103, 203, 104, 204, 105, 205], [])]
+
+
+def test_the_interval_runs_from_when_tokens_last_went_out():
+    """The plan before's result went out 2 ms before this plan's first forward began: with
+    forwards of 4 ms and an interval of 10, the first message comes after the second forward
+    (10 ms since the result), not the third; the next 10 ms after it."""
+    clock = iter([4.0, 8.0, 12.0, 16.0, 20.0, 24.0])
+    sent: list[StepProgress] = []
+    stream = ProgressStream(7, sent.append, interval=10.0, clock=lambda: next(clock), since=-2.0)
+    for forward in range(6):
+        stream(forward, SampledTokens([100 + forward]))
+    assert [(p.forward, p.num_forwards, p.sampled_token_ids) for p in sent] == [
+        (0, 2, [100, 101]), (2, 3, [102, 103, 104])]

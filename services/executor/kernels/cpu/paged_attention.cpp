@@ -904,8 +904,16 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
 
 }  // namespace
 
+// library.py builds each entry point as its own object (LLMBUS_PAGED_ATTENTION_F32 / _F16),
+// in parallel; without either define, this file gives both.
+#if !defined(LLMBUS_PAGED_ATTENTION_F32) && !defined(LLMBUS_PAGED_ATTENTION_F16)
+#define LLMBUS_PAGED_ATTENTION_F32
+#define LLMBUS_PAGED_ATTENTION_F16
+#endif
+
 extern "C" {
 
+#if defined(LLMBUS_PAGED_ATTENTION_F32)
 int paged_attention_f32(const float* qkv, int64_t num_tokens, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, const float* cos,
                         const float* sin, float* k_cache, float* v_cache, const int64_t* slots,
@@ -917,7 +925,9 @@ int paged_attention_f32(const float* qkv, int64_t num_tokens, int64_t num_heads,
                slots, tables, max_blocks, starts, ctx, num_seqs, block_size, max_query_len,
                scale, q_out, out, num_threads, window);
 }
+#endif
 
+#if defined(LLMBUS_PAGED_ATTENTION_F16)
 int paged_attention_f16(const float* qkv, int64_t num_tokens, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, const float* cos,
                         const float* sin, _Float16* k_cache, _Float16* v_cache,
@@ -929,5 +939,6 @@ int paged_attention_f16(const float* qkv, int64_t num_tokens, int64_t num_heads,
                slots, tables, max_blocks, starts, ctx, num_seqs, block_size, max_query_len,
                scale, q_out, out, num_threads, window);
 }
+#endif
 
 }  // extern "C"

@@ -751,10 +751,10 @@ int run(const float* qkv, int64_t num_tokens, int64_t num_heads, int64_t num_kv_
 
     // Work items: shared-prefix rows (one per member group, key range and KV head); prefill
     // chunks' tiles (sequence, KV head, up to MAX_CHUNK_ROWS rows), up to `max_query_len`
-    // queries; and
-    // decodes (token, KV heads [h0, h1)). Decode is bound by memory traffic: a cache block
-    // holds every head's rows, so an item that takes all of a token's heads reads each block
-    // once, in one stream; with fewer tokens than two per thread, items take one head each.
+    // queries; and decodes (token, KV heads [h0, h1)). Decode is bound by memory traffic: a
+    // cache block holds every head's rows, so an item that takes all of a token's heads reads
+    // each block once, in one stream; with fewer tokens than two per thread, items take one
+    // head each.
     const int64_t heads_per_item = int64_t(decodes.size()) >= 2 * num_threads
                                        ? std::min(num_kv_heads, MAX_ITEM_HEADS / group)
                                        : 1;

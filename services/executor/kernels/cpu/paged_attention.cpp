@@ -582,10 +582,13 @@ void attend_rows(const float* q, int64_t rows, const int64_t* row_keys, const Ca
         return window ? std::max<int64_t>(key_start, row_keys[r] - window) : key_start;
     };
     const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
-    int64_t rows_next[CHUNK_SPAN];
+    // cache rows of this span's keys and the next's (which come into L2 during this span's
+    // arithmetic)
+    int64_t rows_now[CHUNK_SPAN], rows_next[CHUNK_SPAN];
+    for (int64_t j = 0; j < std::min(CHUNK_SPAN, num_keys - row_lo(0)); ++j)
+        rows_now[j] = c.row(seq, row_lo(0) + j, h);
     for (int64_t first = row_lo(0); first < num_keys; first += CHUNK_SPAN) {
         const int64_t n = std::min(CHUNK_SPAN, num_keys - first);
-        // the next span's rows come into L2 during this span's arithmetic
         const int64_t n_next = std::max<int64_t>(0, std::min(CHUNK_SPAN, num_keys - first - n));
         for (int64_t j = 0; j < n_next; ++j) rows_next[j] = c.row(seq, first + n + j, h);
         NextRows<KV> ahead(c, rows_next, n_next, dh * int64_t(sizeof(KV)),
@@ -593,7 +596,7 @@ void attend_rows(const float* q, int64_t rows, const int64_t* row_keys, const Ca
         for (int64_t j0 = 0; j0 < CHUNK_SPAN; j0 += 8) {  // eight keys at a time
             const KV* krows[8];
             for (int64_t j = j0; j < j0 + 8; ++j) {
-                const int64_t r = c.row(seq, first + (j < n ? j : 0), h);
+                const int64_t r = rows_now[j < n ? j : 0];
                 krows[j - j0] = c.k + r;
                 if (j < n) widen_row(c.v + r, dh, vw[j]);
             }
@@ -655,6 +658,7 @@ void attend_rows(const float* q, int64_t rows, const int64_t* row_keys, const Ca
                     pv<CH>(scores[t], keys[t], vrow, chunks, shrink[t], acc + (r0 + t) * dh);
         }
         ahead.rest();
+        std::copy(rows_next, rows_next + n_next, rows_now);
     }
 }
 

@@ -26,6 +26,7 @@ from llmbus.services.api.adapters import AdapterNames, base_model, resolve_model
 from llmbus.services.api.anthropic_messages import MESSAGES_ROUTER
 from llmbus.services.api.chat import include_usage, metrics_for, start_chat
 from llmbus.services.api.constraints import output_constraint
+from llmbus.services.api.disconnects import abort_on_disconnect
 from llmbus.services.api.embeddings import DEFAULT_MAX_INPUTS, EMBEDDING_ROUTES
 from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.errors import EXCEPTION_HANDLERS, OpenAIError, bad_request
@@ -224,6 +225,7 @@ def create_app(engine: EngineClient, settings: ApiSettings | None = None, *,
         route_handlers=[v1, tokenize, detokenize, health, version_route, metrics,
                         *PAGE_ROUTES],
         exception_handlers=EXCEPTION_HANDLERS,
+        middleware=[abort_on_disconnect],
         lifespan=[state_lifespan],
         request_max_body_size=settings.max_body_bytes,
         logging_config=None,  # structlog owns logging (bus/logging.py)

@@ -10,7 +10,7 @@ when theirs fails or the bus loses their messages is migration_bus.py's.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import msgspec
@@ -53,6 +53,7 @@ class EngineClient:
         self.reply_subject = subjects.api_deltas(runtime.instance_id)
         self._streams: dict[str, asyncio.Queue[TextDelta]] = {}
         self._model: ModelInfo | None = None
+        self._late_aborts: set[asyncio.Task] = set()
         self.stats = PipelineStats(runtime)
         self.migrations = Migrations(runtime, self.stats.copies, self._admit, self.abort,
                                      migration_limit)
@@ -83,14 +84,28 @@ class EngineClient:
         # Before sending: deltas may come before the admission does.
         self._streams[request.request_id] = queue
         placement = self.migrations.track(request, queue)
+        admitting = asyncio.ensure_future(self._admit(placement.request))
         try:
-            admission = await self._admit(placement.request)
+            admission = await asyncio.shield(admitting)
+        except asyncio.CancelledError:
+            # The client left while the pipeline admits it: an abort sent now could reach the
+            # engine before the request does, so one more goes once the admission is back.
+            admitting.add_done_callback(self._abort_once_admitted(request.request_id))
+            raise
         except OpenAIError:
             self._streams.pop(request.request_id, None)
             self.migrations.forget(request.request_id)
             raise
         self.migrations.admitted(placement, admission)
         return admission
+
+    def _abort_once_admitted(self, request_id: str) -> Callable[[asyncio.Future], None]:
+        def done(admitting: asyncio.Future) -> None:
+            if not admitting.cancelled() and admitting.exception() is None:
+                task = asyncio.ensure_future(self.abort(request_id))
+                self._late_aborts.add(task)
+                task.add_done_callback(self._late_aborts.discard)
+        return done
 
     async def _admit(self, request: GenerateRequest) -> Admission:
         try:

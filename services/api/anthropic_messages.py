@@ -24,11 +24,12 @@ from llmbus.bus.messages import EncodeRequest
 from llmbus.services.api.adapters import resolve_model
 from llmbus.services.api.anthropic_events import Event, MessageStream, message_of
 from llmbus.services.api.anthropic_requests import MessagesRequest, chat_request, thinking_budget
+from llmbus.services.api.bodies import decode_body
 from llmbus.services.api.chat import start_chat
 from llmbus.services.api.constraints import tool_use
 from llmbus.services.api.errors import OpenAIError, log
 from llmbus.services.api.generation import Generation
-from llmbus.services.api.schemas import chat_messages, decode_body, template_kwargs_json
+from llmbus.services.api.schemas import chat_messages, template_kwargs_json
 
 
 async def _events(generation: Generation,

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from llmbus.services.api.bodies import Int
 from llmbus.services.api.errors import bad_request
 from llmbus.services.api.schemas import (
     ChatCompletionRequest,
@@ -81,7 +82,7 @@ class ToolChoiceIn(msgspec.Struct, forbid_unknown_fields=True):
 
 class ThinkingIn(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["enabled", "disabled"]
-    budget_tokens: int | None = None
+    budget_tokens: Int | None = None
 
 
 class MetadataIn(msgspec.Struct, forbid_unknown_fields=True):
@@ -91,12 +92,12 @@ class MetadataIn(msgspec.Struct, forbid_unknown_fields=True):
 class MessagesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     messages: list[MessageIn]
-    max_tokens: int | None = None  # required by /v1/messages, not by count_tokens
+    max_tokens: Int | None = None  # required by /v1/messages, not by count_tokens
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     stream: bool = False
     tools: list[ToolIn] | None = None
     tool_choice: ToolChoiceIn | None = None

@@ -24,6 +24,7 @@ from llmbus.bus.messages import EncodeRequest
 from llmbus.services.adapter_store_bus import AdapterStore
 from llmbus.services.api.adapters import AdapterNames, base_model, resolve_model
 from llmbus.services.api.anthropic_messages import MESSAGES_ROUTER
+from llmbus.services.api.bodies import decode_body
 from llmbus.services.api.chat import include_usage, metrics_for, start_chat
 from llmbus.services.api.constraints import output_constraint
 from llmbus.services.api.disconnects import abort_on_disconnect
@@ -44,7 +45,6 @@ from llmbus.services.api.schemas import (
     TokenizeRequest,
     chat_messages,
     completion_prompts,
-    decode_body,
     sampling_params,
     template_kwargs_json,
 )

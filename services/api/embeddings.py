@@ -31,12 +31,13 @@ from llmbus.bus.messages import (
     SamplingParams,
     TextDelta,
 )
+from llmbus.services.api.bodies import Int, decode_body, prompt_items
 from llmbus.services.api.chat import check_model, metrics_for
 from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.errors import OpenAIError, bad_request
-from llmbus.services.api.schemas import decode_body
 
 DEFAULT_MAX_INPUTS = 2048  # OpenAI's limit per request
+IN_FLIGHT = 32  # inputs of one call in the pipeline at once (the scheduler queues 256)
 _tracer = trace.get_tracer("llmbus.api")
 
 
@@ -45,43 +46,23 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # str | list[str] | list[int] | list[list[int]]: checked by `inputs_of`
     input: str | list[Any]
     encoding_format: str = "float"
-    dimensions: int | None = None
+    dimensions: Int | None = None
     user: str | None = None
     normalize: bool = True  # vLLM's extension: False gives the pooled vector as it is
-    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the last N tokens
+    truncate_prompt_tokens: Int | None = None  # vLLM's: keep only the last N tokens
 
 
 class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     text_1: str | list[str]
     text_2: str | list[str]
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: Int | None = None
 
 
 def inputs_of(value: str | list[Any], max_inputs: int,
               param: str = "input") -> list[str | list[int]]:
     """The inputs of a request: each a non-empty string or a non-empty list of token ids."""
-    if isinstance(value, str) or (value and all(_is_token(t) for t in value)):
-        items: list[Any] = [value]
-    else:
-        items = value
-    if not items:
-        raise bad_request(f"`{param}` must not be empty", param=param)
-    if len(items) > max_inputs:
-        raise bad_request(f"at most {max_inputs} inputs per request (--max-embedding-inputs), "
-                          f"got {len(items)}", param=param)
-    for item in items:
-        if isinstance(item, str):
-            if not item:
-                raise bad_request(f"`{param}` must not hold an empty string", param=param)
-        elif not (isinstance(item, list) and item and all(_is_token(t) for t in item)):
-            raise bad_request(f"`{param}` must be a string, a list of strings, a list of token "
-                              "ids or a list of token-id lists", param=param)
-    return items
-
-
-def _is_token(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return prompt_items(value, param, max_inputs, " (--max-embedding-inputs)")
 
 
 def finish_vectors(vectors: np.ndarray, *, normalize: bool, dimensions: int | None) -> np.ndarray:
@@ -106,36 +87,52 @@ def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str
 
 async def embed(engine: EngineClient, model: str, inputs: list[str | list[int]],
                 truncate: int | None) -> tuple[np.ndarray, int]:
-    """The pooled vectors [B, D] of the inputs, and their prompt tokens in all."""
+    """The pooled vectors [B, D] of the inputs, and their prompt tokens in all.
+
+    At most `IN_FLIGHT` inputs of one call are in the pipeline at once, the next admitted as
+    each one's vector comes back: a call of 2,048 inputs neither overflows the scheduler's
+    queue (a 503 on an idle server) nor fills it ahead of every other client."""
     if truncate is not None and truncate < 1:
         raise bad_request("`truncate_prompt_tokens` must be at least 1",
                           param="truncate_prompt_tokens")
     base, queue = f"embd-{uuid.uuid4().hex}", asyncio.Queue[TextDelta]()
     ids = [f"{base}-{i}" for i in range(len(inputs))]
-    requests = [GenerateRequest(
-        request_id=request_id, reply_subject=engine.reply_subject, model=model,
-        params=SamplingParams(max_tokens=1, pooling="model"), n=1,
-        **await _source(engine, item, truncate)) for request_id, item in zip(ids, inputs,
-                                                                          strict=True)]
+    to_admit = iter(zip(ids, inputs, strict=True))
+    admitted: list[str] = []  # submitted, in fact: each is released (aborted) on leaving
+    num_prompt_tokens = 0
+
+    async def admit_next() -> None:
+        nonlocal num_prompt_tokens
+        request_id, item = next(to_admit)
+        admitted.append(request_id)
+        admission = await engine.submit(GenerateRequest(
+            request_id=request_id, reply_subject=engine.reply_subject, model=model,
+            params=SamplingParams(max_tokens=1, pooling="model"), n=1,
+            **await _source(engine, item, truncate)), queue)
+        num_prompt_tokens += admission.num_prompt_tokens
+
+    vectors: dict[str, bytes] = {}
     finished = False
-    try:  # admitted together; one refused, and every other is aborted by the release
-        settled = await asyncio.gather(*(engine.submit(r, queue) for r in requests),
-                                       return_exceptions=True)
-        if errors := [e for e in settled if isinstance(e, BaseException)]:
-            if isinstance(errors[0], OpenAIError) and errors[0].param == "prompt":
-                errors[0].param = "input"  # this API's name for it
+    try:
+        first = await asyncio.gather(*(admit_next() for _ in range(min(IN_FLIGHT, len(ids)))),
+                                     return_exceptions=True)
+        if errors := [e for e in first if isinstance(e, BaseException)]:
             raise errors[0]
-        admissions = [a for a in settled if not isinstance(a, BaseException)]
-        vectors: dict[str, bytes] = {}
-        async for delta in engine.deltas(queue, len(requests)):
+        async for delta in engine.deltas(queue, len(ids)):
             if delta.finish_reason != FinishReason.STOP or not delta.embedding:
                 raise OpenAIError(500, f"embedding failed: {delta.error or 'aborted'}")
             vectors[delta.request_id] = delta.embedding
+            if len(admitted) < len(ids):
+                await admit_next()
         finished = True
+    except OpenAIError as exc:
+        if exc.param == "prompt":
+            exc.param = "input"  # this API's name for it
+        raise
     finally:
-        await engine.release(ids, finished)
+        await engine.release(admitted, finished)
     rows = [np.frombuffer(vectors[request_id], dtype="<f4") for request_id in ids]
-    return np.stack(rows), sum(a.num_prompt_tokens for a in admissions)
+    return np.stack(rows), num_prompt_tokens
 
 
 async def _source(engine: EngineClient, item: str | list[int],

@@ -26,8 +26,8 @@ from litestar.params import FromPath
 from llmbus.services.adapter_store_bus import AdapterStore, AdapterStoreUnavailable, check_name
 from llmbus.services.api.adapters import load_refusal, resolve_model, store_unavailable
 from llmbus.services.api.adapters_bus import command_engines
+from llmbus.services.api.bodies import decode_body
 from llmbus.services.api.errors import OpenAIError, bad_request
-from llmbus.services.api.schemas import decode_body
 
 log = structlog.get_logger()
 

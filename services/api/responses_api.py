@@ -21,6 +21,7 @@ from litestar.datastructures import State
 from litestar.params import FromPath
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
+from llmbus.services.api.bodies import decode_body
 from llmbus.services.api.chat import start_chat
 from llmbus.services.api.errors import OpenAIError
 from llmbus.services.api.generation import Generation
@@ -39,7 +40,7 @@ from llmbus.services.api.responses_schema import (
     message_dicts,
     messages_from_dicts,
 )
-from llmbus.services.api.schemas import ChatMessageIn, decode_body
+from llmbus.services.api.schemas import ChatMessageIn
 
 log = structlog.get_logger()
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from llmbus.services.api.bodies import Int
 from llmbus.services.api.errors import bad_request
 from llmbus.services.api.schemas import (
     ChatCompletionRequest,
@@ -31,7 +32,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     previous_response_id: str | None = None
     store: bool = True
     stream: bool = False
-    max_output_tokens: int | None = None
+    max_output_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
     tools: list[Any] | None = None
@@ -52,7 +53,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     include: list[str] | None = None
     background: bool | None = None
     truncation: str | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     conversation: Any = None
     prompt: Any = None
 

@@ -7,13 +7,13 @@ repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from llmbus.bus.messages import ChatMessage, SamplingParams
+from llmbus.services.api.bodies import MAX_TOKEN_ID, Int, TokenId, prompt_items
 from llmbus.services.api.errors import bad_request
 
 MAX_LOGPROBS = 20
@@ -53,21 +53,21 @@ class _Common(msgspec.Struct, kw_only=True):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
-    n: int = 1
+    n: Int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     user: str | None = None
     # Output constraints, checked by services/api/constraints.py.
@@ -81,15 +81,18 @@ class _Common(msgspec.Struct, kw_only=True):
     # Accepted so that their presence can be answered clearly (see _reject_unsupported).
     functions: Any = None
     function_call: Any = None
-    best_of: int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    web_search_options: Any = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: list[ChatMessageIn]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     parallel_tool_calls: bool | None = None  # default: several calls may come at once
     # Extra variables for the chat template (vLLM's extension), e.g. {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
@@ -99,7 +102,7 @@ class CompletionRequest(_Common, kw_only=True):
     # str | list[str] | list[int] | list[list[int]]: msgspec unions allow one array type, so
     # the list forms are checked by `completion_prompts`.
     prompt: str | list[Any]
-    logprobs: int | None = None
+    logprobs: Int | None = None
     echo: bool = False
 
 
@@ -118,7 +121,7 @@ def template_kwargs_json(kwargs: dict[str, Any] | None) -> str:
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
-    tokens: list[int]
+    tokens: list[TokenId]
     model: str | None = None
 
 
@@ -134,32 +137,21 @@ class Limits:
 _ROLES = {"system", "user", "assistant", "developer", "tool"}
 
 
-def decode_body(body: bytes, request_type: type) -> Any:
-    if not body:
-        raise bad_request("the request body is empty; send a JSON object")
-    try:
-        return msgspec.json.decode(body, type=request_type)
-    except msgspec.ValidationError as exc:
-        message = str(exc)
-        match = (re.search(r"at `\$\.([A-Za-z_]+)", message)
-                 or re.search(r"missing required field `([A-Za-z_]+)`", message))
-        raise bad_request(f"invalid request: {message}",
-                          param=match.group(1) if match else None) from None
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-
-
 def _reject_unsupported(req: _Common) -> None:
     """Parameters whose meaning this server does not implement."""
     unsupported = {
         "functions": req.functions is not None, "function_call": req.function_call is not None,
         "best_of": req.best_of not in (None, 1, req.n), "suffix": req.suffix is not None,
+        "audio": req.audio is not None, "web_search_options": req.web_search_options is not None,
+        "modalities": bool(set(req.modalities or []) - {"text"}),
     }
     if not isinstance(req, ChatCompletionRequest):
         unsupported |= {"tools": req.tools is not None, "tool_choice": req.tool_choice is not None}
     for param, used in unsupported.items():
         if used:
             hint = {"functions": "; use `tools`", "function_call": "; use `tool_choice`",
+                    "modalities": " (text is the one output here)",
+                    "web_search_options": ": it searches nothing",
                     "tools": " on /v1/completions; use /v1/chat/completions",
                     "tool_choice": " on /v1/completions; use /v1/chat/completions"}
             raise bad_request(f"`{param}` is not supported by this server{hint.get(param, '')}",
@@ -182,7 +174,7 @@ def sampling_params(req: _Common, *, max_tokens: int | None, default_max_tokens:
     if not 1 <= req.n <= limits.max_n:
         raise bad_request(f"`n` must be between 1 and {limits.max_n}, got {req.n}", param="n")
     _check_range(req.temperature, "temperature", 0.0, 2.0)
-    _check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
+    _check_range(req.top_p, "top_p", 0.0, 1.0)
     _check_range(req.min_p, "min_p", 0.0, 1.0)
     _check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
     _check_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
@@ -209,9 +201,11 @@ def sampling_params(req: _Common, *, max_tokens: int | None, default_max_tokens:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}",
                           param="top_logprobs" if isinstance(req, ChatCompletionRequest)
                           else "logprobs")
+    # `top_p: 0` keeps only the likeliest token: greedy, as vLLM and llama.cpp take it.
+    greedy = req.top_p == 0.0
     return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=max(top_k, 0),
+        temperature=0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if greedy or req.top_p is None else req.top_p, top_k=max(top_k, 0),
         min_p=req.min_p or 0.0,
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
         seed=req.seed, ignore_eos=req.ignore_eos, stop_token_ids=list(req.stop_token_ids or []),
@@ -230,7 +224,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
                           param="logit_bias")
     out = {}
     for key, value in bias.items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID):
             raise bad_request(f"`logit_bias` keys must be token ids, got {key!r}",
                               param="logit_bias")
         _check_range(value, "logit_bias", -100.0, 100.0)
@@ -246,27 +240,7 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
 
 def completion_prompts(req: CompletionRequest, limits: Limits) -> list[str | list[int]]:
     """The prompts of a completion request, each as text or token ids."""
-    prompt = req.prompt
-    if isinstance(prompt, str):
-        prompts: list[Any] = [prompt]
-    elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        prompts = [prompt]
-    else:
-        prompts = prompt
-    if not prompts:
-        raise bad_request("`prompt` must not be empty", param="prompt")
-    if len(prompts) > limits.max_prompts:
-        raise bad_request(f"at most {limits.max_prompts} prompts per request, got "
-                          f"{len(prompts)}", param="prompt")
-    for item in prompts:
-        if isinstance(item, list):
-            if not item or not all(isinstance(t, int) and not isinstance(t, bool)
-                                   for t in item):
-                raise bad_request("`prompt` must be a string, a list of strings, a list of "
-                                  "token ids or a list of token-id lists", param="prompt")
-        elif not isinstance(item, str) or not item:
-            raise bad_request("`prompt` must not be empty", param="prompt")
-    return prompts
+    return prompt_items(req.prompt, "prompt", limits.max_prompts)
 
 
 def chat_messages(messages_in: list[ChatMessageIn] | None) -> list[ChatMessage]:

@@ -10,8 +10,8 @@ import pytest
 
 from llmbus.services.api.anthropic_events import MessageStream, message_of
 from llmbus.services.api.anthropic_requests import MessagesRequest, chat_request
+from llmbus.services.api.bodies import decode_body
 from llmbus.services.api.errors import OpenAIError
-from llmbus.services.api.schemas import decode_body
 
 
 def _request(**fields) -> MessagesRequest:

@@ -22,7 +22,8 @@ def test_each_input_form():
 @pytest.mark.parametrize("value, needle", [
     ("", "empty string"), ([], "must not be empty"), ([[]], "token-id lists"),
     (["a", 1], "token-id lists"), ([True, False], "token-id lists"),
-    (["x"] * 9, "at most 8 inputs")])
+    (["x"] * 9, "at most 8 items"), ([2**64], "token ids are between"),
+    ([[1], [-1]], "token ids are between")])
 def test_bad_inputs_are_400s(value, needle):
     with pytest.raises(OpenAIError) as caught:
         inputs_of(value, 8)

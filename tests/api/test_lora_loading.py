@@ -147,7 +147,7 @@ async def test_unloading_an_unknown_adapter_is_a_404(world):
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"lora_name": "x"}, "lora_path"),
-    ({"lora_name": "x", "lora_path": "/p", "lora_pth": "/p"}, None),
+    ({"lora_name": "x", "lora_path": "/p", "lora_pth": "/p"}, "lora_pth"),
     ({"lora_name": "x", "lora_path": "/p", "load_inplace": True}, "load_inplace")])
 async def test_malformed_bodies_are_400s(world, body, param):
     http = await world.api()

@@ -6,10 +6,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from llmbus.services.api.bodies import decode_body
 from llmbus.services.api.errors import OpenAIError
 from llmbus.services.api.responses_output import ResponseEvents, conversation_turn, output_items
 from llmbus.services.api.responses_schema import ResponsesRequest, chat_request, input_messages
-from llmbus.services.api.schemas import decode_body
 
 CALL = {"id": "call_1", "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}

@@ -61,6 +61,35 @@ CASES = [
      "stream_options"),
     ("unsupported parameter", CHAT,
      {"model": MODEL_NAME, "messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
+    # What OpenAI's OpenAPI spec as a fuzzer found (schemathesis): integers past 64 bits were
+    # 500s (the bus encoder's OverflowError); each is a 400 naming its parameter now.
+    ("seed at the spec's minimum, below int64", CHAT,
+     b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
+     b'"seed": -9223372036854776000}' % MODEL_NAME.encode(), "seed"),
+    ("a token id of 2^64 in a prompt", COMPLETIONS,
+     {"model": MODEL_NAME, "prompt": [2**64]}, "prompt"),
+    ("a token id of 2^64 in an embedding input", "/embeddings",
+     {"model": MODEL_NAME, "input": [[1, 2**64]]}, "input"),
+    ("a logit_bias key of 2^64", CHAT,
+     {"model": MODEL_NAME, "messages": HELLO, "logit_bias": {str(2**64): 1}}, "logit_bias"),
+    ("top_k of 2^64", CHAT, {"model": MODEL_NAME, "messages": HELLO, "top_k": 2**64}, "top_k"),
+    ("stop_token_ids of 2^64", COMPLETIONS,
+     {"model": MODEL_NAME, "prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids"),
+    ("max_tokens of 2^64", COMPLETIONS,
+     {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2**64}, "max_tokens"),
+    ("n of 2^70", CHAT, {"model": MODEL_NAME, "messages": HELLO, "n": 2**70}, "n"),
+    ("a non-integral n", CHAT, {"model": MODEL_NAME, "messages": HELLO, "n": 1.5}, "n"),
+    # Unknown fields that ask for what this server cannot do are named; others are ignored.
+    ("audio out", CHAT, {"model": MODEL_NAME, "messages": HELLO, "audio": {"voice": "alloy"}},
+     "audio"),
+    ("audio among the modalities", CHAT,
+     {"model": MODEL_NAME, "messages": HELLO, "modalities": ["text", "audio"]}, "modalities"),
+    ("web search", CHAT, {"model": MODEL_NAME, "messages": HELLO, "web_search_options": {}},
+     "web_search_options"),
+    ("an unknown Responses field", "/responses",
+     {"model": MODEL_NAME, "input": "hi", "max_tokenz": 3}, "max_tokenz"),
+    ("a required field sent as null", CHAT, {"model": MODEL_NAME, "messages": None},
+     "messages"),
 ]
 
 
@@ -75,6 +104,37 @@ def test_bad_input_is_a_400_with_openai_error(stack, name, path, body, param):
     assert error["type"] == "invalid_request_error"
     assert error["message"] and "Traceback" not in error["message"]
     assert error["param"] == param
+
+
+SPEC_VALID = [
+    ("null for the nullable fields", CHAT, {
+        "messages": HELLO, "max_tokens": 4, "temperature": 0, "n": None, "stream": None,
+        "stop": None, "seed": None, "top_p": None, "logprobs": None, "tools": None,
+        "stream_options": None, "user": None, "presence_penalty": None}),
+    ("integral floats for integers", COMPLETIONS,
+     {"prompt": "hi", "max_tokens": 4.0, "n": 1.0, "temperature": 0, "logprobs": 2.0}),
+    ("unknown fields that change nothing", CHAT,
+     {"messages": HELLO, "max_tokens": 4, "temperature": 0, "store": False,
+      "metadata": {"a": "b"}, "reasoning_effort": "low", "modalities": ["text"]}),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "body"), SPEC_VALID, ids=[c[0] for c in SPEC_VALID])
+def test_spec_valid_encodings_are_served(stack, name, path, body):
+    response = httpx.post(f"{stack.base_url}{path}", json={"model": MODEL_NAME, **body},
+                          headers=AUTH, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
+
+
+def test_top_p_zero_is_greedy(stack):
+    def answer(**sampling) -> str:
+        response = httpx.post(f"{stack.base_url}{CHAT}", headers=AUTH, timeout=60, json={
+            "model": MODEL_NAME, "messages": HELLO, "max_tokens": 12, "seed": 7, **sampling})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+
+    assert answer(top_p=0, temperature=1.5) == answer(temperature=0)
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])

@@ -81,10 +81,30 @@ def test_score_is_the_cosine_of_the_embeddings(stack):
     ({"input": "x" * 40000}, "input"),  # longer than the context window
     ({"input": "hi", "dimensions": 100000}, "dimensions"),
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
-    ({"input": "hi", "pooling": "max"}, None)])  # not a parameter of this API
+    ({"input": "hi", "pooling": "max"}, "pooling")])  # not a parameter of this API
 def test_bad_input_is_a_400(stack, body, param):
     reply = httpx.post(f"{stack.base_url}/embeddings", headers=AUTH, timeout=60,
                        json={"model": MODEL_NAME, **body})
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+async def test_a_call_of_1000_inputs_is_served_beside_other_clients(stack):
+    """LangChain's default batch is 1,000 inputs; the scheduler queues 256 requests. The api
+    feeds them in pieces, so the call is served on an idle server and a chat sent meanwhile is
+    answered too (neither gets a 503)."""
+    import asyncio
+
+    inputs = [f"item {i}: a short sentence to embed." for i in range(1000)]
+    async with httpx.AsyncClient(timeout=300, headers=AUTH) as http:
+        embedding = asyncio.create_task(http.post(f"{stack.base_url}/embeddings", json={
+            "model": MODEL_NAME, "input": inputs}))
+        await asyncio.sleep(0.5)
+        chat = await http.post(f"{stack.base_url}/chat/completions", json={
+            "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4, "temperature": 0})
+        reply = await embedding
+    assert chat.status_code == 200, chat.text
+    assert reply.status_code == 200, reply.text
+    assert [d["index"] for d in reply.json()["data"]] == list(range(1000))

@@ -38,6 +38,8 @@ class TextDelta(Message):
     # An embedding request's answer (from its engine's scheduler, not a detokenizer): the
     # pooled vector as float32 bytes (little-endian), not normalised.
     embedding: bytes = b""
+    # With a completion's first delta: its prompt tokens that the prefix cache held.
+    num_cached_tokens: int = 0
 
 
 class DeltaBatch(Message):

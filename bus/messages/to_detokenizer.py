@@ -22,6 +22,7 @@ class CompletionStart(Message):
     # The new copy decodes them first without sending their text, which restores what the old
     # one held back for a stop string, then goes on with new_token_ids.
     replay_token_ids: list[int] = []
+    num_cached_tokens: int = 0  # of the prompt's, found in the prefix cache (usage reports them)
 
 
 class RequestTokens(Message):

@@ -42,6 +42,7 @@ class MessageStream:
         self.stop_sequences = stop_sequences
         self.thinking_budget = thinking_budget
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0  # of the input, read from the prefix cache
         self.num_blocks = 0
         self.open: str | None = None  # the kind of the block still open
         self.answered = False  # text or a tool call began: thinking is over
@@ -54,7 +55,7 @@ class MessageStream:
         return [("message_start", {"type": "message_start", "message": {
             "id": self.message_id, "type": "message", "role": "assistant", "content": [],
             "model": self.model, "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.num_input_tokens, "output_tokens": 0}}}),
+            "usage": self._usage()}}),
             ("ping", {"type": "ping"})]
 
     def feed(self, chunk: dict, num_output_tokens: int) -> list[Event]:
@@ -66,6 +67,7 @@ class MessageStream:
         self.num_output_tokens = max(self.num_output_tokens, num_output_tokens)
         if chunk.get("usage"):
             self.num_output_tokens = chunk["usage"]["completion_tokens"]
+            self.num_cached_tokens = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
         if not chunk["choices"]:
             return []
         [choice] = chunk["choices"]
@@ -92,8 +94,17 @@ class MessageStream:
             "type": "message_delta",
             "delta": {"stop_reason": self.stop_reason or "end_turn",
                       "stop_sequence": self.stop_sequence},
-            "usage": {"output_tokens": self.num_output_tokens}}),
+            "usage": self._usage()}),
             ("message_stop", {"type": "message_stop"})]
+
+    def _usage(self) -> dict:
+        """Anthropic's usage: `input_tokens` are those computed, apart from those read from
+        the cache (the prefix cache; it fills itself, so nothing is written on request); the
+        counts of the cache are known once the prompt ran, so `message_delta` has them."""
+        return {"input_tokens": self.num_input_tokens - self.num_cached_tokens,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": self.num_cached_tokens,
+                "output_tokens": self.num_output_tokens}
 
     def _strip_stop(self, reasoning: str, content: str) -> tuple[str, str]:
         """A stop string ended the output (it is asked into the text, see chat_request):
@@ -167,5 +178,5 @@ def message_of(events: list[Event]) -> dict:
             block["input"] = json.loads(partial_json[data["index"]] or "{}")
         elif name == "message_delta":
             message.update(data["delta"])
-            message["usage"]["output_tokens"] = data["usage"]["output_tokens"]
+            message["usage"].update(data["usage"])
     return message

@@ -75,6 +75,7 @@ class Generation:
     num_prompt_tokens: int = 0
     choices: list[Choice] = field(default_factory=list)
     _prompt_of: dict[str, int] = field(default_factory=dict)
+    _cached_of: dict[str, int] = field(default_factory=dict)  # prompt tokens the cache held
     metrics: ApiMetrics | None = None
     span: Span | None = None  # the request's root span: one trace across every service
     started_at: float = field(default_factory=time.monotonic)
@@ -194,6 +195,8 @@ class Generation:
                 self._itls.extend([0.0] * (n - 1))
             choice.last_delta_at = now
         self.queue_seconds = max(self.queue_seconds, delta.queue_seconds)
+        if delta.num_cached_tokens:
+            self._cached_of[delta.request_id] = delta.num_cached_tokens
         choice.text.append(delta.text)
         choice.logprobs.extend(delta.logprobs)
         choice.num_tokens = max(choice.num_tokens, delta.num_output_tokens)
@@ -202,7 +205,8 @@ class Generation:
         return index, choice
 
     def usage(self) -> dict:
-        return fmt.usage(self.num_prompt_tokens, sum(c.num_tokens for c in self.choices))
+        return fmt.usage(self.num_prompt_tokens, sum(c.num_tokens for c in self.choices),
+                         sum(self._cached_of.values()))
 
     async def collect(self) -> dict:
         """Wait for every choice; the whole non-streamed response body."""
@@ -226,10 +230,11 @@ class Generation:
             if self.chat:
                 reasoning, text = (split_reasoning(text, self.reasoning_open) if self.reasoning
                                    else (None, text))
-                message: dict[str, Any] = {"role": "assistant", "content": text}
+                message: dict[str, Any] = {"role": "assistant", "content": text,
+                                           "refusal": None}
                 calls = self._calls(choice, text)  # in the answer, not the reasoning
                 if calls:
-                    message = {"role": "assistant", "content": None,
+                    message = {"role": "assistant", "content": None, "refusal": None,
                                "tool_calls": fmt.tool_calls(calls, stream=False)}
                     reason = "tool_calls"
                 if self.reasoning:

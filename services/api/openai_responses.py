@@ -16,9 +16,10 @@ def finish_reason_name(reason: int) -> str | None:
     return FINISH_REASONS.get(FinishReason(reason))
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict:
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
-            "total_tokens": num_prompt_tokens + num_output_tokens}
+            "total_tokens": num_prompt_tokens + num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 def _lp(value: float) -> float:
@@ -26,8 +27,9 @@ def _lp(value: float) -> float:
 
 
 def chat_logprobs(items: list[TextLogprob]) -> dict:
-    """`choices[i].logprobs` of a chat completion (or chunk)."""
-    return {"content": [{
+    """`choices[i].logprobs` of a chat completion (or chunk); this server never refuses in
+    words, so `refusal` is always null."""
+    return {"refusal": None, "content": [{
         "token": item.token, "logprob": _lp(item.logprob), "bytes": list(item.token_bytes),
         "top_logprobs": [{"token": token, "logprob": _lp(lp), "bytes": list(raw)}
                          for token, lp, raw in zip(item.top_tokens, item.top_logprobs,

@@ -27,9 +27,11 @@ def new_id(prefix: str) -> str:
 
 
 def usage(chat_usage: dict) -> dict:
-    """Chat's usage in the Responses API's words (reasoning is not counted apart: 0)."""
+    """Chat's usage in the Responses API's words (reasoning is not counted apart: 0; the
+    prefix cache is filled as a side effect, never written on request: 0 written)."""
+    cached = chat_usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     return {"input_tokens": chat_usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": chat_usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}

@@ -202,7 +202,8 @@ class Detokenization:
             index=item.index, logprobs=self.token_texts.logprobs(
                 item.logprobs, item.new_token_ids) if item.logprobs else [],
             queue_seconds=item.queue_seconds, token_ids=list(item.new_token_ids),
-            attempt=item.attempt, resumable=item.resumable, detokenizer_id=self.instance_id)
+            attempt=item.attempt, resumable=item.resumable, detokenizer_id=self.instance_id,
+            num_cached_tokens=item.start.num_cached_tokens if item.start else 0)
 
 
 def _remember(keys: dict, key: Key, value: object = None) -> None:

@@ -53,7 +53,8 @@ def completion_start(request: Request, replay_token_ids: list[int]) -> Completio
         reply_subject=request.reply_subject, num_prompt_tokens=request.num_prompt_tokens,
         stop=request.params.stop,
         include_stop_str_in_output=request.params.include_stop_str_in_output,
-        traceparent=request.trace.traceparent, replay_token_ids=replay_token_ids)
+        traceparent=request.trace.traceparent, replay_token_ids=replay_token_ids,
+        num_cached_tokens=request.trace.num_cached_tokens)
 
 
 def end_updates(request: Request, step_id: int, error: str = "",

@@ -237,6 +237,8 @@ class StepPlanner:
                 num_seqs += request.num_forks
                 if looked_up:
                     self._count_prefix_hits(request.num_prompt_tokens, num_matched)
+                    request.trace.num_cached_tokens = min(num_matched * self.config.block_size,
+                                                          request.num_prompt_tokens)
                 continue
             num_new = step.prompt_chunk(request.num_computed_tokens,
                                         self._num_new_tokens(request, budget), request.embeds)
@@ -248,6 +250,8 @@ class StepPlanner:
             step.take(request.num_computed_tokens, num_new)
             if looked_up:  # counted once, when admitted: a head that waits asks again
                 self._count_prefix_hits(request.target_tokens, num_matched)
+                request.trace.num_cached_tokens = min(num_matched * self.config.block_size,
+                                                      request.num_prompt_tokens)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -62,6 +62,7 @@ class Trace:
     finish_time: float | None = None
     prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache had when it was first scheduled
 
 
 @dataclass

@@ -127,10 +127,11 @@ def _chunk(delta: dict, reason: str | None = None) -> dict:
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
 
 
-def _usage(num_output_tokens: int) -> dict:
+def _usage(num_output_tokens: int, num_cached_tokens: int = 0) -> dict:
     return {"id": "c", "choices": [], "usage": {
         "prompt_tokens": 7, "completion_tokens": num_output_tokens,
-        "total_tokens": 7 + num_output_tokens}}
+        "total_tokens": 7 + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}}
 
 
 def _events(chunks: list[dict], stop_sequences=(), budget=None) -> tuple[list, MessageStream]:
@@ -148,7 +149,7 @@ THINKING_CHUNKS = [_chunk({"role": "assistant", "content": ""}),
                    _chunk({"reasoning_content": "Let me"}),
                    _chunk({"reasoning_content": " think"}),
                    _chunk({"reasoning_content": "", "content": "Paris"}),
-                   _chunk({"content": "."}, "stop"), _usage(5)]
+                   _chunk({"content": "."}, "stop"), _usage(5, num_cached_tokens=4)]
 
 
 def test_thinking_then_text_events():
@@ -165,14 +166,19 @@ def test_thinking_then_text_events():
     assert events[3][1]["delta"] == {"type": "thinking_delta", "thinking": "Let me"}
     assert events[-2][1] == {"type": "message_delta",
                              "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-                             "usage": {"output_tokens": 5}}
+                             "usage": {"input_tokens": 3, "cache_creation_input_tokens": 0,
+                                       "cache_read_input_tokens": 4, "output_tokens": 5}}
+    assert events[0][1]["message"]["usage"] == {  # before the prompt ran: nothing known cached
+        "input_tokens": 7, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+        "output_tokens": 0}
     message = message_of(events)
     assert message == {
         "id": "msg_1", "type": "message", "role": "assistant", "model": "m",
         "content": [{"type": "thinking", "thinking": "Let me think", "signature": ""},
                     {"type": "text", "text": "Paris."}],
         "stop_reason": "end_turn", "stop_sequence": None,
-        "usage": {"input_tokens": 7, "output_tokens": 5}}
+        "usage": {"input_tokens": 3, "cache_creation_input_tokens": 0,
+                  "cache_read_input_tokens": 4, "output_tokens": 5}}
 
 
 def test_a_stop_sequence_is_reported_and_taken_out():

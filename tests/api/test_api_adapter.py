@@ -225,7 +225,8 @@ async def test_a_stream_arrives_as_openai_chunks(client):
     assert text == "Hello world"
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2,
-                                   "total_tokens": 5}
+                                   "total_tokens": 5,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.mark.asyncio

@@ -20,7 +20,7 @@ LOGPROBS = m.TokenLogprobs(logprob=-0.5, top_token_ids=[42, 7], top_logprobs=[-0
 CHAT = m.ChatMessage(role="user", content="hi", tool_calls_json="[]", tool_call_id="c1")
 START = m.CompletionStart(reply_subject="api.x", num_prompt_tokens=2, stop=["x"],
                           include_stop_str_in_output=True, traceparent="00-t-s-01",
-                          replay_token_ids=[41])
+                          replay_token_ids=[41], num_cached_tokens=3)
 TOKENS = m.RequestTokens(
     request_id="r1", index=1, new_token_ids=[42], finish_reason=m.FinishReason.STOP,
     error="e", step_id=3, logprobs=[LOGPROBS], queue_seconds=0.25, start=START, attempt=1,
@@ -32,7 +32,7 @@ DELTA = m.TextDelta(request_id="r1", text="hé", num_new_tokens=1,
                     finish_reason=m.FinishReason.LENGTH, num_prompt_tokens=2,
                     num_output_tokens=3, error="e", step_id=3, index=1, logprobs=[TEXT_LOGPROB],
                     queue_seconds=0.25, token_ids=[42], attempt=1, resumable=True,
-                    detokenizer_id="d1", embedding=b"\x00\x00\x80?")
+                    detokenizer_id="d1", embedding=b"\x00\x00\x80?", num_cached_tokens=5)
 RESUMED = m.ResumedCompletion(index=1, output_token_ids=[42])
 LAYOUT = m.KvLayout(dtype="float16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
 DESTINATION = m.KvDestination(transfer_id="r1>1", engine_id="d0", first_block=1,
@@ -216,25 +216,25 @@ GOLDEN = {
     "StepProgress": (
         "95030102922a079293cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000c0"),
     "PooledEmbedding": "92a27231c4040000803f",
-    "CompletionStart": "96a56170692e780291a178c3a930302d742d732d30319129",
+    "CompletionStart": "97a56170692e780291a178c3a930302d742d732d3031912903",
     "RequestTokens": (
         "9ca2723101912a01a165039193cbbfe0000000000000922a0792cbbfe0000000000000cbbff800000000"
-        "0000cb3fd000000000000096a56170692e780291a178c3a930302d742d732d303191290104c3"),
+        "0000cb3fd000000000000097a56170692e780291a178c3a930302d742d732d30319129030104c3"),
     "TokenBatch": (
         "92a26530919ca2723101912a01a165039193cbbfe0000000000000922a0792cbbfe0000000000000cbbf"
-        "f8000000000000cb3fd000000000000096a56170692e780291a178c3a930302d742d732d303191290104"
-        "c3"),
+        "f8000000000000cb3fd000000000000097a56170692e780291a178c3a930302d742d732d303191290301"
+        "04c3"),
     "TextLogprob": (
         "96a168cbbfe000000000000092a168a17992cbbfe0000000000000cbbff8000000000000c4016892c401"
         "68c40179"),
     "TextDelta": (
-        "dc0010a27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe00000"
+        "dc0011a27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe00000"
         "00000000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000912a01c3a26431c40400"
-        "00803f"),
+        "00803f05"),
     "DeltaBatch": (
-        "9191dc0010a27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe0"
+        "9191dc0011a27231a368c3a901020203a16503019196a168cbbfe000000000000092a168a17992cbbfe0"
         "000000000000cbbff8000000000000c4016892c40168c40179cb3fd0000000000000912a01c3a26431c4"
-        "040000803f"),
+        "040000803f05"),
     "ApiMetricsRequest": "90",
     "RecentRequest": (
         "9aaa63686174636d706c2d31a26131cb3ff8000000000000a866696e6973686564a473746f700203cb3f"

@@ -17,19 +17,14 @@ from contextlib import aclosing
 from litestar import Request, Response, Router, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
-from litestar.response import ServerSentEvent
-from litestar.response.sse import ServerSentEventMessage
 
-from llmbus.bus.messages import EncodeRequest
-from llmbus.services.api.adapters import resolve_model
 from llmbus.services.api.anthropic_events import Event, MessageStream, message_of
 from llmbus.services.api.anthropic_requests import MessagesRequest, chat_request, thinking_budget
 from llmbus.services.api.bodies import decode_body
-from llmbus.services.api.chat import start_chat
-from llmbus.services.api.constraints import tool_use
+from llmbus.services.api.chat import count_chat_tokens, start_chat
 from llmbus.services.api.errors import OpenAIError, log
 from llmbus.services.api.generation import Generation
-from llmbus.services.api.schemas import chat_messages, template_kwargs_json
+from llmbus.services.api.sse import sse_response
 
 
 async def _events(generation: Generation,
@@ -49,10 +44,10 @@ async def _events(generation: Generation,
 
 
 async def _sse(events: AsyncGenerator[Event, None],
-               ) -> AsyncGenerator[ServerSentEventMessage, None]:
+               ) -> AsyncGenerator[tuple[str, str], None]:
     async with aclosing(events):
         async for name, data in events:
-            yield ServerSentEventMessage(event=name, data=json.dumps(data))
+            yield name, json.dumps(data)
 
 
 @post("/", status_code=200)
@@ -67,7 +62,7 @@ async def create_message(request: Request, state: State) -> Response:
         stop_sequences=list(req.stop_sequences or []), thinking_budget=thinking_budget(req))
     events = _events(generation, stream)
     if req.stream:
-        return ServerSentEvent(_sse(events))
+        return sse_response(_sse(events))
     collected: list[Event] = []
     async with aclosing(events):
         async for event in events:
@@ -82,12 +77,7 @@ async def create_message(request: Request, state: State) -> Response:
 async def count_tokens(request: Request, state: State) -> dict:
     """The prompt's tokens as /v1/messages would make them: template, system and tools."""
     chat = chat_request(decode_body(await request.body(), MessagesRequest), counting=True)
-    await resolve_model(state, chat.model)  # an adapter counts as its base
-    tools, _ = tool_use(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
-    token_ids = await state.engine.encode(EncodeRequest(
-        messages=chat_messages(chat.messages), tools_json=tools.tools_json if tools else "",
-        chat_template_kwargs_json=template_kwargs_json(chat.chat_template_kwargs)))
-    return {"input_tokens": len(token_ids)}
+    return {"input_tokens": await count_chat_tokens(state, chat)}
 
 
 # Anthropic's error types by status (it answers overload with 529; this server's 503 keeps

@@ -18,7 +18,6 @@ from litestar import Litestar, Request, Response, Router, get, post
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.handlers import BaseRouteHandler
-from litestar.response import ServerSentEvent
 
 from llmbus.bus.messages import EncodeRequest
 from llmbus.services.adapter_store_bus import AdapterStore
@@ -48,6 +47,7 @@ from llmbus.services.api.schemas import (
     sampling_params,
     template_kwargs_json,
 )
+from llmbus.services.api.sse import sse_response
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def _version() -> str:
 async def _respond(generation: Generation, stream: bool) -> Response:
     generation.engine.runtime.num_handled += 1
     if stream:
-        return ServerSentEvent(generation.stream())
+        return sse_response(generation.stream())
     return Response(await generation.collect())
 
 

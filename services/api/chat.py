@@ -8,8 +8,9 @@ from typing import Any
 
 from litestar.datastructures import State
 
+from llmbus.bus.messages import EncodeRequest
 from llmbus.services.api.adapters import resolve_model
-from llmbus.services.api.constraints import output_constraint
+from llmbus.services.api.constraints import output_constraint, tool_use
 from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.errors import bad_request
 from llmbus.services.api.generation import Generation
@@ -65,3 +66,14 @@ async def start_chat(state: State, req: ChatCompletionRequest) -> Generation:
         sources=[{"messages": messages, "tools_json": tools.tools_json if tools else "",
                   "chat_template_kwargs_json": template_kwargs_json(req.chat_template_kwargs)}],
         include_usage=include_usage(req), metrics=metrics_for(state, choice.base), tools=tools)
+
+
+async def count_chat_tokens(state: State, req: ChatCompletionRequest) -> int:
+    """The prompt's tokens as `start_chat` would make them: template, messages and tools (an
+    adapter counts as its base)."""
+    await resolve_model(state, req.model)
+    tools, _ = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
+    token_ids = await state.engine.encode(EncodeRequest(
+        messages=chat_messages(req.messages), tools_json=tools.tools_json if tools else "",
+        chat_template_kwargs_json=template_kwargs_json(req.chat_template_kwargs)))
+    return len(token_ids)

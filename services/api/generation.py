@@ -222,40 +222,18 @@ class Generation:
         finally:
             await self.engine.release(self.request_ids, finished)
             self._end_span(error)
-        choices = []
-        for index, choice in enumerate(self.choices):
-            echo = self.echo_texts[index // self.n]
-            text = echo + "".join(choice.text)
-            reason = fmt.finish_reason_name(choice.finish_reason)
-            if self.chat:
-                reasoning, text = (split_reasoning(text, self.reasoning_open) if self.reasoning
-                                   else (None, text))
-                message: dict[str, Any] = {"role": "assistant", "content": text,
-                                           "refusal": None}
-                calls = self._calls(choice, text)  # in the answer, not the reasoning
-                if calls:
-                    message = {"role": "assistant", "content": None, "refusal": None,
-                               "tool_calls": fmt.tool_calls(calls, stream=False)}
-                    reason = "tool_calls"
-                if self.reasoning:
-                    message["reasoning_content"] = reasoning
-                choices.append({"index": index, "message": message,
-                                "logprobs": fmt.chat_logprobs(choice.logprobs)
-                                if self.with_logprobs else None, "finish_reason": reason})
-            else:
-                choices.append({"index": index, "text": text, "logprobs": fmt.completion_logprobs(
-                    choice.logprobs, len(echo)) if self.with_logprobs else None,
-                    "finish_reason": reason})
         return {"id": self.id, "object": fmt.completion_object(self.chat, stream=False),
-                "created": self.created, "model": self.model, "choices": choices,
+                "created": self.created, "model": self.model,
+                "choices": [_collected(self, i, c) for i, c in enumerate(self.choices)],
                 "usage": self.usage()}
 
-    async def stream(self) -> AsyncIterator[str]:
-        """SSE data lines; a client that goes away cancels this and the requests are aborted."""
+    async def stream(self) -> AsyncIterator[tuple[None, str]]:
+        """SSE events (unnamed) of JSON chunks, then `[DONE]`; a client that goes away
+        cancels this and the requests are aborted."""
         async with aclosing(self.chunks()) as chunks:
             async for chunk in chunks:
-                yield _json(chunk)
-        yield "[DONE]"
+                yield None, _json(chunk)
+        yield None, "[DONE]"
 
     async def chunks(self) -> AsyncGenerator[dict, None]:
         """The chat (or text) completion chunks as they come, then the usage chunk if asked
@@ -365,6 +343,29 @@ class Generation:
             choice.text_offset += len(content) if isinstance(content, str) else 0
         return {"id": self.id, "object": fmt.completion_object(self.chat, stream=True),
                 "created": self.created, "model": self.model, "choices": [body]}
+
+
+def _collected(gen: Generation, index: int, choice: Choice) -> dict:
+    """`choices[index]` of a non-streamed answer: the text (echo first), or a chat message
+    with its reasoning apart and its function calls parsed."""
+    echo = gen.echo_texts[index // gen.n]
+    text = echo + "".join(choice.text)
+    reason = fmt.finish_reason_name(choice.finish_reason)
+    if not gen.chat:
+        return {"index": index, "text": text, "logprobs": fmt.completion_logprobs(
+            choice.logprobs, len(echo)) if gen.with_logprobs else None, "finish_reason": reason}
+    reasoning, text = (split_reasoning(text, gen.reasoning_open) if gen.reasoning
+                       else (None, text))
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    calls = gen._calls(choice, text)  # in the answer, not the reasoning
+    if calls:
+        message = {"role": "assistant", "content": None, "refusal": None,
+                   "tool_calls": fmt.tool_calls(calls, stream=False)}
+        reason = "tool_calls"
+    if gen.reasoning:
+        message["reasoning_content"] = reasoning
+    return {"index": index, "message": message, "finish_reason": reason,
+            "logprobs": fmt.chat_logprobs(choice.logprobs) if gen.with_logprobs else None}
 
 
 def _opens_calls(start: str) -> bool | None:

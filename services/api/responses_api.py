@@ -13,20 +13,24 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import structlog
 from litestar import Request, Response, delete, get, post
 from litestar.datastructures import State
-from litestar.params import FromPath
-from litestar.response import ServerSentEvent, ServerSentEventMessage
+from litestar.params import FromPath, FromQuery
 
 from llmbus.services.api.bodies import decode_body
-from llmbus.services.api.chat import start_chat
+from llmbus.services.api.chat import count_chat_tokens, start_chat
 from llmbus.services.api.errors import OpenAIError
 from llmbus.services.api.generation import Generation
-from llmbus.services.api.response_store_bus import ResponseStore, ResponseStoreUnavailable
+from llmbus.services.api.response_store_bus import ResponseStoreUnavailable
+from llmbus.services.api.responses_compact import compact_response
+from llmbus.services.api.responses_items import input_items, page
 from llmbus.services.api.responses_output import (
+    Event,
     ResponseEvents,
     conversation_turn,
     new_id,
@@ -38,71 +42,62 @@ from llmbus.services.api.responses_schema import (
     ResponsesRequest,
     chat_request,
     message_dicts,
-    messages_from_dicts,
+)
+from llmbus.services.api.responses_stored import (
+    StoredResponse,
+    history_of,
+    load_stored,
+    not_found,
+    store_of,
 )
 from llmbus.services.api.schemas import ChatMessageIn
+from llmbus.services.api.sse import sse_response
 
 log = structlog.get_logger()
 
 
-class StoredResponse(msgspec.Struct):
-    """What the store keeps per response: the object GET returns, and the conversation up to
-    and including it (chat messages), which `previous_response_id` continues."""
-
-    response: dict
-    conversation: list[dict]
-
-
-def _not_found(response_id: str, param: str | None) -> OpenAIError:
-    return OpenAIError(404, f"no stored response has the id {response_id!r} (it may have "
-                       "been deleted, or expired: --responses-ttl)", param=param,
-                       code="previous_response_not_found" if param else "response_not_found")
-
-
-def _store_of(state: State) -> ResponseStore | None:
-    return state.get("response_store")
-
-
-async def _load(state: State, response_id: str, param: str | None) -> StoredResponse:
-    store = _store_of(state)
-    if store is None:
-        raise OpenAIError(503, "stored responses are unavailable: the bus has no JetStream "
-                          "store (run nats-server with JetStream; `llmbus up` does)", param=param)
-    try:
-        raw = await store.get(response_id)
-    except ResponseStoreUnavailable as exc:
-        raise OpenAIError(503, f"stored responses are unavailable: {exc}", param=param) from None
-    if raw is None:
-        raise _not_found(response_id, param)
-    return msgspec.json.decode(raw, type=StoredResponse)
-
-
 def _skeleton(req: ResponsesRequest, model: str, stored: bool) -> dict:
-    """The response object before any output: what the request asked for, echoed."""
+    """The response object before any output: what the request asked for, echoed, and every
+    field the spec's Response has (defaults where this server has no value)."""
     return {
         "id": new_id("resp"), "object": "response", "created_at": int(time.time()),
-        "status": "in_progress", "background": False, "error": None,
+        "status": "in_progress", "completed_at": None, "background": False, "error": None,
         "incomplete_details": None, "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens, "model": model, "output": [],
+        "max_output_tokens": req.max_output_tokens, "max_tool_calls": req.max_tool_calls,
+        "model": model, "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": req.previous_response_id,
+        "previous_response_id": req.previous_response_id, "conversation": None,
         "reasoning": req.reasoning or {"effort": None, "summary": None}, "store": stored,
         "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0, "top_logprobs": 0,
         "text": req.text or {"format": {"type": "text"}},
-        "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
-        "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
-        "usage": None, "user": req.user, "metadata": req.metadata or {}}
+        "tool_choice": req.tool_choice or "auto", "tools": [_echoed(t) for t in req.tools or []],
+        "truncation": "disabled", "service_tier": "default",
+        "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
+        "prompt_cache_retention": None, "usage": None, "user": req.user,
+        "metadata": req.metadata or {}}
 
 
-async def _save(state: State, response: dict, conversation: list[ChatMessageIn]) -> None:
+def _echoed(tool: Any) -> Any:
+    """A tool as the response echoes it: a function tool always says `strict` (null when the
+    request left it out: this server does not hold calls to their schema)."""
+    if isinstance(tool, dict) and tool.get("type") == "function":
+        return {"strict": None, **tool}
+    return tool
+
+
+async def _save(state: State, response: dict, conversation: list[ChatMessageIn],
+                inputs: list[dict]) -> None:
     """Keep a finished response (when it asked to be stored); one the store cannot take (too
     big for the bus, the bucket full, the bus down) is answered but not stored, and says so
     (`store: false`)."""
-    store = _store_of(state)
+    store = store_of(state)
     if not response["store"] or store is None:
         return
     turn = conversation + conversation_turn(response["output"])
-    value = msgspec.json.encode(StoredResponse(response, message_dicts(turn)))
+    value = msgspec.json.encode(StoredResponse(response, message_dicts(turn), inputs))
     try:
         await store.put(response["id"], value)
     except (ValueError, ResponseStoreUnavailable) as exc:
@@ -110,68 +105,112 @@ async def _save(state: State, response: dict, conversation: list[ChatMessageIn])
         response["store"] = False
 
 
+@dataclass
+class Turn:
+    """One response being made: its generation, the response object as it stands, the
+    conversation it continues (chat messages) and its input items."""
+
+    generation: Generation
+    response: dict
+    conversation: list[ChatMessageIn]
+    inputs: list[dict]
+
+
+async def begin(state: State, req: ResponsesRequest) -> Turn:
+    """Admit a Responses request into the pipeline (HTTP and WebSocket alike)."""
+    chat, conversation = chat_request(req, await history_of(state, req.previous_response_id))
+    generation = await start_chat(state, chat)
+    generation.engine.runtime.num_handled += 1
+    response = _skeleton(req, generation.model, req.store and store_of(state) is not None)
+    return Turn(generation, response, conversation, input_items(req.input))
+
+
 @post("/responses", status_code=200)
 async def create_response(request: Request, state: State) -> Response:
     req = decode_body(await request.body(), ResponsesRequest)
-    history: list[ChatMessageIn] = []
-    if req.previous_response_id is not None:
-        previous = await _load(state, req.previous_response_id, "previous_response_id")
-        history = messages_from_dicts(previous.conversation)
-    chat, conversation = chat_request(req, history)
-    generation = await start_chat(state, chat)
-    generation.engine.runtime.num_handled += 1
-    response = _skeleton(req, generation.model, req.store and _store_of(state) is not None)
+    turn = await begin(state, req)
     if req.stream:
-        return ServerSentEvent(_stream(state, generation, ResponseEvents(response),
-                                       conversation))
-    completion = await generation.collect()
-    choice = completion["choices"][0]
+        return sse_response(_sse(events(state, turn)))
+    completion = await turn.generation.collect()
+    choice, response = completion["choices"][0], turn.response
     status, details = status_of(choice["finish_reason"])
     response |= {"status": status, "incomplete_details": details,
-                 "output": output_items(choice["message"]), "usage": usage(completion["usage"]),
-                 "completed_at": int(time.time())}
-    await _save(state, response, conversation)
+                 "output": output_items(choice["message"], choice["finish_reason"]),
+                 "usage": usage(completion["usage"]), "completed_at": int(time.time())}
+    await _save(state, response, turn.conversation, turn.inputs)
     return Response(response)
 
 
-async def _stream(state: State, generation: Generation, events: ResponseEvents,
-                  conversation: list[ChatMessageIn]) -> AsyncIterator[ServerSentEventMessage]:
-    for event in events.start():
-        yield _sse(event)
-    async with aclosing(generation.chunks()) as chunks:
+async def events(state: State, turn: Turn) -> AsyncIterator[Event]:
+    """A streamed response's events, stored before `response.completed` goes out."""
+    stream = ResponseEvents(turn.response)
+    for event in stream.start():
+        yield event
+    async with aclosing(turn.generation.chunks()) as chunks:
         async for chunk in chunks:
             if "error" in chunk:
-                for event in events.fail(chunk["error"]["message"]):
-                    yield _sse(event)
+                for event in stream.fail(chunk["error"]["message"]):
+                    yield event
                 return
-            for event in events.chunk(chunk):
-                yield _sse(event)
-    for event in events.finish(generation.usage()):
-        yield _sse(event)
-    await _save(state, events.response, conversation)  # before the client hears it is done
-    yield _sse(events.completed())
+            for event in stream.chunk(chunk):
+                yield event
+    for event in stream.finish(turn.generation.usage()):
+        yield event
+    await _save(state, stream.response, turn.conversation, turn.inputs)
+    yield stream.completed()
 
 
-def _sse(event: tuple[str, dict]) -> ServerSentEventMessage:
-    kind, body = event
-    return ServerSentEventMessage(event=kind, data=msgspec.json.encode(body).decode())
+async def _sse(events: AsyncIterator[Event]) -> AsyncIterator[tuple[str, str]]:
+    async with aclosing(events):  # type: ignore[type-var]
+        async for kind, body in events:
+            yield kind, msgspec.json.encode(body).decode()
+
+
+@post("/responses/input_tokens", status_code=200)
+async def count_input_tokens(request: Request, state: State) -> dict:
+    """The prompt's tokens as `POST /v1/responses` would make them (template, instructions,
+    the conversation it continues, tools)."""
+    req = decode_body(await request.body(), ResponsesRequest)
+    chat, _ = chat_request(req, await history_of(state, req.previous_response_id))
+    return {"object": "response.input_tokens", "input_tokens": await count_chat_tokens(
+        state, chat)}
+
+
+@get("/responses/{response_id:str}/input_items")
+async def list_input_items(response_id: FromPath[str], state: State,
+                           after: FromQuery[str | None] = None,
+                           limit: FromQuery[str | None] = None,
+                           order: FromQuery[str | None] = None) -> dict:
+    stored = await load_stored(state, response_id, None)
+    return page(stored.input_items, after=after, limit=limit, order=order)
+
+
+@post("/responses/{response_id:str}/cancel", status_code=200)
+async def cancel_response(response_id: FromPath[str], state: State) -> dict:
+    """Only a background response can be cancelled (OpenAI's rule), and this server runs
+    none in the background: a stored one is answered with why; an unknown one is a 404. (A
+    foreground response ends when its client closes the connection.)"""
+    await load_stored(state, response_id, None)
+    raise OpenAIError(400, "only responses created with `background: true` can be cancelled, "
+                      "and this server runs none in the background", code="not_cancellable")
 
 
 @get("/responses/{response_id:str}")
 async def get_response(response_id: FromPath[str], state: State) -> dict:
-    return (await _load(state, response_id, None)).response
+    return (await load_stored(state, response_id, None)).response
 
 
 @delete("/responses/{response_id:str}", status_code=200)
 async def delete_response(response_id: FromPath[str], state: State) -> dict:
-    store = _store_of(state)
+    store = store_of(state)
     try:
         deleted = store is not None and await store.delete(response_id)
     except ResponseStoreUnavailable as exc:
         raise OpenAIError(503, f"stored responses are unavailable: {exc}") from None
     if not deleted:
-        raise _not_found(response_id, None)
+        raise not_found(response_id, None)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-RESPONSES_ROUTES = [create_response, get_response, delete_response]
+RESPONSES_ROUTES = [create_response, count_input_tokens, compact_response, get_response,
+                    list_input_items, cancel_response, delete_response]

@@ -57,15 +57,17 @@ def function_call_item(call: dict, status: str = "completed") -> dict:
             "status": status}
 
 
-def output_items(message: dict) -> list[dict]:
-    """A chat completion's message as output items: reasoning, then calls or the text."""
+def output_items(message: dict, finish_reason: str | None = None) -> list[dict]:
+    """A chat completion's message as output items: reasoning, then calls or the text (whose
+    item is `incomplete` when max_output_tokens cut it short)."""
     items = []
     if message.get("reasoning_content"):
         items.append(reasoning_item(message["reasoning_content"]))
     if message.get("tool_calls"):
         items += [function_call_item(call) for call in message["tool_calls"]]
     else:
-        items.append(message_item(message.get("content") or ""))
+        items.append(message_item(message.get("content") or "",
+                                  status=status_of(finish_reason)[0]))
     return items
 
 
@@ -152,7 +154,7 @@ class ResponseEvents:
                 self._event("response.content_part.added", item_id=self.open_item["id"],
                             output_index=index, content_index=0, part=_text_part(""))]
 
-    def _close(self) -> list[Event]:
+    def _close(self, status: str = "completed") -> list[Event]:
         """End the open reasoning or message item: its `done` events; into the output."""
         item, text = self.open_item, "".join(self.open_text)
         if item is None:
@@ -164,7 +166,7 @@ class ResponseEvents:
             events = [self._event("response.reasoning_text.done", item_id=item_id,
                                   output_index=index, content_index=0, text=text)]
         else:
-            done = message_item(text, item_id)
+            done = message_item(text, item_id, status)
             events = [self._event("response.output_text.done", item_id=item_id,
                                   output_index=index, content_index=0, text=text, logprobs=[]),
                       self._event("response.content_part.done", item_id=item_id,
@@ -191,8 +193,8 @@ class ResponseEvents:
     def finish(self, chat_usage: dict) -> list[Event]:
         """Close the last item and settle the response's status and usage; `completed()`
         then announces it (after the caller stored it)."""
-        events = self._close()
         status, details = status_of(self.finish_reason)
+        events = self._close(status)
         self.response |= {"status": status, "incomplete_details": details,
                           "usage": usage(chat_usage), "completed_at": int(time.time())}
         return events

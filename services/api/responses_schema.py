@@ -23,6 +23,8 @@ from llmbus.services.api.schemas import (
 MAX_METADATA_KEYS = 16  # as OpenAI: 16 pairs, keys up to 64 characters, values up to 512
 _ROLES = {"user", "assistant", "system", "developer"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
+# How a compaction item's summary opens when it stands in for the turns it summarises.
+COMPACTED = "A summary of our conversation so far:\n\n"
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -35,6 +37,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     max_output_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    max_tool_calls: Int | None = None  # 0: no calls; 1: one at a time; more: a turn's calls
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -68,6 +73,8 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
         if used:
             raise bad_request(f"`{param}` is not supported by this server's Responses API",
                               param=param, code="unsupported_parameter")
+    if req.max_tool_calls is not None and req.max_tool_calls < 0:
+        raise bad_request("`max_tool_calls` must be at least 0", param="max_tool_calls")
     if req.metadata is not None and len(req.metadata) > MAX_METADATA_KEYS:
         raise bad_request(f"`metadata` may hold at most {MAX_METADATA_KEYS} pairs",
                           param="metadata")
@@ -106,12 +113,7 @@ def input_messages(items: str | list[Any]) -> list[ChatMessageIn]:
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be an object", param="input")
         kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in _ROLES:
-                raise bad_request(f"{where}: unknown role {role!r}", param="input")
-            messages.append(ChatMessageIn(role=role, content=_text(item.get("content"), where)))
-        elif kind == "function_call":
+        if kind == "function_call":
             call = ToolCallIn(id=_field(item, "call_id", where), function=FunctionCallIn(
                 name=_field(item, "name", where), arguments=item.get("arguments") or "{}"))
             last = messages[-1] if messages else None
@@ -119,15 +121,27 @@ def input_messages(items: str | list[Any]) -> list[ChatMessageIn]:
                 last.tool_calls.append(call)
             else:
                 messages.append(ChatMessageIn(role="assistant", tool_calls=[call]))
-        elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append(ChatMessageIn(role="tool", tool_call_id=_field(item, "call_id", where),
-                                          content=output if isinstance(output, str)
-                                          else _text(output, where)))
         elif kind != "reasoning":
-            raise bad_request(f"{where}: input items of type {kind!r} are not supported",
-                              param="input")
+            messages.append(_message_of(item, kind, where))
     return messages
+
+
+def _message_of(item: dict, kind: str, where: str) -> ChatMessageIn:
+    """The chat message of a message, function_call_output or compaction item."""
+    if kind == "message":
+        role = item.get("role")
+        if role not in _ROLES:
+            raise bad_request(f"{where}: unknown role {role!r}", param="input")
+        return ChatMessageIn(role=role, content=_text(item.get("content"), where))
+    if kind == "function_call_output":
+        output = item.get("output")
+        return ChatMessageIn(role="tool", tool_call_id=_field(item, "call_id", where),
+                             content=output if isinstance(output, str) else _text(output, where))
+    if kind == "compaction":  # what /v1/responses/compact made: its summary, as text
+        return ChatMessageIn(role="user",
+                             content=COMPACTED + _field(item, "encrypted_content", where))
+    raise bad_request(f"{where}: input items of type {kind!r} are not supported",
+                      param="input")
 
 
 def _field(item: dict, name: str, where: str) -> str:
@@ -163,7 +177,10 @@ def _tools(tools: list[Any] | None) -> list[dict] | None:
     return out
 
 
-def _tool_choice(choice: Any) -> Any:
+def _tool_choice(req: ResponsesRequest) -> Any:
+    choice = req.tool_choice
+    if req.max_tool_calls == 0:
+        return "none"
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
     return choice
@@ -201,8 +218,10 @@ def chat_request(req: ResponsesRequest, history: list[ChatMessageIn],
     return ChatCompletionRequest(
         model=req.model, messages=system + conversation, stream=False,
         max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
-        tools=_tools(req.tools), tool_choice=_tool_choice(req.tool_choice) if req.tools else None,
-        parallel_tool_calls=req.parallel_tool_calls, response_format=_response_format(req.text),
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        tools=_tools(req.tools), tool_choice=_tool_choice(req) if req.tools else None,
+        parallel_tool_calls=False if req.max_tool_calls == 1 else req.parallel_tool_calls,
+        response_format=_response_format(req.text),
         user=req.user, ignore_eos=req.ignore_eos,
         chat_template_kwargs=_template_kwargs(req.reasoning)), conversation
 
@@ -210,7 +229,3 @@ def chat_request(req: ResponsesRequest, history: list[ChatMessageIn],
 def message_dicts(messages: list[ChatMessageIn]) -> list[dict]:
     """Chat messages as JSON-ready dicts (what a stored conversation holds)."""
     return [msgspec.to_builtins(m) for m in messages]
-
-
-def messages_from_dicts(items: list[dict]) -> list[ChatMessageIn]:
-    return msgspec.convert(items, list[ChatMessageIn])

@@ -37,7 +37,8 @@ def test_create_returns_thinking_then_text(thinking_stack):
     assert message.id.startswith("msg_") and message.model == model
     assert (message.stop_reason, message.stop_sequence) == ("end_turn", None)
     counted = client.messages.count_tokens(model=model, messages=QUESTION)
-    assert message.usage.input_tokens == counted.input_tokens > 0
+    usage = message.usage  # input tokens: those computed, beside those the cache held
+    assert usage.input_tokens + usage.cache_read_input_tokens == counted.input_tokens > 0
     assert message.usage.output_tokens > 0
 
 
@@ -112,7 +113,9 @@ def test_a_tool_use_and_its_result(stack):
     assert tool_use.id.startswith("toolu_")
     counted = [client.messages.count_tokens(model=MODEL_NAME, messages=turns, **tools)
                for tools in ({"tools": [WEATHER]}, {})]  # the tools' prompt is counted too
-    assert called.usage.input_tokens == counted[0].input_tokens > counted[1].input_tokens
+    usage = called.usage  # input tokens: those computed, beside those the cache held
+    assert (usage.input_tokens + usage.cache_read_input_tokens == counted[0].input_tokens
+            > counted[1].input_tokens)
     turns += [{"role": "assistant", "content": called.content},
               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use.id,
                                             "content": "21 degrees, sunny"}]}]

@@ -35,6 +35,9 @@ class GenerateRequest(Message):
     # scheduler that reconnected counts them alive a while longer, and what it sends them
     # meanwhile is lost with no one left to notice).
     avoid_detokenizer_ids: list[str] = []
+    # The prompt continues the last (assistant) message instead of opening a new turn: a
+    # prefill, which the Messages API documents (vLLM's `continue_final_message`).
+    continue_final_message: bool = False
 
 
 class Admission(Message):
@@ -64,6 +67,7 @@ class EncodeRequest(Message):
     add_special_tokens: bool = True
     chat_template_kwargs_json: str = ""  # as in GenerateRequest
     tools_json: str = ""  # as in GenerateRequest (count_tokens counts the tools' prompt too)
+    continue_final_message: bool = False  # as in GenerateRequest
 
 
 class EncodeResult(Message):

@@ -151,9 +151,6 @@ def _user(blocks: list[Block], tool_use_ids: set[str]) -> list[ChatMessageIn]:
 def _messages(req: MessagesRequest) -> list[ChatMessageIn]:
     if not req.messages:
         raise bad_request("messages: at least one message is required", param="messages")
-    if req.messages[-1].role == "assistant":
-        raise bad_request("a final assistant message (a prefill to continue) is not supported "
-                          "by this server", param="messages")
     out = [ChatMessageIn(role="system", content=_text(req.system))] if req.system else []
     tool_use_ids: set[str] = set()
     for message in req.messages:
@@ -164,6 +161,23 @@ def _messages(req: MessagesRequest) -> list[ChatMessageIn]:
         else:
             out.extend(_user(blocks, tool_use_ids))
     return out
+
+
+def _prefill(messages: list[ChatMessageIn]) -> bool:
+    """Whether the answer continues a final assistant message (Anthropic's prefill): its
+    text must not end in whitespace (as Anthropic's API says), and a tool call cannot be
+    continued."""
+    final = messages[-1]
+    if final.role != "assistant":
+        return False
+    text = final.content if isinstance(final.content, str) else ""
+    if final.tool_calls or not text:
+        raise bad_request("a final assistant message (a prefill) must hold text, not only "
+                          "tool_use blocks", param="messages")
+    if text != text.rstrip():
+        raise bad_request("final assistant content cannot end with trailing whitespace",
+                          param="messages")
+    return True
 
 
 def _tools(req: MessagesRequest) -> tuple[list[dict] | None, Any, bool | None]:
@@ -214,8 +228,10 @@ def chat_request(req: MessagesRequest, *, counting: bool = False) -> ChatComplet
     tools, tool_choice, parallel = _tools(req)
     kwargs = None if req.thinking is None else {"enable_thinking": req.thinking.type == "enabled"}
     stop = list(req.stop_sequences or [])
+    messages = _messages(req)
     return ChatCompletionRequest(
-        model=req.model, messages=_messages(req), max_tokens=req.max_tokens, stop=stop,
+        model=req.model, messages=messages, max_tokens=req.max_tokens, stop=stop,
+        continue_final_message=_prefill(messages),
         # with the stop string in the text, the end can tell `stop_sequence` from `end_turn`
         include_stop_str_in_output=bool(stop),
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,

@@ -64,7 +64,8 @@ async def start_chat(state: State, req: ChatCompletionRequest) -> Generation:
     return await Generation.start(
         engine, chat=True, model=choice.name, params=params, n=req.n,
         sources=[{"messages": messages, "tools_json": tools.tools_json if tools else "",
-                  "chat_template_kwargs_json": template_kwargs_json(req.chat_template_kwargs)}],
+                  "chat_template_kwargs_json": template_kwargs_json(req.chat_template_kwargs),
+                  "continue_final_message": req.continue_final_message}],
         include_usage=include_usage(req), metrics=metrics_for(state, choice.base), tools=tools)
 
 
@@ -75,5 +76,6 @@ async def count_chat_tokens(state: State, req: ChatCompletionRequest) -> int:
     tools, _ = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls)
     token_ids = await state.engine.encode(EncodeRequest(
         messages=chat_messages(req.messages), tools_json=tools.tools_json if tools else "",
-        chat_template_kwargs_json=template_kwargs_json(req.chat_template_kwargs)))
+        chat_template_kwargs_json=template_kwargs_json(req.chat_template_kwargs),
+        continue_final_message=req.continue_final_message))
     return len(token_ids)

@@ -96,6 +96,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
     parallel_tool_calls: bool | None = None  # default: several calls may come at once
     # Extra variables for the chat template (vLLM's extension), e.g. {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
+    # The answer continues the final assistant message (vLLM's extension; Messages' prefill).
+    continue_final_message: bool = False
 
 
 class CompletionRequest(_Common, kw_only=True):

@@ -74,16 +74,35 @@ class Tokenization:
             if tools and not has_tools:
                 messages = _with_system_prompt(
                     messages, tools_system_prompt([function_of(t) for t in tools]))
+            continuing = request.continue_final_message
             text = render_chat_template(
-                tok.chat_template, messages, add_generation_prompt=request.add_generation_prompt,
+                tok.chat_template, messages,
+                add_generation_prompt=request.add_generation_prompt and not continuing,
                 bos_token=tok.bos_token, eos_token=tok.eos_token,
                 tools=tools if has_tools else None,
                 **_template_kwargs(request.chat_template_kwargs_json))
+            if continuing:
+                text = _cut_after_final_message(text, request.messages)
             opened = self.reasoning and text.rfind(THINK_START) > text.rfind(THINK_END)
             thinks = opened or (self.reasoning and not text.rstrip().endswith(THINK_END))
             return Prompt(tok.encode(text), reasoning=self.reasoning, reasoning_open=opened,
                           constraint_after=THINK_END if thinks else "")
         return Prompt(tok.encode(request.prompt or "", add_special_tokens=True))
+
+
+def _cut_after_final_message(text: str, messages: list[ChatMessage]) -> str:
+    """The rendered conversation up to the end of its last message's content: what the
+    template closes that turn with (an end-of-turn token) is cut, so the output goes on
+    from the message's last word."""
+    final = messages[-1]
+    if final.role != "assistant" or not final.content:
+        raise ValueError("continuing the final message needs a final assistant message "
+                         "with text")
+    end = text.rfind(final.content)
+    if end < 0:  # the template changed the text (stripped it, say): nothing to cut at
+        raise ValueError("this model's chat template does not show the final assistant "
+                         "message as sent, so it cannot be continued")
+    return text[:end + len(final.content)]
 
 
 def _template_kwargs(text: str) -> dict:

@@ -93,8 +93,10 @@ def test_count_tokens_needs_no_max_tokens():
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}]}]},
      "'toolu_9', which no earlier assistant message has"),
-    ({"messages": [*ROUND_TRIP[:1], {"role": "assistant", "content": "The answer is"}]},
-     "prefill"),
+    ({"messages": [*ROUND_TRIP[:1], {"role": "assistant", "content": "The answer is "}]},
+     "trailing whitespace"),
+    ({"messages": [*ROUND_TRIP[:1], {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "a prefill"),
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "assistant messages"),
     ({"thinking": {"type": "enabled", "budget_tokens": 64}}, "greater than"),
@@ -235,3 +237,10 @@ def test_request_structs_round_trip_the_sdk_shapes():
     assert [type(b).__name__ for b in req.messages[1].content] == [
         "ThinkingBlock", "TextBlock", "ToolUseBlock"]
     assert msgspec.json.decode(msgspec.json.encode(req), type=MessagesRequest) == req
+
+
+def test_a_final_assistant_message_is_continued():
+    chat = chat_request(_request(messages=[
+        *ROUND_TRIP[:1], {"role": "assistant", "content": "The answer is"}]))
+    assert chat.continue_final_message and chat.messages[-1].content == "The answer is"
+    assert not chat_request(_request(messages=ROUND_TRIP[:1])).continue_final_message

@@ -49,12 +49,13 @@ EXAMPLES = [
                       add_generation_prompt=False, n=2, tools_json="[]", attempt=1,
                       resumed=[RESUMED], avoid_instance_id="s1",
                       chat_template_kwargs_json='{"enable_thinking":false}',
-                      avoid_detokenizer_ids=["d2"]),
+                      avoid_detokenizer_ids=["d2"], continue_final_message=True),
     m.Admission(num_prompt_tokens=3, error_code=m.ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 error_message="too long", error_param="messages", scheduler_instance_id="s1",
                 scheduler_reconnects=2, reasoning=True, reasoning_open=True),
     m.EncodeRequest(messages=[CHAT], prompt="p", add_generation_prompt=False,
-                    add_special_tokens=False, chat_template_kwargs_json="{}", tools_json="[]"),
+                    add_special_tokens=False, chat_template_kwargs_json="{}", tools_json="[]",
+                    continue_final_message=True),
     m.EncodeResult(token_ids=[1, 2], error_message="e"),
     m.DecodeRequest(token_ids=[1, 2]),
     m.DecodeResult(text="t", error_message="e"),
@@ -150,13 +151,13 @@ GOLDEN = {
     "TokenLogprobs": "93cbbfe0000000000000922a0792cbbfe0000000000000cbbff8000000000000",
     "ChatMessage": "94a475736572a26869a25b5da26331",
     "GenerateRequest": (
-        "9fa27231a56170692e78a16ddc0013cb3fe0000000000000cb3feccccccccccccd280807c3910291a10a"
-        "c3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a01028105cb"
-        "bff000000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d65616ea2"
-        "61319194a475736572a26869a25b5da26331a1709101c202a25b5d01919201912aa27331b97b22656e61"
-        "626c655f7468696e6b696e67223a66616c73657d91a26432"),
+        "dc0010a27231a56170692e78a16ddc0013cb3fe0000000000000cb3feccccccccccccd280807c3910291"
+        "a10ac3cb3fa999999999999acb3fe0000000000000cb3fd0000000000000cb3ff199999999999a010281"
+        "05cbbff000000000000094a57265676578a65b302d395d2bac6775696465645f7265676578a0a46d6561"
+        "6ea261319194a475736572a26869a25b5da26331a1709101c202a25b5d01919201912aa27331b97b2265"
+        "6e61626c655f7468696e6b696e67223a66616c73657d91a26432c3"),
     "Admission": "980302a8746f6f206c6f6e67a86d65737361676573a2733102c3c3",
-    "EncodeRequest": "969194a475736572a26869a25b5da26331a170c2c2a27b7da25b5d",
+    "EncodeRequest": "979194a475736572a26869a25b5da26331a170c2c2a27b7da25b5dc3",
     "EncodeResult": "92920102a165",
     "DecodeRequest": "91920102",
     "DecodeResult": "92a174a165",

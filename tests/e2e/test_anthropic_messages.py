@@ -128,3 +128,18 @@ def test_a_tool_use_and_its_result(stack):
         _client(stack.base_url, "wrong-key").messages.create(
             model=MODEL_NAME, max_tokens=5, messages=turns[:1])
     assert denied.value.body["error"]["type"] == "authentication_error"
+
+
+def test_a_prefill_is_continued(stack):
+    """A final assistant message is the start of the answer, as Anthropic documents: the
+    default model's greedy answer is "The capital of France is Paris.", so the prefill
+    "The capital of France is" goes on with " Paris." (and only that comes back)."""
+    client = _client(stack.base_url, API_KEY)
+    turns = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    message = client.messages.create(model=MODEL_NAME, max_tokens=8, messages=turns, **GREEDY)
+    assert message.content[0].text == " Paris."
+    assert message.stop_reason == "end_turn"
+    counted = client.messages.count_tokens(model=MODEL_NAME, messages=turns).input_tokens
+    plain = client.messages.count_tokens(model=MODEL_NAME, messages=QUESTION).input_tokens
+    usage = message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == counted > plain

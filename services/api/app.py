@@ -36,6 +36,7 @@ from llmbus.services.api.pages import PAGE_ROUTES
 from llmbus.services.api.pipeline import TokenRates, pipeline_view
 from llmbus.services.api.response_store_bus import ResponseStore
 from llmbus.services.api.responses_api import RESPONSES_ROUTES
+from llmbus.services.api.responses_socket import responses_socket
 from llmbus.services.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -218,7 +219,7 @@ def create_app(engine: EngineClient, settings: ApiSettings | None = None, *,
         yield
 
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, *LORA_ROUTES, pipeline,
-                                            *RESPONSES_ROUTES, MESSAGES_ROUTER,
+                                            *RESPONSES_ROUTES, responses_socket, MESSAGES_ROUTER,
                                             *EMBEDDING_ROUTES],
                 guards=[_require_api_key])
     return Litestar(

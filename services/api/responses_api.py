@@ -11,7 +11,7 @@ a response says `store: false` and continuing one is a 503.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -141,7 +141,7 @@ async def create_response(request: Request, state: State) -> Response:
     return Response(response)
 
 
-async def events(state: State, turn: Turn) -> AsyncIterator[Event]:
+async def events(state: State, turn: Turn) -> AsyncGenerator[Event, None]:
     """A streamed response's events, stored before `response.completed` goes out."""
     stream = ResponseEvents(turn.response)
     for event in stream.start():
@@ -160,8 +160,8 @@ async def events(state: State, turn: Turn) -> AsyncIterator[Event]:
     yield stream.completed()
 
 
-async def _sse(events: AsyncIterator[Event]) -> AsyncIterator[tuple[str, str]]:
-    async with aclosing(events):  # type: ignore[type-var]
+async def _sse(events: AsyncGenerator[Event, None]) -> AsyncIterator[tuple[str, str]]:
+    async with aclosing(events):
         async for kind, body in events:
             yield kind, msgspec.json.encode(body).decode()
 

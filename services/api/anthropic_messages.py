@@ -24,6 +24,7 @@ from llmbus.services.api.bodies import decode_body
 from llmbus.services.api.chat import count_chat_tokens, start_chat
 from llmbus.services.api.errors import OpenAIError, log
 from llmbus.services.api.generation import Generation
+from llmbus.services.api.openapi import body_of
 from llmbus.services.api.sse import sse_response
 
 
@@ -50,7 +51,7 @@ async def _sse(events: AsyncGenerator[Event, None],
             yield name, json.dumps(data)
 
 
-@post("/", status_code=200)
+@post("/", status_code=200, opt=body_of(MessagesRequest))
 async def create_message(request: Request, state: State) -> Response:
     req = decode_body(await request.body(), MessagesRequest)
     chat = chat_request(req)
@@ -73,7 +74,7 @@ async def create_message(request: Request, state: State) -> Response:
     return Response(message_of(collected))
 
 
-@post("/count_tokens", status_code=200)
+@post("/count_tokens", status_code=200, opt=body_of(MessagesRequest))
 async def count_tokens(request: Request, state: State) -> dict:
     """The prompt's tokens as /v1/messages would make them: template, system and tools."""
     chat = chat_request(decode_body(await request.body(), MessagesRequest), counting=True)

@@ -32,6 +32,7 @@ from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.errors import EXCEPTION_HANDLERS, OpenAIError, bad_request
 from llmbus.services.api.generation import Generation
 from llmbus.services.api.lora_routes import LORA_ROUTES, PackAdapter, pack_adapter_files
+from llmbus.services.api.openapi import body_of, document_bodies
 from llmbus.services.api.pages import PAGE_ROUTES
 from llmbus.services.api.pipeline import TokenRates, pipeline_view
 from llmbus.services.api.response_store_bus import ResponseStore
@@ -75,13 +76,13 @@ async def _respond(generation: Generation, stream: bool) -> Response:
     return Response(await generation.collect())
 
 
-@post("/chat/completions", status_code=200)
+@post("/chat/completions", status_code=200, opt=body_of(ChatCompletionRequest))
 async def chat_completions(request: Request, state: State) -> Response:
     req = decode_body(await request.body(), ChatCompletionRequest)
     return await _respond(await start_chat(state, req), req.stream)
 
 
-@post("/completions", status_code=200)
+@post("/completions", status_code=200, opt=body_of(CompletionRequest))
 async def completions(request: Request, state: State) -> Response:
     engine: EngineClient = state.engine
     req = decode_body(await request.body(), CompletionRequest)
@@ -103,7 +104,7 @@ async def completions(request: Request, state: State) -> Response:
     return await _respond(generation, req.stream)
 
 
-@post("/tokenize", status_code=200)
+@post("/tokenize", status_code=200, opt=body_of(TokenizeRequest))
 async def tokenize(request: Request, state: State) -> dict:
     engine: EngineClient = state.engine
     req = decode_body(await request.body(), TokenizeRequest)
@@ -122,7 +123,7 @@ async def tokenize(request: Request, state: State) -> dict:
     return {"tokens": token_ids, "count": len(token_ids), "max_model_len": info.max_model_len}
 
 
-@post("/detokenize", status_code=200)
+@post("/detokenize", status_code=200, opt=body_of(DetokenizeRequest))
 async def detokenize(request: Request, state: State) -> dict:
     engine: EngineClient = state.engine
     req = decode_body(await request.body(), DetokenizeRequest)
@@ -216,6 +217,7 @@ def create_app(engine: EngineClient, settings: ApiSettings | None = None, *,
         app.state.adapter_names = AdapterNames()
         app.state.pack_adapter = pack_adapter
         app.state.token_rates = TokenRates()
+        document_bodies(app)
         yield
 
     v1 = Router(path="/v1", route_handlers=[chat_completions, completions, *LORA_ROUTES, pipeline,

@@ -35,6 +35,7 @@ from llmbus.services.api.bodies import Int, decode_body, prompt_items
 from llmbus.services.api.chat import check_model, metrics_for
 from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.errors import OpenAIError, bad_request
+from llmbus.services.api.openapi import body_of
 
 DEFAULT_MAX_INPUTS = 2048  # OpenAI's limit per request
 IN_FLIGHT = 32  # inputs of one call in the pipeline at once (the scheduler queues 256)
@@ -145,7 +146,7 @@ async def _source(engine: EngineClient, item: str | list[int],
     return {"prompt_token_ids": item[-truncate:]}
 
 
-@post("/embeddings", status_code=200)
+@post("/embeddings", status_code=200, opt=body_of(EmbeddingRequest))
 async def embeddings(request: Request, state: State) -> dict:
     req = decode_body(await request.body(), EmbeddingRequest)
     if req.encoding_format not in ("float", "base64"):
@@ -171,7 +172,7 @@ async def embeddings(request: Request, state: State) -> dict:
             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
 
-@post("/score", status_code=200)
+@post("/score", status_code=200, opt=body_of(ScoreRequest))
 async def score(request: Request, state: State) -> dict:
     """vLLM's score API for embedding models: the cosine of each pair's embeddings; one
     `text_1` pairs with every `text_2`, or the lists pair up in order."""

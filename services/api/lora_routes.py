@@ -28,6 +28,7 @@ from llmbus.services.api.adapters import load_refusal, resolve_model, store_unav
 from llmbus.services.api.adapters_bus import command_engines
 from llmbus.services.api.bodies import decode_body
 from llmbus.services.api.errors import OpenAIError, bad_request
+from llmbus.services.api.openapi import body_of
 
 log = structlog.get_logger()
 
@@ -120,7 +121,8 @@ async def _check_new_name(state: State, store: AdapterStore, name: str) -> None:
                           "first", param="lora_name")
 
 
-@post("/load_lora_adapter", status_code=200, media_type=MediaType.TEXT)
+@post("/load_lora_adapter", status_code=200, media_type=MediaType.TEXT,
+      opt=body_of(LoadLoraAdapterRequest))
 async def load_lora_adapter(request: Request, state: State) -> str:
     req = decode_body(await request.body(), LoadLoraAdapterRequest)
     if req.load_inplace:
@@ -145,7 +147,8 @@ async def load_lora_adapter(request: Request, state: State) -> str:
     return f"Success: LoRA adapter '{name}' added successfully."
 
 
-@post("/unload_lora_adapter", status_code=200, media_type=MediaType.TEXT)
+@post("/unload_lora_adapter", status_code=200, media_type=MediaType.TEXT,
+      opt=body_of(UnloadLoraAdapterRequest))
 async def unload_lora_adapter(request: Request, state: State) -> str:
     req = decode_body(await request.body(), UnloadLoraAdapterRequest)
     store, name = _store(state), req.lora_name

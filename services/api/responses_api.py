@@ -26,6 +26,7 @@ from llmbus.services.api.bodies import decode_body
 from llmbus.services.api.chat import count_chat_tokens, start_chat
 from llmbus.services.api.errors import OpenAIError
 from llmbus.services.api.generation import Generation
+from llmbus.services.api.openapi import body_of
 from llmbus.services.api.response_store_bus import ResponseStoreUnavailable
 from llmbus.services.api.responses_compact import compact_response
 from llmbus.services.api.responses_items import input_items, page
@@ -125,7 +126,7 @@ async def begin(state: State, req: ResponsesRequest) -> Turn:
     return Turn(generation, response, conversation, input_items(req.input))
 
 
-@post("/responses", status_code=200)
+@post("/responses", status_code=200, opt=body_of(ResponsesRequest))
 async def create_response(request: Request, state: State) -> Response:
     req = decode_body(await request.body(), ResponsesRequest)
     turn = await begin(state, req)
@@ -166,7 +167,7 @@ async def _sse(events: AsyncGenerator[Event, None]) -> AsyncIterator[tuple[str, 
             yield kind, msgspec.json.encode(body).decode()
 
 
-@post("/responses/input_tokens", status_code=200)
+@post("/responses/input_tokens", status_code=200, opt=body_of(ResponsesRequest))
 async def count_input_tokens(request: Request, state: State) -> dict:
     """The prompt's tokens as `POST /v1/responses` would make them (template, instructions,
     the conversation it continues, tools)."""

@@ -19,6 +19,7 @@ from litestar.datastructures import State
 from llmbus.services.api.bodies import Int, decode_body
 from llmbus.services.api.chat import start_chat
 from llmbus.services.api.errors import bad_request
+from llmbus.services.api.openapi import body_of
 from llmbus.services.api.responses_items import input_items
 from llmbus.services.api.responses_output import new_id, usage
 from llmbus.services.api.responses_schema import check_tool_results, input_messages
@@ -51,7 +52,7 @@ def transcript(messages: list[ChatMessageIn]) -> str:
     return "\n\n".join(lines)
 
 
-@post("/responses/compact", status_code=200)
+@post("/responses/compact", status_code=200, opt=body_of(CompactRequest))
 async def compact_response(request: Request, state: State) -> dict:
     req = decode_body(await request.body(), CompactRequest)
     if req.input is None and req.previous_response_id is None:

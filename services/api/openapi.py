@@ -35,15 +35,15 @@ def document_bodies(app: Litestar) -> None:
         if not isinstance(route, HTTPRoute):
             continue
         for handler in route.route_handlers:
-            struct = handler.opt.get("body")
-            for method in handler.http_methods if struct is not None else ():
-                bodies[(route.path_format, method.lower())] = struct
+            body = handler.opt.get("body")
+            for verb in handler.http_methods if body is not None else ():
+                bodies[(route.path_format, str(verb).lower())] = body
     if not bodies:
         return
     refs, components = msgspec.json.schema_components(list(bodies.values()), ref_template=REF)
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(components)
-    for ((path, method), _), ref in zip(bodies.items(), refs, strict=True):
+    for (path, method), ref in zip(bodies, refs, strict=True):
         operation = document.get("paths", {}).get(path, {}).get(method)
         if operation is not None:
             operation["requestBody"] = {"required": True,

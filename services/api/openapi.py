@@ -37,7 +37,7 @@ def document_bodies(app: Litestar) -> None:
         for handler in route.route_handlers:
             body = handler.opt.get("body")
             for verb in handler.http_methods if body is not None else ():
-                bodies[(route.path_format, str(verb).lower())] = body
+                bodies[(route.path_format, str(verb).lower())] = body  # type: ignore[assignment]
     if not bodies:
         return
     refs, components = msgspec.json.schema_components(list(bodies.values()), ref_template=REF)

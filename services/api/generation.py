@@ -35,7 +35,7 @@ from llmbus.services.api.constraints import ToolUse
 from llmbus.services.api.engine_client_bus import EngineClient
 from llmbus.services.api.errors import OpenAIError
 from llmbus.services.api.metrics import ApiMetrics
-from llmbus.services.api.reasoning import ReasoningSplitter, split_reasoning
+from llmbus.services.api.reasoning import ReasoningSplitter
 from llmbus.services.tool_calls import Call, parse_calls
 
 log = structlog.get_logger()
@@ -224,7 +224,7 @@ class Generation:
             self._end_span(error)
         return {"id": self.id, "object": fmt.completion_object(self.chat, stream=False),
                 "created": self.created, "model": self.model,
-                "choices": [_collected(self, i, c) for i, c in enumerate(self.choices)],
+                "choices": [fmt.collected_choice(self, i, c) for i, c in enumerate(self.choices)],
                 "usage": self.usage()}
 
     async def stream(self) -> AsyncIterator[tuple[None, str]]:
@@ -343,29 +343,6 @@ class Generation:
             choice.text_offset += len(content) if isinstance(content, str) else 0
         return {"id": self.id, "object": fmt.completion_object(self.chat, stream=True),
                 "created": self.created, "model": self.model, "choices": [body]}
-
-
-def _collected(gen: Generation, index: int, choice: Choice) -> dict:
-    """`choices[index]` of a non-streamed answer: the text (echo first), or a chat message
-    with its reasoning apart and its function calls parsed."""
-    echo = gen.echo_texts[index // gen.n]
-    text = echo + "".join(choice.text)
-    reason = fmt.finish_reason_name(choice.finish_reason)
-    if not gen.chat:
-        return {"index": index, "text": text, "logprobs": fmt.completion_logprobs(
-            choice.logprobs, len(echo)) if gen.with_logprobs else None, "finish_reason": reason}
-    reasoning, text = (split_reasoning(text, gen.reasoning_open) if gen.reasoning
-                       else (None, text))
-    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-    calls = gen._calls(choice, text)  # in the answer, not the reasoning
-    if calls:
-        message = {"role": "assistant", "content": None, "refusal": None,
-                   "tool_calls": fmt.tool_calls(calls, stream=False)}
-        reason = "tool_calls"
-    if gen.reasoning:
-        message["reasoning_content"] = reasoning
-    return {"index": index, "message": message, "finish_reason": reason,
-            "logprobs": fmt.chat_logprobs(choice.logprobs) if gen.with_logprobs else None}
 
 
 def _opens_calls(start: str) -> bool | None:

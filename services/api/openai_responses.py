@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import uuid
+from typing import TYPE_CHECKING, Any
 
 from llmbus.bus.messages import FinishReason, TextLogprob
+from llmbus.services.api.reasoning import split_reasoning
 from llmbus.services.tool_calls import Call
+
+if TYPE_CHECKING:  # the request in flight whose choices these bodies render
+    from llmbus.services.api.generation import Choice, Generation
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                   FinishReason.ABORT: "abort"}
@@ -61,3 +66,26 @@ def tool_calls(calls: list[Call], stream: bool) -> list[dict]:
     return [{**({"index": i} if stream else {}), "id": f"call_{uuid.uuid4().hex[:24]}",
              "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for i, c in enumerate(calls)]
+
+
+def collected_choice(gen: Generation, index: int, choice: Choice) -> dict:
+    """`choices[index]` of a non-streamed answer: the text (echo first), or a chat message
+    with its reasoning apart and its function calls parsed."""
+    echo = gen.echo_texts[index // gen.n]
+    text = echo + "".join(choice.text)
+    reason = finish_reason_name(choice.finish_reason)
+    if not gen.chat:
+        return {"index": index, "text": text, "logprobs": completion_logprobs(
+            choice.logprobs, len(echo)) if gen.with_logprobs else None, "finish_reason": reason}
+    reasoning, text = (split_reasoning(text, gen.reasoning_open) if gen.reasoning
+                       else (None, text))
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    calls = gen._calls(choice, text)  # in the answer, not the reasoning
+    if calls:
+        message = {"role": "assistant", "content": None, "refusal": None,
+                   "tool_calls": tool_calls(calls, stream=False)}
+        reason = "tool_calls"
+    if gen.reasoning:
+        message["reasoning_content"] = reasoning
+    return {"index": index, "message": message, "finish_reason": reason,
+            "logprobs": chat_logprobs(choice.logprobs) if gen.with_logprobs else None}
